@@ -1,0 +1,67 @@
+"""The default rendezvous backends and :func:`get_rendezvous_handler`."""
+
+from __future__ import annotations
+
+from .api import RendezvousHandler, RendezvousParameters, rendezvous_handler_registry
+
+__all__ = ["get_rendezvous_handler"]
+
+
+def _create_static_handler(params: RendezvousParameters) -> RendezvousHandler:
+    from .static_tcp_rendezvous import create_rdzv_handler
+
+    return create_rdzv_handler(params)
+
+
+def _create_c10d_handler(params: RendezvousParameters) -> RendezvousHandler:
+    from .fast_rendezvous import create_fast_handler
+
+    return create_fast_handler(params)
+
+
+def _create_etcd_handler(params: RendezvousParameters) -> RendezvousHandler:
+    from .etcd_rendezvous import create_rdzv_handler
+
+    return create_rdzv_handler(params)
+
+
+def _create_etcd_v2_handler(params: RendezvousParameters) -> RendezvousHandler:
+    from .dynamic_rendezvous import create_handler
+    from .etcd_rendezvous_backend import create_backend
+
+    backend, store = create_backend(params)
+    return create_handler(store, backend, params)
+
+
+def _create_c10d_v2_handler(params: RendezvousParameters) -> RendezvousHandler:
+    from .c10d_rendezvous_backend import create_backend
+    from .dynamic_rendezvous import create_handler
+
+    backend, store = create_backend(params)
+    return create_handler(store, backend, params)
+
+
+def _register_default_handlers() -> None:
+    rendezvous_handler_registry.register("static", _create_static_handler)
+    rendezvous_handler_registry.register("c10d", _create_c10d_handler)
+    rendezvous_handler_registry.register("fastelastic", _create_c10d_handler)
+    rendezvous_handler_registry.register("etcd", _create_etcd_handler)
+    rendezvous_handler_registry.register("etcd-v2", _create_etcd_v2_handler)
+    rendezvous_handler_registry.register("c10d-v2", _create_c10d_v2_handler)
+
+
+def get_rendezvous_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """Obtains a :py:class:`RendezvousHandler` for ``params.backend`` from the default registry.
+
+    Custom handlers are added with ``rendezvous_handler_registry.register(name, creator)``.
+
+    Args:
+        params: The rendezvous parameters; ``params.backend`` picks the creator.
+
+    Returns:
+        A new handler.
+
+    Raises:
+        ValueError: The backend is not registered.
+    """
+    return rendezvous_handler_registry.create_handler(params)
