@@ -1,0 +1,24 @@
+# Declarations of the pidfd process monitor (procmon.pyx).
+
+from fastelastic._native.includes.linux cimport epoll_event, pid_t
+
+
+cdef enum:
+    # epoll user data of the wake-up eventfd; every pidfd is tagged with its pid (> 0).
+    MON_WAKE_TAG = 0
+    # Events fetched per epoll_wait call; more pending exits are fetched by the next call.
+    MON_MAX_EVENTS = 64
+
+
+cdef class PidfdMonitor:
+    cdef int _epfd
+    cdef int _evfd
+    cdef pid_t _owner_pid
+    cdef dict _fds          # pid -> pidfd
+    cdef set _noreap        # pids whose exit status is peeked (WNOWAIT), not reaped
+    cdef epoll_event _events[MON_MAX_EVENTS]
+
+    cdef int _check_open(self) except -1
+    cdef object _collect(self, pid_t pid)
+    cdef int _forget(self, pid_t pid) except -1
+    cdef int _close_fds(self) noexcept
