@@ -73,3 +73,18 @@ class TimerError(FastElasticError):
 
 class LaunchError(FastElasticError):
     """The launcher was given a configuration it cannot run."""
+
+
+# --------------------------------------------------------------------------- multiprocessing
+
+
+class SignalException(FastElasticError):
+    """Raised in the agent process by its termination handler when it receives a death signal.
+
+    torch: ``torch.distributed.elastic.multiprocessing.api.SignalException``; ``sigval`` is the
+    ``signal.Signals`` received.
+    """
+
+    def __init__(self, msg: str, sigval: object) -> None:
+        super().__init__(msg)
+        self.sigval = sigval
