@@ -1,0 +1,82 @@
+"""Store-side coordination between agents: slow-path rank exchange and the exit barrier."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from datetime import timedelta
+from typing import Any
+
+from fastelastic._native import ranks as _ranks
+
+logger = logging.getLogger(__name__)
+
+ROLE_INFO_PREFIX = _ranks.ROLE_INFO_PREFIX  # "torchelastic/role_info/"
+ASSIGNED_RANKS_PREFIX = _ranks.ASSIGNED_RANKS_PREFIX  # "torchelastic/assigned_ranks/"
+TERMINAL_STATE_SYNC_ID = "torchelastic/agent/terminal_state"
+_NUM_MEMBERS = TERMINAL_STATE_SYNC_ID + "/num_members"
+_LAST_MEMBER = TERMINAL_STATE_SYNC_ID + "/last_member"
+# Ours: set by a node whose group failed for good, so that peers in the barrier stop waiting.
+_FAILED = TERMINAL_STATE_SYNC_ID + "/failed"
+
+_IDENTICAL_ENVS = ("TORCH_ELASTIC_WORKER_IDENTICAL", "FASTELASTIC_WORKER_IDENTICAL")
+
+
+def workers_identical() -> bool:
+    """True when the user declared every node runs the same workers (fast path)."""
+    return any(os.environ.get(name, "0") == "1" for name in _IDENTICAL_ENVS)
+
+
+def exchange_ranks(
+    store: Any, group_rank: int, group_world_size: int, role: str, local_world_size: int
+) -> tuple[int, int, int, int]:
+    """Computes this agent's ``(base_global_rank, world_size, base_role_rank, role_world_size)``.
+
+    Store traffic of the slow path (same keys as torch): each agent one ``set``; agent 0 one
+    ``multi_get`` (which waits for every agent's key) and one ``multi_set``; each agent one
+    ``get``. The fast path (``workers_identical()``) touches no store.
+    """
+    if workers_identical():
+        return _ranks.identical_ranks(group_rank, group_world_size, local_world_size)
+    store.set(
+        f"{ROLE_INFO_PREFIX}{group_rank}",
+        _ranks.encode_role_info(role, group_rank, local_world_size),
+    )
+    if group_rank == 0:
+        infos = store.multi_get([f"{ROLE_INFO_PREFIX}{i}" for i in range(group_world_size)])
+        values = _ranks.assign_from_role_infos(list(infos))
+        store.multi_set(
+            [f"{ASSIGNED_RANKS_PREFIX}{i}" for i in range(group_world_size)], values
+        )
+    return _ranks.decode_assignment(store.get(f"{ASSIGNED_RANKS_PREFIX}{group_rank}"))
+
+
+def publish_failure(store: Any, group_rank: int | None) -> None:
+    """Marks the job failed in the store and releases every agent waiting in the exit barrier."""
+    store.set(_FAILED, str(group_rank))
+    store.set(_LAST_MEMBER, "<released by failure>")
+
+
+def exit_barrier(store: Any, group_world_size: int, timeout: float) -> str | None:
+    """Waits until every agent arrived, or one published failure, or ``timeout`` seconds.
+
+    Returns:
+        None when all agents arrived, else the group rank (as text) of a node that failed.
+
+    Raises:
+        Whatever the store raises on timeout or a lost connection.
+    """
+    idx = store.add(_NUM_MEMBERS, 1)
+    if idx >= group_world_size:
+        store.set(_LAST_MEMBER, "<val_ignored>")
+    store.wait([_LAST_MEMBER], timedelta(seconds=max(timeout, 0.001)))
+    if store.check([_FAILED]):
+        value = store.get(_FAILED)
+        return value.decode() if isinstance(value, bytes) else str(value)
+    return None
+
+
+def elapsed_since(start: float) -> float:
+    """Seconds on the monotonic clock since ``start``."""
+    return time.monotonic() - start

@@ -1,0 +1,574 @@
+"""Agent contract (WorkerSpec, Worker, WorkerGroup, WorkerState, RunResult) and SimpleElasticAgent."""
+
+from __future__ import annotations
+
+import abc
+import functools
+import json
+import logging
+import os
+import signal
+import socket
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+from fastelastic.agent.server import _coord
+from fastelastic.errors import RendezvousGracefulExitError, SignalException
+from fastelastic.events import Event, EventSource, get_logging_handler, record
+from fastelastic.metrics import prof, put_metric
+
+if TYPE_CHECKING:
+    from fastelastic.multiprocessing import ProcessFailure
+    from fastelastic.rendezvous import RendezvousHandler
+
+__all__ = [
+    "WorkerSpec",
+    "Worker",
+    "WorkerState",
+    "WorkerGroup",
+    "RunResult",
+    "ElasticAgent",
+    "SimpleElasticAgent",
+]
+
+_TERMINAL_STATE_SYNC_ID = _coord.TERMINAL_STATE_SYNC_ID
+DEFAULT_ROLE = "default"
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerSpec:
+    """Blueprint of one kind of worker; the same on every node running this role.
+
+    Args:
+        role: user-defined role of the workers with this spec.
+        local_world_size: number of local workers to run.
+        rdzv_handler: handles the rendezvous of this set of workers.
+        fn: deprecated, use ``entrypoint``.
+        entrypoint: worker function or command (a path to a binary).
+        args: arguments passed to ``entrypoint`` (``${local_rank}`` is substituted).
+        max_restarts: how many times the group may be restarted after a failure.
+        monitor_interval: period of the membership check (and of the monitor in agents that
+            cannot wait for worker exits); the local agent wakes at once when a worker exits.
+        master_port: fixed port of the c10d store on rank 0 (else a free one).
+        master_addr: fixed address of the c10d store on rank 0 (else agent 0's host).
+        local_addr: this node's address, used by the rendezvous.
+        event_log_handler: name of the events handler (see ``fastelastic.events``).
+        numa_options: NUMA binding options, passed through to ``start_processes``.
+        duplicate_stdout_filters: lines of stdout matching any of these are also copied to
+            a separate file.
+        duplicate_stderr_filters: the same for stderr.
+        virtual_local_rank: every worker sees LOCAL_RANK=0 and only its own GPU
+            (through CUDA_VISIBLE_DEVICES).
+    """
+
+    role: str
+    local_world_size: int
+    rdzv_handler: RendezvousHandler
+    fn: Callable[..., Any] | None = None
+    entrypoint: Callable[..., Any] | str | None = None
+    args: tuple = ()
+    max_restarts: int = 3
+    monitor_interval: float = 0.1
+    master_port: int | None = None
+    master_addr: str | None = None
+    local_addr: str | None = None
+    event_log_handler: str = "null"
+    numa_options: Any | None = None
+    duplicate_stdout_filters: list[str] | None = None
+    duplicate_stderr_filters: list[str] | None = None
+    virtual_local_rank: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.local_world_size, int) or self.local_world_size <= 0:
+            raise ValueError(f"local_world_size must be a positive int, got {self.local_world_size!r}")
+        if self.monitor_interval <= 0:
+            raise ValueError(f"monitor_interval must be positive, got {self.monitor_interval!r}")
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts!r}")
+        if self.fn:
+            warnings.warn(
+                "WorkerSpec.fn will be deprecated, please use WorkerSpec.entrypoint instead",
+                category=DeprecationWarning,
+                stacklevel=2,
+            )
+            self.entrypoint = self.fn
+        if not self.entrypoint:
+            raise ValueError("WorkerSpec needs an entrypoint (a callable or a binary path)")
+
+    def get_entrypoint_name(self) -> str:
+        """The binary's base name for a command, else the callable's ``__qualname__``."""
+        if isinstance(self.entrypoint, str):
+            return os.path.basename(self.entrypoint)
+        return getattr(self.entrypoint, "__qualname__", repr(self.entrypoint))
+
+
+class Worker:
+    """One worker process made from a ``WorkerSpec`` (as an object is made from a class).
+
+    Args:
+        local_rank: rank of the worker on this agent.
+        global_rank: rank among all workers of all roles on all agents.
+        role_rank: rank among the workers of the same role.
+        world_size: number of workers (globally).
+        role_world_size: number of workers with the same role.
+    """
+
+    __slots__ = ["id", "local_rank", "global_rank", "role_rank", "world_size", "role_world_size"]
+
+    def __init__(
+        self,
+        local_rank: int,
+        global_rank: int = -1,
+        role_rank: int = -1,
+        world_size: int = -1,
+        role_world_size: int = -1,
+    ):
+        self.id: Any = None  # the pid, for the local agent
+        self.local_rank = local_rank
+        self.global_rank = global_rank
+        self.role_rank = role_rank
+        self.world_size = world_size
+        self.role_world_size = role_world_size
+
+    def __str__(self) -> str:
+        return (
+            f"local_rank={self.local_rank},global_rank={self.global_rank}"
+            f",role_rank={self.role_rank},world_size={self.world_size}"
+            f",role_world_size={self.role_world_size}"
+        )
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+class WorkerState(str, Enum):
+    """State of a ``WorkerGroup``; the workers of a group change state as a unit.
+
+    UNKNOWN: lost track (unrecoverable); INIT: created, not started; HEALTHY / UNHEALTHY:
+    running; STOPPED: stopped by the agent, about to restart; SUCCEEDED: all exited 0;
+    FAILED: at least one worker failed.
+    """
+
+    UNKNOWN = "UNKNOWN"
+    INIT = "INIT"
+    HEALTHY = "HEALTHY"
+    UNHEALTHY = "UNHEALTHY"
+    STOPPED = "STOPPED"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+
+    @staticmethod
+    def is_running(state: WorkerState) -> bool:
+        """True if ``state`` means the worker processes exist (healthy or not)."""
+        return state in {WorkerState.HEALTHY, WorkerState.UNHEALTHY}
+
+
+class WorkerGroup:
+    """The ``Worker`` instances of one ``WorkerSpec`` managed by an agent."""
+
+    __slots__ = [
+        "spec", "workers", "store", "group_rank", "group_world_size", "state",
+        "master_addr", "master_port",
+    ]
+
+    def __init__(self, spec: WorkerSpec):
+        self.spec = spec
+        self.workers = [Worker(local_rank=i) for i in range(spec.local_world_size)]
+        self.store: Any = None  # the next fields are assigned by the rendezvous
+        self.group_rank: int | None = None
+        self.group_world_size: int | None = None
+        self.master_addr: str | None = None
+        self.master_port: int | None = None
+        self.state = WorkerState.INIT
+
+
+@dataclass
+class RunResult:
+    """Outcome of a run: all-or-nothing over the workers of this agent.
+
+    ``return_values`` (callables only) and ``failures`` are keyed by GLOBAL rank and never
+    share a key; workers the agent stopped itself appear in neither.
+    """
+
+    state: WorkerState
+    return_values: dict[int, Any] = field(default_factory=dict)
+    failures: dict[int, ProcessFailure] = field(default_factory=dict)
+
+    def is_failed(self) -> bool:
+        """True if the group failed."""
+        return self.state == WorkerState.FAILED
+
+
+@functools.lru_cache(maxsize=1)
+def _get_fq_hostname() -> str:
+    # Resolved once, and only when an event is actually recorded somewhere.
+    return socket.getfqdn(socket.gethostname())
+
+
+class ElasticAgent(abc.ABC):
+    """A process that manages one or more local worker processes.
+
+    Usage::
+
+        result = agent.run()
+        if result.is_failed():
+            print("worker 0 failed with exit code", result.failures[0].exitcode)
+        else:
+            print(result.return_values[0])
+    """
+
+    @abc.abstractmethod
+    def run(self, role: str = DEFAULT_ROLE) -> RunResult:
+        """Runs the workers, restarting the group on failure up to ``max_restarts``.
+
+        Returns:
+            The return values or failures of this agent's workers, by global rank.
+        """
+
+    @abc.abstractmethod
+    def get_worker_group(self, role: str = DEFAULT_ROLE) -> WorkerGroup:
+        """Returns the (mutable) ``WorkerGroup`` of ``role``."""
+
+
+class SimpleElasticAgent(ElasticAgent):
+    """An ``ElasticAgent`` managing the ``WorkerGroup`` of a single ``WorkerSpec``.
+
+    Subclasses provide ``_start_workers``, ``_stop_workers``, ``_monitor_workers`` and
+    ``_shutdown``; they may override ``_wait_for_workers`` to wake the moment a worker exits
+    (the default sleeps ``monitor_interval`` as torch does).
+    """
+
+    def __init__(self, spec: WorkerSpec, exit_barrier_timeout: float = 300, shutdown_timeout: int = 30):
+        self._worker_group = WorkerGroup(spec)
+        self._remaining_restarts = spec.max_restarts
+        self._store: Any = None
+        self._exit_barrier_timeout = exit_barrier_timeout
+        self._shutdown_timeout = shutdown_timeout
+        self._total_execution_time = 0
+        self._in_exit_barrier = False
+
+    def get_worker_group(self, role: str = DEFAULT_ROLE) -> WorkerGroup:
+        return self._worker_group
+
+    @property
+    def restart_count(self) -> int:
+        """How many times the worker group has been restarted after a failure."""
+        return self._worker_group.spec.max_restarts - self._remaining_restarts
+
+    @abc.abstractmethod
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        """Starts ``local_world_size`` workers; returns ``{local_rank: worker id}``."""
+
+    @abc.abstractmethod
+    def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        """Stops every worker of the group, whatever state it is in."""
+
+    @abc.abstractmethod
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        """Checks the workers (without blocking) and returns the group's new state."""
+
+    @abc.abstractmethod
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        """Releases everything the agent allocated; workers get ``death_sig``, then SIGKILL."""
+
+    def _wait_for_workers(self, worker_group: WorkerGroup, timeout: float) -> None:
+        """Blocks up to ``timeout`` seconds or until a worker may have changed state."""
+        time.sleep(timeout)
+
+    @prof
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        """Runs the rendezvous, then assigns ranks and world sizes to the workers."""
+        spec = worker_group.spec
+        with self.record_duration("RENDEZVOUS"):
+            rdzv_info = spec.rdzv_handler.next_rendezvous()
+        store = rdzv_info.store
+        group_rank = rdzv_info.rank
+        group_world_size = rdzv_info.world_size
+        bootstrap = rdzv_info.bootstrap_store_info
+        master_addr = spec.master_addr or (bootstrap.master_addr if bootstrap else None)
+        master_port = spec.master_port or (bootstrap.master_port if bootstrap else None)
+        self._store = store
+        with self.record_duration("ASSIGN_WORKER_RANKS"):
+            workers = self._assign_worker_ranks(store, group_rank, group_world_size, spec)
+        worker_group.workers = workers
+        worker_group.store = store
+        worker_group.group_rank = group_rank
+        worker_group.group_world_size = group_world_size
+        worker_group.master_addr = master_addr
+        worker_group.master_port = master_port
+        logger.info(
+            "[%s] Rendezvous complete: restart_count=%s master=%s:%s group_rank=%s "
+            "group_world_size=%s global_ranks=%s role_ranks=%s world_size=%s role_world_size=%s",
+            spec.role, self.restart_count, master_addr, master_port, group_rank,
+            group_world_size, [w.global_rank for w in workers], [w.role_rank for w in workers],
+            workers[0].world_size, workers[0].role_world_size,
+        )
+
+    @prof
+    def _assign_worker_ranks(
+        self, store: Any, group_rank: int, group_world_size: int, spec: WorkerSpec
+    ) -> list[Worker]:
+        """Computes each local worker's global rank, role rank and world sizes.
+
+        Fast path (``TORCH_ELASTIC_WORKER_IDENTICAL=1`` or ``FASTELASTIC_WORKER_IDENTICAL=1``):
+        every node runs the same workers, ranks are ``group_rank * local_world_size + i``, and
+        no store is used. Slow path (mixed roles or sizes): agents publish their role info,
+        agent 0 computes prefix sums in group-rank order (overall and per role) and publishes
+        every agent's base ranks; each agent then reads its own. Exactly torch's result.
+        """
+        base, world, role_base, role_world = _coord.exchange_ranks(
+            store, group_rank, group_world_size, spec.role, spec.local_world_size
+        )
+        return [
+            Worker(
+                local_rank=i,
+                global_rank=base + i,
+                role_rank=role_base + i,
+                world_size=world,
+                role_world_size=role_world,
+            )
+            for i in range(spec.local_world_size)
+        ]
+
+    @prof
+    def _initialize_workers(self, worker_group: WorkerGroup) -> None:
+        """Rendezvous, then start a fresh set of workers (optimistically HEALTHY)."""
+        role = worker_group.spec.role
+        logger.info("[%s] Rendezvous'ing worker group", role)
+        self._rendezvous(worker_group)
+        logger.info("[%s] Starting worker group", role)
+        worker_ids = self._start_workers(worker_group)
+        for local_rank, w_id in worker_ids.items():
+            worker = worker_group.workers[local_rank]
+            worker.id = w_id
+            self._record("START", EventSource.WORKER, worker=worker)
+        worker_group.state = WorkerState.HEALTHY
+
+    @prof
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        """Stops all local workers, then rendezvous and starts them again."""
+        logger.info("[%s] Stopping worker group", worker_group.spec.role)
+        self._stop_workers(worker_group)
+        worker_group.state = WorkerState.STOPPED
+        self._initialize_workers(worker_group)
+
+    @prof
+    def run(self, role: str = DEFAULT_ROLE) -> RunResult:
+        """Runs the workers until success, final failure or a signal (see ``ElasticAgent``)."""
+        start = time.monotonic()
+        shutdown_called = False
+        try:
+            result = self._invoke_run(role)
+            self._total_execution_time = int(time.monotonic() - start)
+            self._record_metrics(result)
+            self._record_worker_events(result)
+            return result
+        except RendezvousGracefulExitError as e:
+            logger.info("Rendezvous gracefully exited: %s", e)
+            return RunResult(state=WorkerState.SUCCEEDED)
+        except SignalException as e:
+            logger.warning("Received %s death signal, shutting down workers", e.sigval)
+            self._shutdown(e.sigval, timeout=self._shutdown_timeout)
+            shutdown_called = True
+            raise
+        finally:
+            if not shutdown_called:
+                self._shutdown(timeout=self._shutdown_timeout)
+            self._total_execution_time = int(time.monotonic() - start)
+
+    def _invoke_run(self, role: str = DEFAULT_ROLE) -> RunResult:
+        wg = self._worker_group
+        spec = wg.spec
+        role = spec.role
+        logger.info("[%s] starting workers for entrypoint: %s", role, spec.get_entrypoint_name())
+        self._initialize_workers(wg)
+        next_check = time.monotonic() + spec.monitor_interval
+        while True:
+            if wg.state == WorkerState.INIT:
+                raise AssertionError("worker group still in INIT after start")
+            self._wait_for_workers(wg, max(0.0, next_check - time.monotonic()))
+            run_result = self._monitor_workers(wg)
+            state = run_result.state
+            wg.state = state
+            put_metric(f"workers.{role}.remaining_restarts", self._remaining_restarts)
+            put_metric(f"workers.{role}.{state.name.lower()}", 1)
+            if state == WorkerState.SUCCEEDED:
+                logger.info("[%s] worker group successfully finished", role)
+                self._exit_barrier()
+                return run_result
+            if state in {WorkerState.UNHEALTHY, WorkerState.FAILED}:
+                if self._remaining_restarts > 0:
+                    logger.info(
+                        "[%s] Worker group %s. %s/%s attempts left; will restart worker group",
+                        role, state.name, self._remaining_restarts, spec.max_restarts,
+                    )
+                    self._remaining_restarts -= 1
+                    self._restart_workers(wg)
+                    next_check = time.monotonic() + spec.monitor_interval
+                    continue
+                self._stop_workers(wg)
+                wg.state = WorkerState.FAILED
+                self._publish_failure()
+                return run_result
+            if state != WorkerState.HEALTHY:
+                raise RuntimeError(f"[{role}] Worker group in {state.name} state")
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + spec.monitor_interval
+                # membership changes do not count as retries
+                num_nodes_waiting = spec.rdzv_handler.num_nodes_waiting()
+                if num_nodes_waiting > 0:
+                    logger.info(
+                        "[%s] Detected %s new nodes from group_rank=%s; will restart worker group",
+                        role, num_nodes_waiting, wg.group_rank,
+                    )
+                    self._restart_workers(wg)
+                    next_check = time.monotonic() + spec.monitor_interval
+
+    def _publish_failure(self) -> None:
+        """Tells agents waiting in the exit barrier that this node failed, so they stop waiting."""
+        if self._store is None:
+            return
+        try:
+            _coord.publish_failure(self._store, self._worker_group.group_rank)
+        except Exception as e:  # noqa: BLE001 - best effort: the store may be gone already
+            logger.warning("could not publish the group failure to the store: %s", e)
+
+    def _exit_barrier(self) -> None:
+        """Keeps this agent alive until every agent finished, one failed, or the timeout.
+
+        Waits at most ``exit_barrier_timeout`` seconds; a node whose group failed for good
+        releases the barrier at once, so healthy nodes do not sit out the timeout.
+        """
+        wg = self._worker_group
+        logger.info(
+            "Local worker group finished (%s). Waiting up to %s seconds for other agents",
+            wg.state, self._exit_barrier_timeout,
+        )
+        start = time.monotonic()
+        self._in_exit_barrier = True
+        try:
+            failed = _coord.exit_barrier(self._store, wg.group_world_size or 1, self._exit_barrier_timeout)
+            if failed is None:
+                logger.info("Done waiting for other agents. Elapsed: %.3f s", _coord.elapsed_since(start))
+            else:
+                logger.warning("Agent of group_rank %s failed; leaving the exit barrier", failed)
+        except SignalException as e:
+            logger.warning("Got termination signal: %s", e.sigval)
+            raise
+        except Exception:
+            logger.exception("Error waiting on exit barrier. Elapsed: %.3f s", _coord.elapsed_since(start))
+        finally:
+            self._in_exit_barrier = False
+
+    # ------------------------------------------------------------------ events and metrics
+
+    def get_event_failed(self) -> Event:
+        """The agent-level FAILED event (with the current exception's traceback)."""
+        return self._construct_event("FAILED", EventSource.AGENT, raw_error=traceback.format_exc())
+
+    def get_event_succeeded(self) -> Event:
+        """The agent-level SUCCEEDED event."""
+        return self._construct_event("SUCCEEDED", EventSource.AGENT)
+
+    def _record(self, state: str, source: EventSource, **kwargs: Any) -> None:
+        destination = self._worker_group.spec.event_log_handler
+        # Building an event resolves the host name: skip it when nobody listens.
+        if isinstance(get_logging_handler(destination), logging.NullHandler):
+            return
+        record(self._construct_event(state, source, **kwargs), destination)
+
+    def _record_worker_events(self, result: RunResult) -> None:
+        for worker in self._worker_group.workers:
+            failure = result.failures.get(worker.global_rank)
+            self._record(
+                self._get_worker_state(worker, result),
+                EventSource.WORKER,
+                worker=worker,
+                raw_error=json.dumps(failure.error_file_data) if failure else None,
+                exit_code=failure.exitcode if failure else None,
+                worker_pid=failure.pid if failure else None,
+            )
+
+    def _get_worker_state(self, worker: Worker, result: RunResult) -> str:
+        failure = result.failures.get(worker.global_rank)
+        if result.state in {WorkerState.UNHEALTHY, WorkerState.FAILED} and not failure:
+            return "TERMINATED"  # stopped by this agent
+        if failure or worker.global_rank in result.return_values:
+            return result.state.value
+        if result.state == WorkerState.SUCCEEDED:
+            return result.state.value  # binaries have no return values
+        raise ValueError(f"Unknown worker: {worker.global_rank}")
+
+    @contextmanager
+    def record_duration(self, state: str) -> Iterator[None]:
+        """Records an AGENT event named ``state`` with the block's duration in milliseconds."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._record(state, EventSource.AGENT, duration_ms=(time.perf_counter() - start) * 1000)
+
+    def _construct_event(
+        self,
+        state: str,
+        source: EventSource,
+        worker: Worker | None = None,
+        raw_error: str | None = None,
+        duration_ms: float | None = None,
+        exit_code: int | None = None,
+        worker_pid: int | None = None,
+    ) -> Event:
+        wg = self._worker_group
+        spec = wg.spec
+        md: dict[str, Any] = {
+            "group_world_size": wg.group_world_size,
+            "entry_point": spec.get_entrypoint_name(),
+        }
+        if worker:
+            md.update(
+                local_rank=(worker.local_rank,), role_rank=(worker.role_rank,),
+                role_world_size=(worker.role_world_size,), exit_code=(exit_code,),
+                worker_pid=(worker_pid,),
+            )
+        metadata: dict[str, Any] = {
+            "run_id": spec.rdzv_handler.get_run_id(),
+            "global_rank": worker.global_rank if worker else None,
+            "group_rank": wg.group_rank,
+            "worker_id": str(worker.id) if worker else None,
+            "role": spec.role,
+            "hostname": _get_fq_hostname(),
+            "state": state,
+            "total_run_time": self._total_execution_time,
+            "rdzv_backend": spec.rdzv_handler.get_backend(),
+            "raw_error": raw_error,
+            "metadata": json.dumps(md),
+            "agent_restarts": self.restart_count,
+            "duration_ms": duration_ms,
+        }
+        return Event(f"torchelastic.worker.status.{state}", source=source, metadata=metadata)
+
+    def _record_metrics(self, group_results: RunResult) -> None:
+        is_failed = group_results.is_failed()
+        spec = self._worker_group.spec
+        if is_failed:
+            flakiness = 100.0
+        else:
+            flakiness = 100.0 - 100.0 * (self._remaining_restarts + 1) / (spec.max_restarts + 1)
+        put_metric(f"workers.{spec.role}.flakiness", int(flakiness))
+        restarted = self._remaining_restarts != spec.max_restarts
+        put_metric(f"workers.{spec.role}.run_total", 1)
+        for name, cond in (
+            ("run_success_with_retries", not is_failed and restarted),
+            ("run_success_no_retries", not is_failed and not restarted),
+            ("run_failed_with_retries", is_failed and restarted),
+            ("run_failed_no_retries", is_failed and not restarted),
+        ):
+            put_metric(f"workers.{spec.role}.{name}", 1 if cond else 0)
