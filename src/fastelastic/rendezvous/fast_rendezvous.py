@@ -1,0 +1,532 @@
+"""The fast rendezvous on fastelastic's TCPStore: O(1) store messages per node, no hot key.
+
+Protocol (keys under ``fe.rdzv.<run_id>/``; round ``r`` keys under ``<r>/``):
+
+* ``open``: hint of the round new nodes should join (set by each round's publisher).
+* ``closed``: exists once the rendezvous is closed.
+* ``<r>/t``: ticket counter. A node's ``add(t, 1)`` is its join; tickets above ``max_nodes``
+  mean the round is full and the node waits in round ``r + 1`` (counted by
+  ``num_nodes_waiting`` of the members of ``r``). The last-call coordinator seals the round with
+  ``add(t, SEAL)``: the returned value minus ``SEAL`` is the final count and every later ticket
+  is above ``SEAL``.
+* ``<r>/n/<ticket>``: the node's record (preferred rank), set with one ``multi_set``.
+* ``<r>/res``: the round's outcome, decided by one ``compare_set`` from absent: ``M<count>\\n``
+  (complete) — or, when a joined node's connection closes first, ``D;`` appended by the server
+  (``append_on_disconnect``): the round is abandoned and everyone re-joins ``r + 1``. A
+  ``C;`` appended by ``set_closed`` wakes waiters with :class:`RendezvousClosedError`. Text after
+  the first newline is ignored, so late appends never corrupt a complete outcome.
+* ``<r>/rank/<ticket>``: the rank of each ticket, published with one ``multi_set``.
+* ``<r>/left/<rank>``: set when a member of complete round ``r`` re-joins, or by the server
+  when its connection closes. The next round completes only after every member of the last
+  complete round left (torch's semantics: waiting nodes are admitted at re-rendezvous).
+* ``<r>/hb/<rank>``: keep-alive counters, read only when a member is slow to leave, to tell a
+  hung-but-connected node from a busy one.
+
+Roles come from the ticket, so nobody races: ticket ``max_nodes`` publishes at once; ticket
+``min_nodes`` waits ``last_call`` then seals and publishes; everyone else waits on ``res``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+from fastelastic.errors import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousStateError,
+    RendezvousTimeoutError,
+    StoreConnectionError,
+    StoreError,
+    StoreTimeoutError,
+)
+
+from .api import RendezvousHandler, RendezvousInfo, RendezvousParameters, RendezvousStoreInfo
+from .timeouts import RendezvousTimeout, timeout_from_params
+from .utils import _matches_machine_hostname, parse_rendezvous_endpoint
+
+__all__ = ["FastRendezvousHandler", "create_fast_handler", "assign_ranks"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 29400
+_SEAL = 1 << 40
+_SLICE = 1.0  # seconds: how often a publisher blocked on a dead joiner's record re-checks res
+_MAX_WALK = 10_000  # bound on rounds walked forward/back
+
+
+def assign_ranks(prefs: list[int], world_size: int) -> list[int]:
+    """Assigns ranks 0..world_size-1 to nodes listed in join order.
+
+    A node keeps its preferred rank when that rank is in range and no earlier node took it;
+    the others take the free ranks in join order.
+
+    Args:
+        prefs: Preferred rank of each node in join order (-1 for none).
+        world_size: Number of nodes; ``len(prefs)``.
+
+    Returns:
+        The rank of each node, in join order.
+    """
+    ranks = [-1] * world_size
+    taken = [False] * world_size
+    for i, pref in enumerate(prefs):
+        if 0 <= pref < world_size and not taken[pref]:
+            ranks[i] = pref
+            taken[pref] = True
+    free = (r for r in range(world_size) if not taken[r])
+    for i in range(world_size):
+        if ranks[i] < 0:
+            ranks[i] = next(free)
+    return ranks
+
+
+def _outcome(raw: bytes) -> tuple[str, int]:
+    """Parses ``res``: ('M', count) complete, ('C', 0) closed, ('D', 0) abandoned."""
+    if raw.startswith(b"M"):
+        head = raw.split(b"\n", 1)[0]
+        try:
+            return "M", int(head[1:])
+        except ValueError as e:
+            raise RendezvousStateError(f"corrupt rendezvous outcome {raw[:40]!r}") from e
+    if b"C" in raw.split(b"\n", 1)[0]:
+        return "C", 0
+    if raw.startswith(b"D"):
+        return "D", 0
+    raise RendezvousStateError(f"corrupt rendezvous outcome {raw[:40]!r}")
+
+
+class FastRendezvousHandler(RendezvousHandler):
+    """Rendezvous handler implementing the ticket protocol described in this module.
+
+    Args:
+        run_id: The run id of the rendezvous.
+        store: A fastelastic ``TCPStore`` client owned by this handler (its connection is this
+            node's liveness; use one per node).
+        backend_name: Name reported by :py:meth:`get_backend`.
+        min_nodes: Minimum number of nodes.
+        max_nodes: Maximum number of nodes.
+        timeout: Join, last-call, close and heartbeat timeouts.
+        local_addr: This node's address (informational).
+        node_rank: Preferred rank of this node (-1 for none).
+        keep_alive_interval: Seconds between keep-alive counter bumps.
+        keep_alive_max_attempt: Missed keep-alives after which a silent member is dropped.
+        bootstrap_addr: Host workers use to reach the store (``MASTER_ADDR``).
+        server: The hosting store object when this node hosts, kept alive with the handler.
+
+    Raises:
+        ValueError: Bad run id or node counts.
+    """
+
+    def __init__(
+        self,
+        run_id: str,
+        store: Any,
+        backend_name: str,
+        min_nodes: int,
+        max_nodes: int,
+        timeout: RendezvousTimeout | None = None,
+        local_addr: str | None = None,
+        node_rank: int = -1,
+        keep_alive_interval: float = 5.0,
+        keep_alive_max_attempt: int = 3,
+        bootstrap_addr: str | None = None,
+        server: Any = None,
+    ) -> None:
+        if not run_id:
+            raise ValueError("The run id must be a non-empty string.")
+        if min_nodes < 1:
+            raise ValueError(f"The minimum number of nodes ({min_nodes}) must be greater than zero.")
+        if max_nodes < min_nodes:
+            raise ValueError(
+                f"The maximum number of nodes ({max_nodes}) must be greater than or equal to the "
+                f"minimum number of nodes ({min_nodes})."
+            )
+        if keep_alive_interval <= 0 or keep_alive_max_attempt < 1:
+            raise ValueError("keep_alive_interval must be > 0 and keep_alive_max_attempt >= 1.")
+        self._run_id = run_id
+        self._store = store
+        self._server = server
+        self._backend_name = backend_name
+        self._min = min_nodes
+        self._max = max_nodes
+        self._timeout = timeout or RendezvousTimeout()
+        self._local_addr = local_addr or ""
+        self._node_rank = node_rank
+        self._ka_interval = float(keep_alive_interval)
+        self._ka_max = keep_alive_max_attempt
+        self._bootstrap_addr = bootstrap_addr or getattr(store, "host", "localhost")
+        self._hooks = bool(getattr(store, "supports_extensions", False))
+        self._key = f"fe.rdzv.{run_id}/"
+        self._member: tuple[int, int, int] | None = None  # (round, rank, world)
+        self._pending_left: str | None = None
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ RendezvousHandler
+
+    def get_backend(self) -> str:
+        """See base class."""
+        return self._backend_name
+
+    @property
+    def use_agent_store(self) -> bool:
+        """See base class: workers share the agent's store (``MASTER_ADDR``/``MASTER_PORT``)."""
+        return os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0") != "1"
+
+    @property
+    def store(self) -> Any:
+        """The store client this handler talks through."""
+        return self._store
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        """See base class."""
+        with self._lock:
+            try:
+                return self._next_rendezvous()
+            except (StoreConnectionError, ConnectionError) as e:
+                raise RendezvousConnectionError(
+                    f"The connection to the rendezvous store of run '{self._run_id}' failed: {e}"
+                ) from e
+
+    def is_closed(self) -> bool:
+        """See base class."""
+        return bool(self._call(self._store.check, [self._key + "closed"]))
+
+    def set_closed(self) -> None:
+        """See base class: sets ``closed`` and wakes every node waiting in a forming round."""
+        store = self._store
+        self._call(store.set, self._key + "closed", b"1")
+        cur = int(self._call(store.add, self._key + "open", 0))
+        rounds = {cur, cur + 1}
+        if self._member is not None:
+            rounds.add(self._member[0] + 1)
+        for r in sorted(rounds):
+            self._call(store.append, f"{self._key}{r}/res", b"C;")
+
+    def num_nodes_waiting(self) -> int:
+        """See base class: the tickets taken in the round after this node's round."""
+        if self._member is None:
+            return 0
+        v = int(self._call(self._store.add, f"{self._key}{self._member[0] + 1}/t", 0))
+        return v - _SEAL if v >= _SEAL else v
+
+    def get_run_id(self) -> str:
+        """See base class."""
+        return self._run_id
+
+    def shutdown(self) -> bool:
+        """See base class: stops keep-alives and closes the rendezvous."""
+        self._stop_heartbeats()
+        try:
+            self.set_closed()
+        except (RendezvousConnectionError, StoreError) as e:
+            log.warning("rendezvous %s: shutdown could not close: %s", self._run_id, e)
+            return False
+        return True
+
+    # ------------------------------------------------------------------ protocol
+
+    def _call(self, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except (StoreConnectionError, ConnectionError) as e:
+            raise RendezvousConnectionError(
+                f"The connection to the rendezvous store of run '{self._run_id}' failed: {e}"
+            ) from e
+
+    def _next_rendezvous(self) -> RendezvousInfo:
+        store = self._store
+        deadline = time.monotonic() + self._timeout.join.total_seconds()
+        self._stop_heartbeats()
+        if store.check([self._key + "closed"]):
+            raise RendezvousClosedError(f"The rendezvous '{self._run_id}' is closed.")
+        if self._member is not None:
+            r = self._member[0] + 1
+            self._pending_left = f"{self._key}{self._member[0]}/left/{self._member[1]}"
+        else:
+            r = int(store.add(self._key + "open", 0))
+        for _ in range(_MAX_WALK):
+            if time.monotonic() > deadline:
+                break
+            got = self._try_round(r, deadline)
+            if got is not None:
+                rank, world = got
+                self._member = (r, rank, world)
+                if self._hooks:
+                    store.append_on_disconnect(f"{self._key}{r}/left/{rank}", b"1")
+                self._start_heartbeats()
+                return RendezvousInfo(
+                    _prefix_store(f"torch.rendezvous.{self._run_id}.{r}", store),
+                    rank,
+                    world,
+                    RendezvousStoreInfo(self._bootstrap_addr, int(store.port)),
+                )
+            r += 1
+        raise RendezvousTimeoutError(
+            f"The rendezvous '{self._run_id}' did not complete within {self._timeout.join}."
+        )
+
+    def _try_round(self, r: int, deadline: float) -> tuple[int, int] | None:
+        """Joins round ``r``; returns (rank, world) or None to move on to round ``r + 1``."""
+        store = self._store
+        p = f"{self._key}{r}/"
+        if self._hooks:
+            store.append_on_disconnect(p + "res", b"D;")
+        t = int(store.add(p + "t", 1))
+        keys: list[str] = []
+        vals: list[bytes] = []
+        if self._pending_left is not None:
+            keys.append(self._pending_left)
+            vals.append(b"1")
+            self._pending_left = None
+        if t > self._max:  # full or sealed: wait in the next round
+            if keys:
+                store.multi_set(keys, vals)
+            return None
+        pref = self._member[1] if self._member is not None else self._node_rank
+        keys.append(f"{p}n/{t}")
+        vals.append(b"%d|%s|%d" % (pref, self._local_addr.encode(), os.getpid()))
+        store.multi_set(keys, vals)
+        if t == self._max:
+            self._publish(r, self._max, deadline)
+        elif t == self._min:
+            self._coordinate(r, deadline)
+        kind, count = self._wait_outcome(r, deadline)
+        if kind == "C":
+            raise RendezvousClosedError(f"The rendezvous '{self._run_id}' is closed.")
+        if kind == "D":
+            log.info("rendezvous %s round %d abandoned (a node left); re-joining", self._run_id, r)
+            return None
+        if t > count:
+            return None
+        return int(store.get(f"{p}rank/{t}")), count
+
+    def _wait_outcome(self, r: int, deadline: float, mine: bool = True) -> tuple[str, int]:
+        key = f"{self._key}{r}/res"
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise RendezvousTimeoutError(
+                f"The rendezvous '{self._run_id}' did not complete within {self._timeout.join}."
+            )
+        try:
+            self._store.wait([key], timedelta(seconds=remaining))
+        except StoreTimeoutError as e:
+            if mine:  # give up our ticket: nobody may count this node in the round any more
+                self._store.append(key, b"D;")
+            raise RendezvousTimeoutError(
+                f"The rendezvous '{self._run_id}' did not complete within {self._timeout.join}."
+            ) from e
+        return _outcome(self._store.get(key))
+
+    def _res_exists(self, r: int) -> bool:
+        return bool(self._store.check([f"{self._key}{r}/res"]))
+
+    def _coordinate(self, r: int, deadline: float) -> None:
+        """Ticket ``min_nodes``: drain, last call, seal, publish."""
+        store = self._store
+        if not self._drain(r, deadline):
+            return
+        last_call = min(self._timeout.last_call.total_seconds(), deadline - time.monotonic())
+        if last_call >= 0.001:
+            try:
+                store.wait([f"{self._key}{r}/res"], timedelta(seconds=last_call))
+                return  # decided meanwhile (max reached, closed or abandoned)
+            except StoreTimeoutError:
+                pass
+        count = int(store.add(f"{self._key}{r}/t", _SEAL)) - _SEAL
+        if count < self._max:  # at max the max-ticket holder publishes
+            self._publish(r, count, deadline, drained=True)
+
+    def _publish(self, r: int, count: int, deadline: float, drained: bool = False) -> None:
+        """Decides round ``r`` with ``count`` members: ranks, then one compare_set of res."""
+        store = self._store
+        p = f"{self._key}{r}/"
+        if not drained and not self._drain(r, deadline):
+            return
+        rec_keys = [f"{p}n/{i}" for i in range(1, count + 1)]
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            try:
+                store.wait(rec_keys, timedelta(seconds=min(_SLICE, remaining)))
+                break
+            except StoreTimeoutError:
+                if self._res_exists(r):  # a joiner died before writing its record
+                    return
+        prefs = []
+        for raw in store.multi_get(rec_keys):
+            try:
+                prefs.append(int(bytes(raw).split(b"|", 1)[0]))
+            except ValueError as e:
+                raise RendezvousStateError(f"corrupt node record {bytes(raw)[:40]!r}") from e
+        ranks = assign_ranks(prefs, count)
+        store.multi_set([f"{p}rank/{i}" for i in range(1, count + 1)], [b"%d" % x for x in ranks])
+        blob = b"M%d\n" % count
+        if bytes(store.compare_set(p + "res", "", blob)) == blob:
+            store.set(self._key + "open", b"%d" % (r + 1))
+
+    def _last_complete(self, r: int, deadline: float) -> tuple[int, int] | None:
+        """Walks back from ``r - 1`` to the last complete round: (round, world) or None."""
+        for q in range(r - 1, max(-1, r - 1 - _MAX_WALK), -1):
+            kind, count = self._wait_outcome(q, deadline, mine=False)
+            if kind == "M":
+                return q, count
+            if kind == "C":
+                raise RendezvousClosedError(f"The rendezvous '{self._run_id}' is closed.")
+        return None
+
+    def _drain(self, r: int, deadline: float) -> bool:
+        """Waits until every member of the last complete round left. False if ``r`` got decided."""
+        last = self._last_complete(r, deadline)
+        if last is None:
+            return True
+        q, world = last
+        missing = [f"{self._key}{q}/left/{i}" for i in range(world)]
+        window = self._ka_interval * self._ka_max
+        beats: dict[int, int] = {}
+        while missing:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            try:
+                self._store.wait(missing, timedelta(seconds=min(window, remaining)))
+                return True
+            except StoreTimeoutError:
+                pass
+            if self._res_exists(r):
+                return False
+            present = self._store.check  # narrow the set to the keys still missing
+            missing = [k for k in missing if not present([k])]
+            for key in missing:  # a member silent for a whole window is hung: drop it
+                rank = int(key.rsplit("/", 1)[1])
+                n = int(self._store.add(f"{self._key}{q}/hb/{rank}", 0))
+                if beats.get(rank) == n:
+                    log.warning("rendezvous %s: member rank %d of round %d is hung; dropping",
+                                self._run_id, rank, q)
+                    self._store.set(key, b"hung")
+                beats[rank] = n
+            missing = [k for k in missing if not present([k])]
+        return True
+
+    # ------------------------------------------------------------------ keep-alive
+
+    def _start_heartbeats(self) -> None:
+        if self._member is not None:
+            _BEATER.add(self, f"{self._key}{self._member[0]}/hb/{self._member[1]}")
+
+    def _stop_heartbeats(self) -> None:
+        _BEATER.remove(self)
+
+
+class _KeepAlive:
+    """One daemon thread per process bumps the keep-alive counter of every member handler."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._due: dict[FastRendezvousHandler, tuple[float, str]] = {}
+        self._thread: threading.Thread | None = None
+
+    def add(self, handler: FastRendezvousHandler, key: str) -> None:
+        with self._cond:
+            self._due[handler] = (time.monotonic() + handler._ka_interval, key)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="fe-rdzv-keepalive",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def remove(self, handler: FastRendezvousHandler) -> None:
+        with self._cond:
+            self._due.pop(handler, None)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not self._due:
+                    self._thread = None
+                    return
+                now = time.monotonic()
+                handler, (when, key) = min(self._due.items(), key=lambda kv: kv[1][0])
+                if when > now:
+                    self._cond.wait(when - now)
+                    continue
+                self._due[handler] = (now + handler._ka_interval, key)
+            try:  # outside the lock: a slow store must not block add/remove
+                handler._store.add(key, 1)
+            except (StoreError, OSError):
+                log.debug("keep-alive %s failed", key, exc_info=True)
+
+
+_BEATER = _KeepAlive()
+
+
+def _prefix_store(prefix: str, store: Any) -> Any:
+    from fastelastic.store import PrefixStore
+
+    return PrefixStore(prefix, store)
+
+
+def _host_store(host: str, port: int, is_host: bool | None, read_timeout: timedelta) -> tuple[Any, Any]:
+    """Hosts the store on ``port`` if this node is the host, else connects; returns (client, server)."""
+    from fastelastic.store import TCPStore
+
+    if is_host is None:
+        is_host = _matches_machine_hostname(host)
+    if is_host:
+        try:
+            server = TCPStore(host, port, is_master=True, multi_tenant=True,
+                              wait_for_workers=False, timeout=read_timeout)
+            return server, server
+        except (StoreError, OSError) as e:
+            log.info("store on %s:%d already hosted (%s); joining as a client", host, port, e)
+    try:
+        client = TCPStore(host, port, is_master=False, timeout=read_timeout)
+    except (StoreError, OSError) as e:
+        raise RendezvousConnectionError(
+            f"The rendezvous store at {host}:{port} could not be reached: {e}"
+        ) from e
+    return client, None
+
+
+def create_fast_handler(params: RendezvousParameters) -> FastRendezvousHandler:
+    """Creates the ``c10d``/``fastelastic`` handler from :class:`RendezvousParameters`.
+
+    ``rdzv_conf`` keys: ``join_timeout``, ``last_call_timeout``, ``close_timeout``,
+    ``heartbeat``, ``keep_alive_interval``, ``keep_alive_max_attempt``, ``read_timeout``
+    (store operations, default 60 s), ``is_host`` (default: the endpoint host is this machine),
+    ``rank`` (preferred node rank).
+
+    Raises:
+        ValueError: A malformed option.
+        RendezvousConnectionError: The store cannot be hosted or reached.
+    """
+    host, port = parse_rendezvous_endpoint(params.endpoint, DEFAULT_PORT)
+    timeout = timeout_from_params(params)
+    read_timeout = timedelta(seconds=params.get_as_int("read_timeout", 60) or 60)
+    if read_timeout <= timedelta(0):
+        raise ValueError("The read timeout must be positive.")
+    keep_alive_interval = params.get_as_int("keep_alive_interval", 5)
+    keep_alive_max_attempt = params.get_as_int("keep_alive_max_attempt", 3)
+    if keep_alive_interval is None or keep_alive_max_attempt is None:
+        raise ValueError("keep_alive_interval and keep_alive_max_attempt must not be None.")
+    rank = params.get_as_int("rank", -1)
+    client, server = _host_store(host, port, params.get_as_bool("is_host"), read_timeout)
+    return FastRendezvousHandler(
+        params.run_id,
+        client,
+        params.backend,
+        params.min_nodes,
+        params.max_nodes,
+        timeout,
+        local_addr=params.local_addr,
+        node_rank=-1 if rank is None else rank,
+        keep_alive_interval=keep_alive_interval,
+        keep_alive_max_attempt=keep_alive_max_attempt,
+        bootstrap_addr=host,
+        server=server,
+    )
