@@ -1,0 +1,37 @@
+# Declarations of the TCPStore-protocol client (see kvclient.pyx).
+
+from libc.stdint cimport int64_t, uint64_t
+from libcpp cimport bool as cbool
+from libcpp.string cimport string
+from cpython.pythread cimport PyThread_type_lock
+
+
+cdef class KVClient:
+    cdef int _fd
+    cdef int _owner_pid
+    cdef PyThread_type_lock _lock
+    cdef string _out          # the request being built
+    cdef char *_in            # response bytes; [_in_pos, _in_len) not yet consumed
+    cdef size_t _in_pos
+    cdef size_t _in_len
+    cdef size_t _in_cap
+    cdef int64_t _timeout_ms
+    cdef cbool _ext
+    cdef cbool _broken
+    cdef object _peer         # "host:port", for error messages
+
+    cdef void _acquire(self) noexcept
+    cdef void _end(self) noexcept
+    cdef int _begin(self, unsigned char cmd) except -1
+    cdef void _put_keys(self, object keys) except *
+    cdef int _need_blobs(self, uint64_t count, size_t skip, int64_t deadline) except? -1 nogil
+    cdef object _read_blobs(self, uint64_t count, int64_t deadline)
+    cdef int _send_all(self, int64_t deadline) except? -1 nogil
+    cdef int _need(self, size_t n, int64_t deadline) except? -1 nogil
+    cdef int _transact(self, size_t n, int64_t deadline) except -1
+    cdef int _wait_reply(self, int64_t timeout_ms) except -1
+    cdef object _fail(self, int rc, str what)
+    cdef void _put_key(self, object key) except *
+    cdef void _put_value(self, object value) except *
+    cdef object _take_blob(self)
+    cdef int64_t _take_i64(self) noexcept

@@ -1,0 +1,626 @@
+# distutils: language = c++
+"""Client for torch's TCPStore wire protocol: one connection, lockstep, GIL released for I/O.
+
+Invariants:
+- ``_lock`` is held from the first byte of a request to the last byte of its reply, so threads
+  sharing a client never interleave; it is acquired with the GIL released.
+- Every user key goes on the wire with torch's ``/`` prefix, so torch clients see the same keys.
+- Once a reply could not be read in full the stream is out of step: the client is marked
+  broken and every later call raises :class:`~fastelastic.errors.StoreConnectionError`.
+- Wait timeouts are the only recoverable timeouts: the client cancels the wait and reads the
+  server's acknowledgement, and the connection stays usable (protocol section 4.5).
+"""
+
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.exc cimport PyErr_CheckSignals
+from cpython.mem cimport PyMem_RawFree, PyMem_RawRealloc
+from cpython.pythread cimport (
+    NOWAIT_LOCK, WAIT_LOCK, PyThread_acquire_lock, PyThread_allocate_lock, PyThread_free_lock,
+    PyThread_release_lock,
+)
+from cpython.unicode cimport PyUnicode_Check
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
+from libc.string cimport memmove
+from libcpp.string cimport string
+
+from fastelastic._native.includes.linux cimport (
+    EAGAIN, EINTR, F_GETFL, F_SETFL, IPPROTO_TCP, MSG_NOSIGNAL, O_NONBLOCK, POLLIN, POLLOUT,
+    TCP_NODELAY, close, errno, fcntl, fe_monotonic_ns, getpid, poll, pollfd, recv, send,
+    setsockopt,
+)
+from fastelastic._native.wire cimport *
+
+import os
+
+from fastelastic.errors import QueueEmptyError, StoreConnectionError, StoreError, StoreTimeoutError
+
+cdef extern from "Python.h":
+    const char *PyUnicode_AsUTF8AndSize(object s, Py_ssize_t *size) except NULL
+
+cdef enum:
+    IO_OK = 0
+    IO_TIMEOUT = 1
+    IO_CLOSED = 2
+    IO_ERROR = 3
+
+cdef int64_t _NO_DEADLINE = -1
+
+
+cdef inline int64_t _deadline(int64_t timeout_ms) noexcept nogil:
+    if timeout_ms < 0:
+        return _NO_DEADLINE
+    return fe_monotonic_ns() + timeout_ms * 1000000
+
+
+cdef inline int _poll_until(int fd, short events, int64_t deadline) noexcept nogil:
+    """Waits for fd; returns 1 ready, 0 deadline passed, -1 error (errno)."""
+    cdef pollfd pfd
+    cdef int64_t left
+    cdef int ms, rc
+    pfd.fd = fd
+    pfd.events = events
+    while True:
+        if deadline == _NO_DEADLINE:
+            ms = -1
+        else:
+            left = deadline - fe_monotonic_ns()
+            if left <= 0:
+                return 0
+            ms = <int>((left + 999999) // 1000000)
+        rc = poll(&pfd, 1, ms)
+        if rc > 0:
+            return 1
+        if rc == 0:
+            if deadline == _NO_DEADLINE:
+                continue
+            return 0
+        if errno != EINTR:
+            return -1
+
+
+cdef int64_t _timeout_arg(object timeout, int64_t default_ms) except? -2:
+    if timeout is None:
+        return default_ms
+    if hasattr(timeout, "total_seconds"):
+        timeout = timeout.total_seconds()
+    return <int64_t>(float(timeout) * 1000.0)
+
+
+cdef class KVClient:
+    """One connection to a TCPStore-protocol server.
+
+    Args:
+        fd: a connected TCP socket; the client owns it from now on.
+        peer: ``host:port``, used in error messages.
+        timeout: seconds; the default for waits, and the limit on any reply.
+    """
+
+    def __cinit__(self, *args, **kwargs):
+        self._fd = -1
+        self._in = NULL
+        self._lock = PyThread_allocate_lock()
+        if self._lock == NULL:
+            raise MemoryError()
+
+    def __init__(self, int fd, str peer, double timeout):
+        cdef int one = 1
+        cdef uint32_t nonce
+        self._fd = fd
+        self._owner_pid = getpid()
+        self._peer = peer
+        self._timeout_ms = <int64_t>(timeout * 1000.0)
+        fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK)
+        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one))
+        self._acquire()
+        try:
+            self._out.clear()
+            put_u8(self._out, CMD_VALIDATE)
+            put_u32(self._out, VALIDATE_MAGIC)
+            put_u8(self._out, CMD_PING)
+            put_u32(self._out, EXT_NONCE)
+            self._transact(4, _deadline(self._timeout_ms))
+            nonce = load_u32(self._in + self._in_pos)
+            self._in_pos += 4
+        finally:
+            PyThread_release_lock(self._lock)
+        if nonce == <uint32_t>(~(<uint32_t>EXT_NONCE)):
+            self._ext = True
+        elif nonce != EXT_NONCE:
+            self._broken = True
+            raise StoreConnectionError(
+                f"store at {peer} answered the handshake with a wrong nonce; is it a TCPStore?")
+
+    def __dealloc__(self):
+        if self._fd >= 0 and self._owner_pid == getpid():
+            close(self._fd)
+        self._fd = -1
+        if self._in != NULL:
+            PyMem_RawFree(self._in)
+        if self._lock != NULL:
+            PyThread_free_lock(self._lock)
+
+    def close(self):
+        """Closes the connection (the server sees the client go)."""
+        self._acquire()
+        try:
+            if self._fd >= 0 and self._owner_pid == getpid():
+                close(self._fd)
+            self._fd = -1
+            self._broken = True
+        finally:
+            PyThread_release_lock(self._lock)
+
+    @property
+    def supports_extensions(self):
+        """True when the server is fastelastic's (one-round-trip get, disconnect actions)."""
+        return self._ext
+
+    @property
+    def timeout_ms(self):
+        return self._timeout_ms
+
+    @timeout_ms.setter
+    def timeout_ms(self, int64_t value):
+        self._timeout_ms = value
+
+    # --------------------------------------------------------------------------- mechanics
+
+    cdef void _acquire(self) noexcept:
+        if not PyThread_acquire_lock(self._lock, NOWAIT_LOCK):
+            with nogil:
+                PyThread_acquire_lock(self._lock, WAIT_LOCK)
+
+    cdef int _send_all(self, int64_t deadline) except? -1 nogil:
+        cdef size_t off = 0
+        cdef ssize_t n
+        cdef int rc
+        while off < self._out.size():
+            n = send(self._fd, self._out.data() + off, self._out.size() - off, MSG_NOSIGNAL)
+            if n >= 0:
+                off += <size_t>n
+                continue
+            if errno == EINTR:
+                continue
+            if errno != EAGAIN:
+                return IO_ERROR
+            rc = _poll_until(self._fd, POLLOUT, deadline)
+            if rc == 0:
+                return IO_TIMEOUT
+            if rc < 0:
+                return IO_ERROR
+        return IO_OK
+
+    cdef int _need(self, size_t n, int64_t deadline) except? -1 nogil:
+        """Buffers until at least n unread reply bytes are at ``_in + _in_pos``."""
+        cdef ssize_t got
+        cdef size_t cap
+        cdef char *grown
+        cdef int rc
+        while self._in_len - self._in_pos < n:
+            if self._in_pos > 0 and self._in_pos == self._in_len:
+                self._in_pos = self._in_len = 0
+            if self._in_pos + n > self._in_cap:
+                if self._in_pos > 0:
+                    memmove(self._in, self._in + self._in_pos, self._in_len - self._in_pos)
+                    self._in_len -= self._in_pos
+                    self._in_pos = 0
+                if n > self._in_cap:
+                    cap = self._in_cap * 2 if self._in_cap else 65536
+                    while cap < n:
+                        cap *= 2
+                    grown = <char *>PyMem_RawRealloc(self._in, cap)
+                    if grown == NULL:
+                        return IO_ERROR
+                    self._in = grown
+                    self._in_cap = cap
+            got = recv(self._fd, self._in + self._in_len, self._in_cap - self._in_len, 0)
+            if got > 0:
+                self._in_len += <size_t>got
+                continue
+            if got == 0:
+                return IO_CLOSED
+            if errno == EINTR:
+                continue
+            if errno != EAGAIN:
+                return IO_ERROR
+            rc = _poll_until(self._fd, POLLIN, deadline)
+            if rc == 0:
+                return IO_TIMEOUT
+            if rc < 0:
+                return IO_ERROR
+        return IO_OK
+
+    cdef int _transact(self, size_t n, int64_t deadline) except -1:
+        """Sends ``_out`` and buffers n reply bytes (0 for fire-and-forget requests)."""
+        cdef int rc
+        if self._broken or self._fd < 0:
+            raise StoreConnectionError(f"the connection to the store at {self._peer} is closed")
+        with nogil:
+            rc = self._send_all(deadline)
+            if rc == IO_OK and n > 0:
+                rc = self._need(n, deadline)
+        if rc != IO_OK:
+            raise self._fail(rc, "request")
+        return 0
+
+    cdef object _fail(self, int rc, str what):
+        cdef int err = errno
+        self._broken = True
+        if rc == IO_TIMEOUT:
+            return StoreConnectionError(
+                f"store at {self._peer} did not answer a {what} within {self._timeout_ms} ms; "
+                "the connection is closed")
+        if rc == IO_CLOSED:
+            return StoreConnectionError(
+                f"store at {self._peer} closed the connection during a {what} "
+                "(server gone, or it rejected the request)")
+        return StoreConnectionError(
+            f"connection to the store at {self._peer} failed during a {what}: "
+            f"[Errno {err}] {os.strerror(err)}")
+
+    cdef int _wait_reply(self, int64_t timeout_ms) except -1:
+        """After a WAIT or BARRIER: returns 0 when released, 1 on timeout (wait cancelled)."""
+        cdef int rc
+        cdef uint8_t b
+        with nogil:
+            rc = self._need(1, _deadline(timeout_ms))
+        if rc == IO_OK:
+            b = <uint8_t>self._in[self._in_pos]
+            self._in_pos += 1
+            if b != REPLY_STOP_WAITING:
+                raise self._fail(IO_CLOSED, "wait (unexpected reply)")
+            return 0
+        if rc != IO_TIMEOUT:
+            raise self._fail(rc, "wait")
+        self._out.clear()
+        put_u8(self._out, CMD_CANCEL_WAIT)
+        self._transact(1, _deadline(self._timeout_ms))
+        b = <uint8_t>self._in[self._in_pos]
+        self._in_pos += 1
+        if b == REPLY_STOP_WAITING:     # released just before the cancel arrived
+            with nogil:
+                rc = self._need(1, _deadline(self._timeout_ms))
+            if rc != IO_OK:
+                raise self._fail(rc, "cancel_wait")
+            b = <uint8_t>self._in[self._in_pos]
+            self._in_pos += 1
+        if b != REPLY_WAIT_CANCELED:
+            raise self._fail(IO_CLOSED, "cancel_wait (unexpected reply)")
+        return 1
+
+    cdef void _put_key(self, object key) except *:
+        cdef const char *p
+        cdef Py_ssize_t n
+        if PyUnicode_Check(key):
+            p = PyUnicode_AsUTF8AndSize(key, &n)
+        elif isinstance(key, bytes):
+            p = PyBytes_AS_STRING(key)
+            n = PyBytes_GET_SIZE(key)
+        else:
+            raise TypeError(f"store keys are str, not {type(key).__name__}")
+        put_u64(self._out, <uint64_t>n + 1)
+        self._out.push_back(c'/')
+        self._out.append(p, <size_t>n)
+
+    cdef void _put_value(self, object value) except *:
+        cdef const char *p
+        cdef Py_ssize_t n
+        if isinstance(value, bytes):
+            p = PyBytes_AS_STRING(value)
+            n = PyBytes_GET_SIZE(value)
+        elif PyUnicode_Check(value):
+            p = PyUnicode_AsUTF8AndSize(value, &n)
+        else:
+            value = bytes(value)
+            p = PyBytes_AS_STRING(value)
+            n = PyBytes_GET_SIZE(value)
+        put_blob(self._out, p, <size_t>n)
+
+    cdef object _take_blob(self):
+        cdef uint64_t n = load_u64(self._in + self._in_pos)
+        cdef object b = PyBytes_FromStringAndSize(self._in + self._in_pos + 8, <Py_ssize_t>n)
+        self._in_pos += 8 + <size_t>n
+        return b
+
+    cdef int64_t _take_i64(self) noexcept:
+        cdef uint64_t v = load_u64(self._in + self._in_pos)
+        self._in_pos += 8
+        return <int64_t>v
+
+    cdef int _need_blobs(self, uint64_t count, size_t skip, int64_t deadline) except? -1 nogil:
+        """Buffers ``count`` blobs that start ``skip`` bytes into the unread reply."""
+        cdef size_t off = skip
+        cdef uint64_t i, ln
+        cdef int rc
+        for i in range(count):
+            rc = self._need(off + 8, deadline)
+            if rc != IO_OK:
+                return rc
+            ln = load_u64(self._in + self._in_pos + off)
+            rc = self._need(off + 8 + <size_t>ln, deadline)
+            if rc != IO_OK:
+                return rc
+            off += 8 + <size_t>ln
+        return IO_OK
+
+    cdef object _read_blobs(self, uint64_t count, int64_t deadline):
+        cdef int rc
+        cdef uint64_t i
+        with nogil:
+            rc = self._need_blobs(count, 0, deadline)
+        if rc != IO_OK:
+            raise self._fail(rc, "read")
+        return [self._take_blob() for i in range(count)]
+
+    cdef int _begin(self, unsigned char cmd) except -1:
+        self._acquire()
+        self._out.clear()
+        put_u8(self._out, cmd)
+        return 0
+
+    cdef void _end(self) noexcept:
+        PyThread_release_lock(self._lock)
+
+    cdef void _put_keys(self, object keys) except *:
+        cdef list ks = list(keys)
+        put_u64(self._out, <uint64_t>len(ks))
+        for k in ks:
+            self._put_key(k)
+
+    # --------------------------------------------------------------------------- operations
+
+    def set(self, key, value):
+        """Stores value under key (fire-and-forget, as torch's)."""
+        self._begin(CMD_SET)
+        try:
+            self._put_key(key)
+            self._put_value(value)
+            self._transact(0, _deadline(self._timeout_ms))
+        finally:
+            self._end()
+
+    def get(self, key):
+        """Returns the value of key, waiting up to the store timeout for it to be set."""
+        cdef int64_t deadline
+        cdef uint8_t found
+        self._begin(CMD_EXT_TRY_GET if self._ext else CMD_WAIT)
+        try:
+            deadline = _deadline(self._timeout_ms)
+            if self._ext:
+                self._put_key(key)
+                self._transact(1, deadline)
+                found = <uint8_t>self._in[self._in_pos]
+                self._in_pos += 1
+                if found:
+                    return self._read_blobs(1, deadline)[0]
+                self._out.clear()
+                put_u8(self._out, CMD_WAIT)
+            put_u64(self._out, 1)
+            self._put_key(key)
+            self._transact(0, deadline)
+            if self._wait_reply(self._timeout_ms):
+                raise StoreTimeoutError(f"wait timeout after {self._timeout_ms}ms, keys: /{key}")
+            self._out.clear()
+            put_u8(self._out, CMD_GET)
+            self._put_key(key)
+            self._transact(0, deadline)
+            return self._read_blobs(1, _deadline(self._timeout_ms))[0]
+        finally:
+            self._end()
+
+    def add(self, key, int64_t value):
+        """Adds value to the integer stored at key (missing counts as 0); returns the sum."""
+        self._begin(CMD_ADD)
+        try:
+            self._put_key(key)
+            put_u64(self._out, <uint64_t>value)
+            self._transact(8, _deadline(self._timeout_ms))
+            return self._take_i64()
+        finally:
+            self._end()
+
+    def _add_unprefixed(self, bytes key, int64_t value):
+        # torch counts workers under the raw key b"init/" (protocol section 6).
+        self._begin(CMD_ADD)
+        try:
+            put_blob(self._out, PyBytes_AS_STRING(key), <size_t>PyBytes_GET_SIZE(key))
+            put_u64(self._out, <uint64_t>value)
+            self._transact(8, _deadline(self._timeout_ms))
+            return self._take_i64()
+        finally:
+            self._end()
+
+    def compare_set(self, key, expected_value, desired_value):
+        """Sets key to desired_value if it holds expected_value; returns the value now held."""
+        self._begin(CMD_COMPARE_SET)
+        try:
+            self._put_key(key)
+            self._put_value(expected_value)
+            self._put_value(desired_value)
+            self._transact(0, _deadline(self._timeout_ms))
+            return self._read_blobs(1, _deadline(self._timeout_ms))[0]
+        finally:
+            self._end()
+
+    def check(self, keys):
+        """True if every key in keys is set."""
+        self._begin(CMD_CHECK)
+        try:
+            self._put_keys(keys)
+            self._transact(1, _deadline(self._timeout_ms))
+            self._in_pos += 1
+            return self._in[self._in_pos - 1] == REPLY_READY
+        finally:
+            self._end()
+
+    def wait(self, keys, timeout=None):
+        """Blocks until every key is set, or raises StoreTimeoutError after timeout."""
+        cdef int64_t ms = _timeout_arg(timeout, self._timeout_ms)
+        keys = list(keys)
+        self._begin(CMD_WAIT)
+        try:
+            self._put_keys(keys)
+            self._transact(0, _deadline(self._timeout_ms))
+            if self._wait_reply(ms):
+                raise StoreTimeoutError(
+                    f"wait timeout after {ms}ms, keys: " + ", ".join("/" + k for k in keys))
+        finally:
+            self._end()
+
+    def num_keys(self):
+        """Number of keys in the store (torch's internal ones included)."""
+        self._begin(CMD_GETNUMKEYS)
+        try:
+            self._transact(8, _deadline(self._timeout_ms))
+            return self._take_i64()
+        finally:
+            self._end()
+
+    def delete_key(self, key):
+        """Deletes key; True if it existed."""
+        self._begin(CMD_DELETE_KEY)
+        try:
+            self._put_key(key)
+            self._transact(8, _deadline(self._timeout_ms))
+            return self._take_i64() == 1
+        finally:
+            self._end()
+
+    def append(self, key, value):
+        """Appends value to key's value (creates it when missing)."""
+        self._begin(CMD_APPEND)
+        try:
+            self._put_key(key)
+            self._put_value(value)
+            self._transact(0, _deadline(self._timeout_ms))
+        finally:
+            self._end()
+
+    def multi_get(self, keys):
+        """Values of every key, in order, waiting up to the store timeout for missing ones."""
+        cdef int64_t deadline
+        cdef uint64_t n
+        keys = list(keys)
+        n = <uint64_t>len(keys)
+        self._begin(CMD_EXT_TRY_MULTI_GET if self._ext else CMD_WAIT)
+        try:
+            deadline = _deadline(self._timeout_ms)
+            self._put_keys(keys)
+            if self._ext:
+                self._transact(1, deadline)
+                self._in_pos += 1
+                if self._in[self._in_pos - 1]:
+                    return self._read_blobs(n, deadline)
+                self._out[0] = <char>CMD_WAIT
+            self._transact(0, deadline)
+            if self._wait_reply(self._timeout_ms):
+                raise StoreTimeoutError(
+                    f"wait timeout after {self._timeout_ms}ms, keys: "
+                    + ", ".join("/" + k for k in keys))
+            self._out[0] = <char>CMD_MULTI_GET
+            self._transact(0, deadline)
+            return self._read_blobs(n, _deadline(self._timeout_ms))
+        finally:
+            self._end()
+
+    def multi_set(self, keys, values):
+        """Sets every key to the value at the same position."""
+        keys = list(keys)
+        values = list(values)
+        if len(keys) != len(values):
+            raise ValueError(f"multi_set got {len(keys)} keys but {len(values)} values")
+        self._begin(CMD_MULTI_SET)
+        try:
+            put_u64(self._out, <uint64_t>len(keys))
+            for k, v in zip(keys, values):
+                self._put_key(k)
+                self._put_value(v)
+            self._transact(0, _deadline(self._timeout_ms))
+        finally:
+            self._end()
+
+    def list_keys(self):
+        """Every user key (those torch's clients would see), without the wire prefix."""
+        cdef int64_t n
+        cdef list raw
+        self._begin(CMD_LIST_KEYS)
+        try:
+            self._transact(8, _deadline(self._timeout_ms))
+            n = self._take_i64()
+            raw = self._read_blobs(<uint64_t>n, _deadline(self._timeout_ms))
+        finally:
+            self._end()
+        return [k[1:].decode("utf-8", "surrogateescape") for k in raw if k.startswith(b"/")]
+
+    def queue_push(self, key, value):
+        """Appends value to the queue named key."""
+        self._begin(CMD_QUEUE_PUSH)
+        try:
+            self._put_key(key)
+            self._put_value(value)
+            self._transact(0, _deadline(self._timeout_ms))
+        finally:
+            self._end()
+
+    def queue_pop(self, key, bint block=True):
+        """Removes and returns the queue's first item; waits for one when block is True."""
+        cdef int64_t n
+        self._begin(CMD_WAIT if block else CMD_QUEUE_POP)
+        try:
+            if block:
+                put_u64(self._out, 1)
+                self._put_key(key)
+                self._transact(0, _deadline(self._timeout_ms))
+                if self._wait_reply(self._timeout_ms):
+                    raise StoreTimeoutError(
+                        f"wait timeout after {self._timeout_ms}ms, keys: /{key}")
+                self._out.clear()
+                put_u8(self._out, CMD_QUEUE_POP)
+            self._put_key(key)
+            self._transact(8, _deadline(self._timeout_ms))
+            n = self._take_i64()
+            if n <= 0:
+                raise QueueEmptyError("queue is empty")
+            return self._read_blobs(1, _deadline(self._timeout_ms))[0]
+        finally:
+            self._end()
+
+    def queue_len(self, key):
+        """Number of items in the queue named key."""
+        self._begin(CMD_QUEUE_LEN)
+        try:
+            self._put_key(key)
+            self._transact(8, _deadline(self._timeout_ms))
+            return self._take_i64()
+        finally:
+            self._end()
+
+    def barrier(self, key, int64_t world_size, timeout=None):
+        """Blocks until world_size callers have reached the barrier named key."""
+        cdef int64_t ms = _timeout_arg(timeout, self._timeout_ms)
+        self._begin(CMD_BARRIER)
+        try:
+            self._put_key(key)
+            put_u64(self._out, <uint64_t>world_size)
+            self._transact(0, _deadline(self._timeout_ms))
+            if self._wait_reply(ms):
+                raise StoreTimeoutError(f"barrier timeout after {ms}ms, key: /{key}")
+        finally:
+            self._end()
+
+    def append_on_disconnect(self, key, value):
+        """Asks the server to append value to key when this connection closes, for any reason.
+
+        Only fastelastic's server has this; it is how peers learn of a crash at once.
+        """
+        if not self._ext:
+            raise StoreError(f"the store at {self._peer} does not support disconnect actions "
+                             "(it is not a fastelastic server)")
+        self._begin(CMD_EXT_ON_DISCONNECT_APPEND)
+        try:
+            self._put_key(key)
+            self._put_value(value)
+            self._transact(1, _deadline(self._timeout_ms))
+            self._in_pos += 1
+        finally:
+            self._end()

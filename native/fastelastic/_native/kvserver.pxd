@@ -1,0 +1,77 @@
+# Declarations of the epoll key-value server (see kvserver.pyx).
+
+from libc.stdint cimport int64_t, uint64_t
+from libcpp cimport bool as cbool
+from libcpp.deque cimport deque
+from libcpp.pair cimport pair
+from libcpp.string cimport string
+from libcpp.unordered_map cimport unordered_map
+from libcpp.vector cimport vector
+
+from fastelastic._native.includes.linux cimport epoll_event
+
+
+cdef struct Waiter:
+    int fd
+    uint64_t cid
+    uint64_t gen
+
+
+cdef cppclass Conn:
+    int fd
+    uint64_t cid
+    string rbuf             # unparsed input (only what one recv could not complete)
+    size_t need             # rbuf must hold this many bytes before a parse can succeed
+    string wbuf             # replies not yet accepted by the kernel
+    size_t wpos
+    cbool validated
+    cbool ext               # answered the capability PING: may send CMD_EXT_*
+    cbool dirty             # has replies queued by another connection's write
+    cbool want_out          # EPOLLOUT armed
+    cbool waiting           # a WAIT or BARRIER is pending
+    int64_t wait_left       # keys the pending wait still misses
+    uint64_t wait_gen       # bumped on every wait and cancel; stale Waiter entries carry an old one
+    vector[string] wait_keys
+    vector[pair[string, string]] on_close
+
+
+cdef class KVServer:
+    cdef int _epfd
+    cdef int _wakefd
+    cdef vector[int] _listen_fds
+    cdef int _spare_fd
+    cdef int _owner_pid
+    cdef cbool _stopping
+    cdef cbool _running
+    cdef uint64_t _next_cid
+    cdef vector[Conn *] _conns
+    cdef vector[Waiter] _dirty
+    cdef unordered_map[string, string] _kv
+    cdef unordered_map[string, deque[string]] _queues
+    cdef unordered_map[string, vector[Waiter]] _waiters
+    cdef char *_rdbuf
+    cdef size_t _rdbuf_cap
+    cdef size_t _max_key
+    cdef size_t _max_value
+    cdef uint64_t _max_keys
+    # counters (read from Python without locking; they only ever grow)
+    cdef readonly uint64_t ops
+    cdef readonly uint64_t accepted
+    cdef readonly uint64_t closed
+    cdef readonly uint64_t protocol_errors
+    cdef object _last_error
+
+    cdef int _loop(self) except -1 nogil
+    cdef void _on_accept(self, int lfd) noexcept nogil
+    cdef void _on_readable(self, Conn *c) noexcept nogil
+    cdef int _consume(self, Conn *c, const char *p, size_t n, size_t *used) noexcept nogil
+    cdef ssize_t _measure(self, const char *p, size_t n, size_t *need) noexcept nogil
+    cdef int _execute(self, Conn *c, const char *p) noexcept nogil
+    cdef void _flush(self, Conn *c) noexcept nogil
+    cdef void _close_conn(self, Conn *c, const char *why) noexcept nogil
+    cdef void _notify(self, const string &key) noexcept nogil
+    cdef void _notify_one(self, const string &key) noexcept nogil
+    cdef int _missing(self, const string &key) noexcept nogil
+    cdef void _register_wait(self, Conn *c, const string &key) noexcept nogil
+    cdef void _drop_wait(self, Conn *c) noexcept nogil
+    cdef Conn *_lookup(self, int fd, uint64_t cid) noexcept nogil

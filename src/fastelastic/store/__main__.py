@@ -1,0 +1,46 @@
+"""Standalone store server: ``python -m fastelastic.store --host H --port P``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+from fastelastic.errors import StoreError
+from fastelastic.store._hosting import host_server
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m fastelastic.store",
+        description="Run a fastelastic TCPStore server (torch TCPStore wire protocol).",
+    )
+    parser.add_argument("--host", default="", help="address to listen on (default: all)")
+    parser.add_argument("--port", type=int, default=29400, help="port (0 picks a free one)")
+    parser.add_argument("--max-key", type=int, default=8192, help="longest key, bytes")
+    parser.add_argument("--max-value", type=int, default=8 << 20, help="longest value, bytes")
+    parser.add_argument("--max-keys", type=int, default=131072,
+                        help="most keys in one multi-key request")
+    args = parser.parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port must be in 0..65535, got {args.port}")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        handle = host_server(args.host, args.port, max_key=args.max_key,
+                             max_value=args.max_value, max_keys=args.max_keys)
+    except StoreError as e:
+        print(f"fastelastic.store: error: {e}", file=sys.stderr)
+        return 1
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    print(f"fastelastic store listening on {args.host or '*'}:{handle.port}", flush=True)
+    done.wait()
+    handle.release()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

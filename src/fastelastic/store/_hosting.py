@@ -1,0 +1,150 @@
+"""Hosting the native store server: listening sockets, the serving thread, fd limits."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import resource
+import socket
+import threading
+from typing import Optional
+
+from fastelastic._native.kvserver import KVServer
+from fastelastic.errors import StoreError
+
+log = logging.getLogger("fastelastic.store")
+
+_lock = threading.Lock()
+_tenants: dict[int, "ServerHandle"] = {}
+
+
+def raise_fd_limit() -> int:
+    """Raises the soft RLIMIT_NOFILE to the hard limit (connections are fds); returns it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        hard = 1 << 20
+    if soft == resource.RLIM_INFINITY or soft >= hard:
+        return soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        return hard
+    except (ValueError, OSError) as e:
+        log.warning("could not raise RLIMIT_NOFILE from %d to %d: %s", soft, hard, e)
+        return soft
+
+
+def _somaxconn() -> int:
+    try:
+        with open("/proc/sys/net/core/somaxconn") as f:
+            return max(128, int(f.read()))
+    except (OSError, ValueError):
+        return 4096
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """Binds and listens on host:port; all interfaces (IPv6 dual-stack when possible) for ''.
+
+    The backlog is ``somaxconn``, so a storm of connecting clients is queued, not refused.
+    """
+    wildcard = host in ("", "*", "0.0.0.0", "::")
+    candidates: list[tuple[int, tuple]] = []
+    if wildcard:
+        if host != "0.0.0.0" and socket.has_ipv6:
+            candidates.append((socket.AF_INET6, ("::", port)))
+        candidates.append((socket.AF_INET, ("0.0.0.0", port)))
+    else:
+        for fam, _, _, _, addr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+            candidates.append((fam, addr))
+    last: Optional[OSError] = None
+    for fam, addr in candidates:
+        sock = socket.socket(fam, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if fam == socket.AF_INET6 and wildcard:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            sock.bind(addr)
+            sock.listen(_somaxconn())
+            return sock
+        except OSError as e:
+            sock.close()
+            last = e
+            if e.errno == errno.EADDRINUSE:
+                break
+    assert last is not None
+    if last.errno == errno.EADDRINUSE:
+        raise StoreError(
+            f"cannot host the store on {host or '*'}:{port}: the address is already in use. "
+            "Another job or store is listening there; pick another port (or port 0 for a free one)."
+        ) from last
+    raise StoreError(f"cannot host the store on {host or '*'}:{port}: {last}") from last
+
+
+class ServerHandle:
+    """One running :class:`KVServer` and its thread; shared by multi-tenant stores on a port."""
+
+    def __init__(self, sock: socket.socket, **limits: int) -> None:
+        raise_fd_limit()
+        sock.setblocking(False)
+        self.sock = sock
+        self.family = sock.family
+        self.port: int = sock.getsockname()[1]
+        self.server = KVServer([sock.fileno()], **limits)
+        self._refs = 1
+        self._thread = threading.Thread(
+            target=self._serve, name=f"fastelastic-store:{self.port}", daemon=True
+        )
+        self._thread.start()
+
+    def _serve(self) -> None:
+        try:
+            self.server.serve_forever()
+        except BaseException:  # the loop only returns on stop(); anything else is a bug to see
+            log.exception("store server on port %d stopped unexpectedly", self.port)
+
+    @property
+    def loopback(self) -> str:
+        return "::1" if self.family == socket.AF_INET6 else "127.0.0.1"
+
+    def acquire(self) -> "ServerHandle":
+        with _lock:
+            self._refs += 1
+        return self
+
+    def release(self) -> None:
+        with _lock:
+            self._refs -= 1
+            if self._refs > 0:
+                return
+            if _tenants.get(self.port) is self:
+                del _tenants[self.port]
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        if self._thread is None:
+            return
+        self.server.stop()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+        self._thread = None
+        self.server.close()
+        self.sock.detach()  # the server closed the fd
+
+
+def host_server(
+    host: str, port: int, *, multi_tenant: bool = False, listen_fd: Optional[int] = None,
+    **limits: int,
+) -> ServerHandle:
+    """Starts (or, multi-tenant, shares) a server listening on host:port."""
+    with _lock:
+        if multi_tenant and port in _tenants:
+            return _tenants[port].acquire()
+    if listen_fd is not None:
+        sock = socket.socket(fileno=os.dup(listen_fd))
+    else:
+        sock = listen_socket(host, port)
+    handle = ServerHandle(sock, **limits)
+    if multi_tenant:
+        with _lock:
+            _tenants[handle.port] = handle
+    return handle
