@@ -88,3 +88,94 @@ class SignalException(FastElasticError):
     def __init__(self, msg: str, sigval: object) -> None:
         super().__init__(msg)
         self.sigval = sigval
+
+
+_FAILURE_FMT = """[{idx}]:
+  time      : {time}
+  host      : {host}
+  rank      : {rank} (local_rank: {local_rank})
+  exitcode  : {exitcode} (pid: {pid}){signal}
+  error_file: {error_file}
+  traceback : {traceback}"""
+
+
+class ChildFailedError(FastElasticError):
+    """One or more worker processes failed; names the root cause (first observed failure).
+
+    Same shape as torch's ``ChildFailedError``: ``name`` and ``failures`` (global rank ->
+    :class:`fastelastic.multiprocessing.errors.ProcessFailure`). Raising it from a function
+    decorated with ``@record`` copies the root cause's error file into this process's own
+    ``TORCHELASTIC_ERROR_FILE``, so the traceback travels up to the scheduler.
+
+    Args:
+        name: what failed (the entrypoint name).
+        failures: the failures by global rank; must not be empty.
+
+    Raises:
+        ValueError: ``failures`` is empty.
+    """
+
+    def __init__(self, name: str, failures: dict) -> None:
+        if not failures:
+            raise ValueError("ChildFailedError needs at least one failure")
+        self.name = name
+        self.failures = failures
+        super().__init__(self.format_msg())
+
+    def get_first_failure(self) -> tuple:
+        """Returns ``(global_rank, failure)`` of the earliest failure (ties: first inserted)."""
+        rank = min(self.failures, key=lambda r: self.failures[r].timestamp)
+        return rank, self.failures[rank]
+
+    def format_msg(self, boarder_delim: str = "=", section_delim: str = "-") -> str:
+        """Formats the report the way torch does: a root-cause block and the other failures."""
+        import socket
+
+        host = socket.gethostname()  # never getfqdn: a reverse lookup may stall
+        title = f"{self.name} FAILED"
+        root_rank, _ = self.get_first_failure()
+        root_fmt = ""
+        others: list[str] = []
+        width = len(title)
+        for idx, (rank, failure) in enumerate(self.failures.items()):
+            fmt = self._format_failure(idx, rank, failure, host)
+            width = max(width, *(len(line) for line in fmt.split("\n")))
+            if rank == root_rank:
+                root_fmt = fmt
+            else:
+                others.append(fmt)
+        width = min(width, 60)
+        return "\n".join(
+            [
+                "",
+                boarder_delim * width,
+                title,
+                section_delim * width,
+                "Failures:",
+                "\n".join(others or ["  <NO_OTHER_FAILURES>"]),
+                section_delim * width,
+                "Root Cause (first observed failure):",
+                root_fmt,
+                boarder_delim * width,
+            ]
+        )
+
+    @staticmethod
+    def _format_failure(idx: int, rank: int, failure, host: str) -> str:
+        msg = failure.message
+        if isinstance(msg, dict):
+            msg = msg.get("extraInfo", {}).get("py_callstack", msg.get("message", "<N/A>"))
+        msg = str(msg).replace("\n", "\n  ")
+        signal_name = failure.signal_name()
+        return _FAILURE_FMT.format(
+            idx=idx,
+            time=failure.timestamp_isoformat(),
+            host=host,
+            rank=rank,
+            local_rank=failure.local_rank,
+            exitcode=failure.exitcode,
+            pid=failure.pid,
+            signal=f" ({signal_name})" if signal_name != "<N/A>" else "",
+            error_file=failure.error_file,
+            traceback=msg,
+        )

@@ -1,0 +1,59 @@
+"""Owns the child side of a callable worker: process group, stdio, environment, return value."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+from collections.abc import Callable
+from multiprocessing import reduction
+from typing import Any
+
+from fastelastic._native.procmon import set_pdeathsig
+from fastelastic.multiprocessing.errors import record
+
+
+class FdArg:
+    """An fd handed to a worker: pickled for spawn/forkserver so the child receives a copy."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self):
+        return (_rebuild_fd, (reduction.DupFd(self.fd),))
+
+
+def _rebuild_fd(dup: Any) -> FdArg:
+    return FdArg(dup.detach())
+
+
+def worker_main(
+    fn: Callable[..., Any],
+    args: tuple,
+    env: dict[str, str],
+    stdout: FdArg | None,
+    stderr: FdArg | None,
+    ret_path: str,
+    agent_pid: int,
+    pdeathsig: bool,
+    reset_signals: tuple[int, ...],
+) -> None:
+    """Runs ``fn(*args)`` in a fresh process group and stores its return value in ``ret_path``."""
+    try:
+        os.setpgid(0, 0)
+    except OSError:
+        pass
+    if pdeathsig:
+        set_pdeathsig(signal.SIGKILL, agent_pid)
+    for sig in reset_signals:
+        signal.signal(sig, signal.SIG_DFL)
+    for target, arg in ((1, stdout), (2, stderr)):
+        if arg is not None:
+            os.dup2(arg.fd, target)
+            os.close(arg.fd)
+    os.environ.update(env)
+    ret = record(fn)(*args)
+    tmp = ret_path + ".tmp"
+    with open(tmp, "wb") as f:
+        pickle.dump(ret, f)
+    os.replace(tmp, ret_path)

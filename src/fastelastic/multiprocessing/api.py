@@ -1,0 +1,614 @@
+"""Owns the process contexts: PContext, MultiprocessContext, SubprocessContext, RunProcsResult.
+
+Every worker runs in its own process group and is watched through a pidfd by one
+:class:`~fastelastic._native.procmon.PidfdMonitor`, so ``wait`` returns the moment a worker
+exits instead of sleeping ``period``. Stopping signals whole groups (grandchildren too) and ends
+with SIGKILL; a guardian process kills the groups if the agent itself dies. Each worker's
+stderr always passes through the output pump, which keeps its tail for the failure report.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any, TextIO
+
+import multiprocessing as mp
+
+from fastelastic._native.procmon import PidfdMonitor, set_pdeathsig
+from fastelastic.errors import SignalException
+from fastelastic.multiprocessing._guardian import guardian
+from fastelastic.multiprocessing._pump import OutputPump, StreamSink
+from fastelastic.multiprocessing._worker import FdArg, worker_main
+from fastelastic.multiprocessing.errors import ProcessFailure
+from fastelastic.multiprocessing.logs import LogsSpecs
+
+__all__ = [
+    "PContext",
+    "MultiprocessContext",
+    "SubprocessContext",
+    "RunProcsResult",
+    "SignalException",
+]
+
+logger = logging.getLogger(__name__)
+
+SIGNALS_TO_HANDLE_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
+# After SIGKILL a process exits at once unless it is in uninterruptible sleep; wait this long.
+_KILL_GRACE_S = 5.0
+# How long a failure report waits for the failed worker's stderr to reach EOF.
+_DRAIN_S = 2.0
+
+
+def _terminate_process_handler(signum: int, frame: FrameType | None) -> None:
+    sigval = signal.Signals(signum)
+    raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
+
+
+def _validate_full_rank(d: dict[int, Any], nprocs: int, what: str) -> None:
+    if set(d) != set(range(nprocs)):
+        raise RuntimeError(
+            f"{what}, local rank mapping mismatch, expected: {set(range(nprocs))}, "
+            f"actual: {set(d)}"
+        )
+
+
+@dataclass
+class RunProcsResult:
+    """Results of a finished run of processes, every field keyed by local rank.
+
+    ``return_values`` is filled for functions (None per rank for binaries); ``stdouts`` and
+    ``stderrs`` are the log file paths ("" when not redirected).
+    """
+
+    return_values: dict[int, Any] = field(default_factory=dict)
+    failures: dict[int, ProcessFailure] = field(default_factory=dict)
+    stdouts: dict[int, str] = field(default_factory=dict)
+    stderrs: dict[int, str] = field(default_factory=dict)
+
+    def is_failed(self) -> bool:
+        """True if any process failed."""
+        return len(self.failures) > 0
+
+
+class PContext(abc.ABC):
+    """A set of worker processes started together, one per local rank.
+
+    Args:
+        name: short name of the processes (used as the tee'd lines' header).
+        entrypoint: a callable or a binary path.
+        args: arguments by local rank.
+        envs: extra environment variables by local rank.
+        logs_specs: where output goes (see :class:`~fastelastic.multiprocessing.DefaultLogsSpecs`).
+        log_line_prefixes: header of each tee'd line by local rank (default ``[{name}{rank}]:``).
+        duplicate_stdout_filters: copy tee'd stdout lines containing any of these strings into
+            the attempt's ``filtered_stdout.log``.
+        duplicate_stderr_filters: the same for stderr.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        entrypoint: Callable | str,
+        args: dict[int, tuple],
+        envs: dict[int, dict[str, str]],
+        logs_specs: LogsSpecs,
+        log_line_prefixes: dict[int, str] | None = None,
+        duplicate_stdout_filters: list[str] | None = None,
+        duplicate_stderr_filters: list[str] | None = None,
+    ) -> None:
+        self.name = name
+        nprocs = len(args)
+        dest = logs_specs.reify(envs)
+        _validate_full_rank(dest.stdouts, nprocs, "stdouts")
+        _validate_full_rank(dest.stderrs, nprocs, "stderrs")
+        self.entrypoint = entrypoint
+        self.args = args
+        self.envs = envs
+        self.stdouts = dest.stdouts
+        self.stderrs = dest.stderrs
+        self.error_files = dest.error_files
+        self.nprocs = nprocs
+        self._tee_stdouts = dest.tee_stdouts
+        self._tee_stderrs = dest.tee_stderrs
+        self._prefixes = log_line_prefixes or {}
+        self.filtered_stdout: TextIO | None = None
+        self.filtered_stderr: TextIO | None = None
+        self._out_filters = duplicate_stdout_filters
+        self._err_filters = duplicate_stderr_filters
+        if duplicate_stdout_filters:
+            self.filtered_stdout = open(dest.filtered_stdout, "w", errors="replace", buffering=1)  # noqa: SIM115
+        if duplicate_stderr_filters:
+            self.filtered_stderr = open(dest.filtered_stderr, "w", errors="replace", buffering=1)  # noqa: SIM115
+        self._pump = OutputPump(name)
+        self._stderr_sinks: dict[int, StreamSink] = {}
+        self._monitor: PidfdMonitor | None = None
+        self._pids: dict[int, int] = {}  # local rank -> pid (== its process group id)
+        self._rank_of: dict[int, int] = {}
+        self._exitcodes: dict[int, int | None] = {}
+        self._failed_ranks: list[int] = []  # in the order their failures were observed
+        self._exit_seq = 0
+        self._seen_seq = 0
+        self._lock = threading.RLock()
+        self._closed = False
+        self.stuck_pids: dict[int, str] = {}  # local rank -> psutil status after close
+
+    # ------------------------------------------------------------------ start
+
+    def start(self) -> None:
+        """Starts the processes (and, on the main thread, installs torch's signal handlers)."""
+        if threading.current_thread() is threading.main_thread():
+            names = os.environ.get(SIGNALS_TO_HANDLE_ENV, "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
+            for sig_name in names.split(","):
+                try:
+                    signal.signal(getattr(signal, sig_name.strip()), _terminate_process_handler)
+                except (AttributeError, ValueError, RuntimeError):
+                    logger.warning("Failed to register signal handler for %s", sig_name)
+        else:
+            logger.info("not on the main thread: signal handlers not installed")
+        self._monitor = PidfdMonitor()
+        self._start()
+        self._pump.start()
+
+    @abc.abstractmethod
+    def _start(self) -> None:
+        """Starts the processes (context specific)."""
+
+    def _header(self, rank: int) -> str:
+        return self._prefixes.get(rank, f"[{self.name}{rank}]:")
+
+    def _child_stdio(self, rank: int) -> tuple[int | None, int | None]:
+        """Returns the fds to install as the child's stdout/stderr (None = inherit ours)."""
+        out_fd: int | None = None
+        out_path = self.stdouts[rank]
+        if out_path:
+            if rank in self._tee_stdouts or self.filtered_stdout is not None:
+                out_fd = self._pipe_to(
+                    rank, out_path, sys.stdout if rank in self._tee_stdouts else None,
+                    self.filtered_stdout if rank in self._tee_stdouts else None,
+                    self._out_filters, keep_tail=False,
+                )
+            else:
+                out_fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        # stderr always goes through the pump so its tail is kept for the failure report
+        err_path = self.stderrs[rank]
+        tee = rank in self._tee_stderrs
+        if err_path == "":
+            err_file = self._capture_path(rank)
+            console: TextIO | None = sys.stderr
+            header = ""
+        else:
+            err_file = err_path if err_path != os.devnull else None
+            console = sys.stderr if tee else None
+            header = self._header(rank) if tee else ""
+        err_fd = self._pipe_to(
+            rank, err_file, console, self.filtered_stderr if tee else None, self._err_filters,
+            keep_tail=True, header=header,
+        )
+        return out_fd, err_fd
+
+    def _capture_path(self, rank: int) -> str | None:
+        err = self.error_files.get(rank, "")
+        if err and err != os.devnull and os.path.isdir(os.path.dirname(err)):
+            return os.path.join(os.path.dirname(err), "stderr.log")
+        return None
+
+    def _pipe_to(
+        self, rank: int, path: str | None, console: TextIO | None, filtered: TextIO | None,
+        filters: list[str] | None, keep_tail: bool, header: str | None = None,
+    ) -> int:
+        r, w = os.pipe()
+        file = open(path, "wb") if path and path != os.devnull else None  # noqa: SIM115
+        line_filter = None
+        if filtered is not None and filters:
+            needles = list(filters)
+            line_filter = lambda line: any(n in line for n in needles)  # noqa: E731
+        sink = StreamSink(
+            rank, file, console, self._header(rank) if header is None else header,
+            filtered if line_filter else None, line_filter, keep_tail,
+        )
+        self._pump.add(r, sink)
+        if keep_tail:
+            self._stderr_sinks[rank] = sink
+        return w
+
+    def _track(self, rank: int, pid: int) -> None:
+        assert self._monitor is not None
+        self._pids[rank] = pid
+        self._rank_of[pid] = rank
+        guardian.register(pid)
+        self._monitor.add(pid, reap=False)
+
+    # ------------------------------------------------------------------ waiting
+
+    def _collect(self, timeout: float | None) -> bool:
+        """Records exits reported by the monitor within ``timeout``; True if any."""
+        monitor = self._monitor
+        if monitor is None or monitor.closed:
+            return False
+        events = monitor.wait(timeout)
+        with self._lock:
+            for pid, status in events:
+                rank = self._rank_of[pid]
+                code = self._exitcode(rank, status)
+                self._exitcodes[rank] = code
+                self._exit_seq += 1
+                if code != 0 and not self._closed:
+                    self._failed_ranks.append(rank)
+        return bool(events)
+
+    @abc.abstractmethod
+    def _exitcode(self, rank: int, status: int | None) -> int | None:
+        """The exit code of ``rank`` given the status the monitor peeked (None: ask the owner)."""
+
+    def wait_any(self, timeout: float | None = None) -> bool:
+        """Blocks until a worker exits, ``wakeup()`` is called or ``timeout`` seconds pass.
+
+        An exit counts once: after this returned True for it, the next call blocks again.
+        Follow a True with ``wait(0)`` to get the result (None while others still run).
+
+        Returns:
+            True if at least one worker exited since the previous ``wait_any``.
+        """
+        if self._exit_seq == self._seen_seq:
+            self._collect(timeout)
+        with self._lock:
+            fresh = self._exit_seq != self._seen_seq
+            self._seen_seq = self._exit_seq
+        return fresh
+
+    def wakeup(self) -> None:
+        """Makes a ``wait``/``wait_any`` blocked in another thread return now."""
+        if self._monitor is not None:
+            self._monitor.wakeup()
+
+    def fileno(self) -> int:
+        """An fd that is readable when a worker exit is pending (for select/epoll loops)."""
+        if self._monitor is None:
+            raise RuntimeError("process context not started")
+        return self._monitor.fileno()
+
+    def wait(self, timeout: float = -1, period: float = 1) -> RunProcsResult | None:
+        """Waits up to ``timeout`` s for all processes to finish or any to fail.
+
+        Returns the moment the outcome is known (``period`` is accepted for torch
+        compatibility and ignored: nothing is polled).
+
+        Args:
+            timeout: seconds; negative waits forever, 0 only checks.
+            period: ignored.
+
+        Returns:
+            The result, or None if processes are still running at the timeout.
+        """
+        deadline = None if timeout < 0 else time.monotonic() + timeout
+        while True:
+            result = self._poll()
+            if result is not None:
+                return result
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return None
+            self._collect(remaining)
+
+    def _poll(self) -> RunProcsResult | None:
+        self._collect(0)
+        with self._lock:
+            failed = list(self._failed_ranks)
+            done = len(self._exitcodes) == self.nprocs
+        if failed:
+            self.close()
+            failures = {}
+            for rank in failed:
+                sink = self._stderr_sinks.get(rank)
+                failures[rank] = ProcessFailure(
+                    local_rank=rank,
+                    pid=self._pids[rank],
+                    exitcode=self._exitcodes[rank] or 1,
+                    error_file=self.error_files.get(rank, ""),
+                    stderr_tail=sink.tail_text() if sink is not None else None,
+                )
+            first = failures[failed[0]]
+            logger.error(
+                "failed (exitcode: %s) local_rank: %s (pid: %s) of %s",
+                first.exitcode, first.local_rank, first.pid, self._entrypoint_name(),
+            )
+            return RunProcsResult(failures=failures, stdouts=self.stdouts, stderrs=self.stderrs)
+        if done:
+            values = self._return_values()
+            self.close()
+            return RunProcsResult(return_values=values, stdouts=self.stdouts, stderrs=self.stderrs)
+        return None
+
+    def _return_values(self) -> dict[int, Any]:
+        return dict.fromkeys(range(self.nprocs))
+
+    def _entrypoint_name(self) -> str:
+        ep = self.entrypoint
+        return ep if isinstance(ep, str) else getattr(ep, "__qualname__", repr(ep))
+
+    def pids(self) -> dict[int, int]:
+        """The pids of the processes by local rank."""
+        return dict(self._pids)
+
+    def exitcodes(self) -> dict[int, int | None]:
+        """Exit codes (``-signal`` if killed) of the processes that have exited, by local rank."""
+        with self._lock:
+            return dict(self._exitcodes)
+
+    def worker_states(self) -> dict[int, str]:
+        """psutil status of each live process by local rank (``disk-sleep`` = uninterruptible)."""
+        import psutil
+
+        states = {}
+        for rank, pid in self._pids.items():
+            if rank in self._exitcodes:
+                continue
+            try:
+                states[rank] = psutil.Process(pid).status()
+            except psutil.Error:
+                continue
+        return states
+
+    # ------------------------------------------------------------------ stopping
+
+    def _signal_group(self, rank: int, sig: int) -> None:
+        pid = self._pids[rank]
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            # not a group leader yet (spawned child before its setpgid): signal it directly
+            if self._monitor is not None and pid in self._monitor:
+                try:
+                    self._monitor.send_signal(pid, sig)
+                except ProcessLookupError:
+                    pass
+        except PermissionError:
+            logger.warning("no permission to signal process group %s", pid)
+
+    def _wait_ranks(self, ranks: set[int], deadline: float) -> set[int]:
+        """Waits (event driven) until ``ranks`` exited or ``deadline``; returns the alive ones."""
+        while True:
+            with self._lock:
+                alive = {r for r in ranks if r not in self._exitcodes}
+            remaining = deadline - time.monotonic()
+            if not alive or remaining <= 0:
+                return alive
+            self._collect(remaining)
+
+    def close(self, death_sig: signal.Signals | None = None, timeout: int = 30) -> None:
+        """Stops every process group: ``death_sig``, then SIGKILL after ``timeout`` seconds.
+
+        Each worker's whole process group is signalled, so grandchildren stop too; once the
+        workers are gone, any group member still alive is SIGKILLed. A worker that survives
+        SIGKILL (uninterruptible sleep) is logged and listed in ``stuck_pids`` instead of
+        hanging the caller. Safe to call more than once.
+
+        Args:
+            death_sig: the first signal (SIGTERM by default).
+            timeout: seconds to wait for the processes before SIGKILL.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        sig = death_sig if death_sig else signal.SIGTERM
+        try:
+            self._stop_processes(sig, timeout)
+        finally:
+            self._release()
+
+    def _stop_processes(self, sig: int, timeout: float) -> None:
+        if self._monitor is None:
+            return
+        self._collect(0)
+        alive = {r for r in self._pids if r not in self._exitcodes}
+        for rank in sorted(alive):
+            logger.info("Sending process %s closing signal %s", self._pids[rank], signal.Signals(sig).name)
+            self._signal_group(rank, sig)
+        alive = self._wait_ranks(alive, time.monotonic() + max(timeout, 0))
+        for rank in sorted(alive):
+            logger.warning(
+                "Unable to shutdown process %s via %s, forcefully exiting via SIGKILL",
+                self._pids[rank], signal.Signals(sig).name,
+            )
+        # SIGKILL every group: the stragglers, and grandchildren left behind by exited workers
+        for rank in self._pids:
+            self._signal_group(rank, signal.SIGKILL)
+        alive = self._wait_ranks(alive, time.monotonic() + _KILL_GRACE_S)
+        if alive:
+            states = self.worker_states()
+            for rank in alive:
+                state = states.get(rank, "unknown")
+                self.stuck_pids[rank] = state
+                logger.error(
+                    "Process %s (local_rank %s) did not exit after SIGKILL within %ss (state: %s);"
+                    " abandoning it. It may be in uninterruptible kernel sleep.",
+                    self._pids[rank], rank, _KILL_GRACE_S, state,
+                )
+        self._reap()
+
+    @abc.abstractmethod
+    def _reap(self) -> None:
+        """Reaps the exited processes (context specific)."""
+
+    def _release(self) -> None:
+        for pid in self._pids.values():
+            guardian.unregister(pid)
+        if not self._pump.drain(_DRAIN_S):
+            self._pump.stop()
+        if self._monitor is not None:
+            self._monitor.close()
+        for f in (self.filtered_stdout, self.filtered_stderr):
+            if f is not None:
+                f.close()
+
+
+class MultiprocessContext(PContext):
+    """``PContext`` of worker processes running a function (start method spawn/fork/forkserver).
+
+    Return values come back by local rank through files in a private directory; exceptions
+    are recorded to the error file with ``@record`` automatically.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        entrypoint: Callable,
+        args: dict[int, tuple],
+        envs: dict[int, dict[str, str]],
+        start_method: str,
+        logs_specs: LogsSpecs,
+        log_line_prefixes: dict[int, str] | None = None,
+        numa_options: Any = None,
+        duplicate_stdout_filters: list[str] | None = None,
+        duplicate_stderr_filters: list[str] | None = None,
+    ) -> None:
+        if start_method not in ("spawn", "fork", "forkserver"):
+            raise ValueError(f"start_method must be spawn, fork or forkserver, got {start_method!r}")
+        super().__init__(
+            name, entrypoint, args, envs, logs_specs, log_line_prefixes,
+            duplicate_stdout_filters, duplicate_stderr_filters,
+        )
+        self.start_method = start_method
+        self._numa_options = numa_options
+        self._procs: dict[int, Any] = {}
+        self._ret_dir = tempfile.mkdtemp(prefix="fastelastic-ret-")
+
+    def _start(self) -> None:
+        if self._procs:
+            raise ValueError("The process context already started (start() called twice?)")
+        ctx = mp.get_context(self.start_method)
+        on_main = threading.current_thread() is threading.main_thread()
+        reset = ()
+        if self.start_method == "fork":
+            reset = tuple(
+                int(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+            )
+        for rank in range(self.nprocs):
+            out_fd, err_fd = self._child_stdio(rank)
+            try:
+                proc = ctx.Process(
+                    target=worker_main,
+                    args=(
+                        self.entrypoint, self.args[rank], self.envs[rank],
+                        FdArg(out_fd) if out_fd is not None else None,
+                        FdArg(err_fd) if err_fd is not None else None,
+                        os.path.join(self._ret_dir, f"{rank}.pkl"),
+                        os.getpid(), on_main and self.start_method != "forkserver", reset,
+                    ),
+                    name=f"{self.name}-{rank}",
+                    daemon=False,
+                )
+                proc.start()
+            finally:
+                for fd in (out_fd, err_fd):
+                    if fd is not None:
+                        os.close(fd)
+            self._procs[rank] = proc
+            if self.start_method == "fork":
+                try:
+                    os.setpgid(proc.pid, proc.pid)  # closes the race with the child's own call
+                except OSError:
+                    pass
+            self._track(rank, proc.pid)
+
+    def _exitcode(self, rank: int, status: int | None) -> int | None:
+        if status is not None:
+            return status
+        proc = self._procs[rank]  # forkserver: the fork server reaps and tells the Process
+        proc.join(_KILL_GRACE_S)
+        return proc.exitcode
+
+    def _return_values(self) -> dict[int, Any]:
+        values: dict[int, Any] = {}
+        for rank in range(self.nprocs):
+            path = os.path.join(self._ret_dir, f"{rank}.pkl")
+            try:
+                with open(path, "rb") as f:
+                    values[rank] = pickle.load(f)
+            except FileNotFoundError:
+                values[rank] = None  # exited 0 without returning (os._exit(0))
+        return values
+
+    def _reap(self) -> None:
+        for rank, proc in self._procs.items():
+            if rank in self._exitcodes:
+                proc.join(0)
+                proc.close()
+
+    def _release(self) -> None:
+        try:
+            super()._release()
+        finally:
+            shutil.rmtree(self._ret_dir, ignore_errors=True)
+
+
+class SubprocessContext(PContext):
+    """``PContext`` of worker processes running a binary (args are converted with ``str``)."""
+
+    def __init__(
+        self,
+        name: str,
+        entrypoint: str,
+        args: dict[int, tuple],
+        envs: dict[int, dict[str, str]],
+        logs_specs: LogsSpecs,
+        log_line_prefixes: dict[int, str] | None = None,
+        numa_options: Any = None,
+        duplicate_stdout_filters: list[str] | None = None,
+        duplicate_stderr_filters: list[str] | None = None,
+    ) -> None:
+        super().__init__(
+            name, entrypoint, args, envs, logs_specs, log_line_prefixes,
+            duplicate_stdout_filters, duplicate_stderr_filters,
+        )
+        self._numa_options = numa_options
+        self.subprocess_handlers: dict[int, subprocess.Popen] = {}
+
+    def _start(self) -> None:
+        if self.subprocess_handlers:
+            raise ValueError("The subprocess handlers already started (start() called twice?)")
+        on_main = threading.current_thread() is threading.main_thread()
+        me = os.getpid()
+        for rank in range(self.nprocs):
+            out_fd, err_fd = self._child_stdio(rank)
+            env = os.environ.copy()
+            env.update(self.envs[rank])
+            try:
+                proc = subprocess.Popen(
+                    [str(self.entrypoint), *(str(a) for a in self.args[rank])],
+                    env=env,
+                    stdout=out_fd,
+                    stderr=err_fd,
+                    process_group=0,
+                    preexec_fn=(lambda: set_pdeathsig(signal.SIGKILL, me)) if on_main else None,
+                )
+            finally:
+                for fd in (out_fd, err_fd):
+                    if fd is not None:
+                        os.close(fd)
+            self.subprocess_handlers[rank] = proc
+            self._track(rank, proc.pid)
+
+    def _exitcode(self, rank: int, status: int | None) -> int | None:
+        if status is None:
+            return self.subprocess_handlers[rank].wait(_KILL_GRACE_S)
+        return status
+
+    def _reap(self) -> None:
+        for rank, proc in self.subprocess_handlers.items():
+            if rank in self._exitcodes and proc.returncode is None:
+                proc.wait(_KILL_GRACE_S)
