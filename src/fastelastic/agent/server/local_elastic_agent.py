@@ -1,0 +1,432 @@
+"""LocalElasticAgent: runs a node's workers as local processes and wakes the moment one exits."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import time
+from string import Template
+from typing import TYPE_CHECKING, Any
+
+from fastelastic import events
+from fastelastic._native.procmon import PidfdMonitor
+from fastelastic.agent.server.api import RunResult, SimpleElasticAgent, WorkerGroup, WorkerSpec, WorkerState
+from fastelastic.agent.server.health_check_server import HealthCheckServer, create_healthcheck_server
+from fastelastic.metrics import prof
+
+if TYPE_CHECKING:
+    from fastelastic.multiprocessing import LogsSpecs, PContext
+
+__all__ = [
+    "LocalElasticAgent",
+    "TORCHELASTIC_ENABLE_FILE_TIMER",
+    "TORCHELASTIC_TIMER_FILE",
+    "TORCHELASTIC_HEALTH_CHECK_PORT",
+    "TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT",
+]
+
+logger = logging.getLogger(__name__)
+
+TORCHELASTIC_ENABLE_FILE_TIMER = "TORCHELASTIC_ENABLE_FILE_TIMER"
+TORCHELASTIC_HEALTH_CHECK_PORT = "TORCHELASTIC_HEALTH_CHECK_PORT"
+TORCHELASTIC_TIMER_FILE = "TORCHELASTIC_TIMER_FILE"
+TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT = "TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT"
+TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
+
+
+def _resolve_uninterruptible_state_timeout(explicit: float | None) -> float:
+    """Explicit argument, else the env var, else 0 (disabled); bad values disable."""
+    if explicit is not None:
+        return max(0.0, float(explicit))
+    raw = os.environ.get(TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT, "")
+    try:
+        return max(0.0, float(raw)) if raw else 0.0
+    except ValueError:
+        logger.warning("ignoring %s=%r: not a number", TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT, raw)
+        return 0.0
+
+
+def substitute_local_rank(args: tuple, local_rank: int) -> tuple:
+    """Replaces ``${local_rank}`` in every string argument (torch's ``macros.substitute``)."""
+    return tuple(
+        Template(a).safe_substitute(local_rank=str(local_rank)) if isinstance(a, str) else a
+        for a in args
+    )
+
+
+class LocalElasticAgent(SimpleElasticAgent):
+    """Handles the host-local workers of one ``WorkerSpec`` (torch's ``LocalElasticAgent``).
+
+    Workers are callables (started with ``start_method``: spawn, fork or forkserver; their
+    return values are collected by global rank) or binaries. Each gets torch's environment
+    (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ... TORCHELASTIC_RESTART_COUNT) so unmodified
+    torch scripts work. Unlike torch, the agent does not poll: it blocks on one pidfd per
+    worker and wakes the moment a worker exits; it only wakes on a timer (``monitor_interval``)
+    to ask the rendezvous whether new nodes are waiting.
+
+    Log lines are prefixed with ``log_line_prefix_template`` (else
+    ``$TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``), where ``${role_name}``, ``${rank}``,
+    ``${local_rank}`` and ``${hostname}`` are substituted.
+
+    ``TORCHELASTIC_ENABLE_FILE_TIMER=1`` starts a ``FileTimerServer`` watchdog (its FIFO is
+    passed to workers as ``TORCHELASTIC_TIMER_FILE``); ``TORCHELASTIC_HEALTH_CHECK_PORT``
+    starts an HTTP health endpoint (``GET /health``).
+
+    Example::
+
+        spec = WorkerSpec(role="trainer", local_world_size=4, entrypoint=trainer,
+                          args=("foobar",), rdzv_handler=handler)
+        result = LocalElasticAgent(spec, DefaultLogsSpecs()).run()
+        if not result.is_failed():
+            print(result.return_values[0])
+    """
+
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        logs_specs: LogsSpecs,
+        start_method: str = "spawn",
+        exit_barrier_timeout: float = 300,
+        log_line_prefix_template: str | None = None,
+        shutdown_timeout: int = 30,
+        health_check_server: HealthCheckServer | None = None,
+        uninterruptible_state_timeout: float | None = None,
+    ):
+        super().__init__(spec, exit_barrier_timeout, shutdown_timeout)
+        if logs_specs is None:
+            raise ValueError("LocalElasticAgent needs a LogsSpecs (e.g. DefaultLogsSpecs())")
+        self._start_method = start_method
+        self._pcontext: PContext | None = None
+        self._rdzv_handler = spec.rdzv_handler
+        if log_line_prefix_template is None:
+            log_line_prefix_template = os.environ.get(TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE) or None
+        self._log_line_prefix_template = log_line_prefix_template
+        self._worker_watchdog: Any = None
+        self._logs_specs = logs_specs
+        self._health_check_server = health_check_server
+        self._uninterruptible_state_timeout = _resolve_uninterruptible_state_timeout(
+            uninterruptible_state_timeout
+        )
+        self._uninterruptible_state_first_seen: dict[int, float] = {}
+        self._procmon: PidfdMonitor | None = None
+        self._exits_pending = True  # a full check is due (start, or an exit was reported)
+        self._exit_status: dict[int, int | None] = {}
+        self._suspicious_exit = False
+
+    # ------------------------------------------------------------------ environment
+
+    def _worker_env(self, wg: WorkerGroup, worker: Any, restart_count: int, use_agent_store: bool) -> dict[str, str]:
+        spec = wg.spec
+        env = {
+            "RANK": str(worker.global_rank),
+            "GROUP_RANK": str(wg.group_rank),
+            "ROLE_RANK": str(worker.role_rank),
+            "ROLE_NAME": spec.role,
+            "LOCAL_WORLD_SIZE": str(spec.local_world_size),
+            "WORLD_SIZE": str(worker.world_size),
+            "GROUP_WORLD_SIZE": str(wg.group_world_size),
+            "ROLE_WORLD_SIZE": str(worker.role_world_size),
+            "MASTER_ADDR": str(wg.master_addr),
+            "MASTER_PORT": str(wg.master_port),
+            "TORCHELASTIC_RESTART_COUNT": str(restart_count),
+            "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
+            "TORCHELASTIC_RUN_ID": spec.rdzv_handler.get_run_id(),
+            "TORCHELASTIC_USE_AGENT_STORE": str(use_agent_store),
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        }
+        self._set_local_rank_env(env, worker.local_rank, spec)
+        if "OMP_NUM_THREADS" in os.environ:
+            env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
+        return env
+
+    def _set_local_rank_env(self, env: dict[str, str], local_rank: int, spec: WorkerSpec) -> None:
+        """LOCAL_RANK and CUDA_VISIBLE_DEVICES, in torch's normal or virtual-local-rank mode.
+
+        Raises:
+            ValueError: virtual mode and ``local_rank`` exceeds the visible devices.
+        """
+        parent = os.getenv("CUDA_VISIBLE_DEVICES")
+        if not spec.virtual_local_rank:
+            env["LOCAL_RANK"] = str(local_rank)
+            if parent is not None:
+                env["CUDA_VISIBLE_DEVICES"] = parent
+            return
+        env["LOCAL_RANK"] = "0"
+        if parent is None:
+            env["CUDA_VISIBLE_DEVICES"] = str(local_rank)
+            return
+        gpus = parent.split(",")
+        if local_rank >= len(gpus):
+            raise ValueError(
+                f"local_rank {local_rank} exceeds available GPUs in CUDA_VISIBLE_DEVICES={parent}"
+            )
+        env["CUDA_VISIBLE_DEVICES"] = gpus[local_rank].strip()
+
+    def _log_prefix(self, spec: WorkerSpec, worker: Any) -> str:
+        return Template(self._log_line_prefix_template or "").safe_substitute(
+            role_name=spec.role, rank=worker.global_rank, local_rank=worker.local_rank,
+            hostname=socket.gethostname(),
+        )
+
+    # ------------------------------------------------------------------ watchdog and health
+
+    def _setup_local_watchdog(self, envs: dict[int, dict[str, str]]) -> None:
+        path = os.getenv(TORCHELASTIC_TIMER_FILE)
+        if os.getenv(TORCHELASTIC_ENABLE_FILE_TIMER) == "1" and self._worker_watchdog is None:
+            from fastelastic.timer import FileTimerServer, default_timer_file
+
+            if path is None:
+                path = default_timer_file()
+            run_id = envs[0]["TORCHELASTIC_RUN_ID"] if envs else ""
+            self._worker_watchdog = FileTimerServer(
+                file_path=path, run_id=run_id, max_interval=0.1, daemon=True,
+                log_event=self._log_watchdog_event,
+            )
+            self._worker_watchdog.start()
+            logger.info("FileTimerServer started on %s", path)
+        if self._worker_watchdog is not None:
+            path = self._worker_watchdog.file_path if hasattr(self._worker_watchdog, "file_path") else path
+        if path is not None:
+            for env in envs.values():
+                env[TORCHELASTIC_TIMER_FILE] = path
+
+    def _log_watchdog_event(self, name: str, request: Any) -> None:
+        wg = self._worker_group
+        spec = wg.spec
+        md: dict[str, str] = {"watchdog_event": name}
+        if request is not None:
+            md.update(
+                worker_pid=str(request.worker_pid), scope_id=str(request.scope_id),
+                expiration_time=str(request.expiration_time), signal=str(request.signal),
+            )
+        if name == "kill worker process":
+            logger.warning("watchdog killed worker %s (scope %s)", md.get("worker_pid"), md.get("scope_id"))
+        if isinstance(events.get_logging_handler(spec.event_log_handler), logging.NullHandler):
+            return
+        metadata: dict[str, events.EventMetadataValue] = {
+            "run_id": spec.rdzv_handler.get_run_id(),
+            "global_rank": None,
+            "group_rank": wg.group_rank,
+            "worker_id": None,
+            "role": spec.role,
+            "hostname": socket.gethostname(),
+            "state": "RUNNING",
+            "total_run_time": self._total_execution_time,
+            "rdzv_backend": spec.rdzv_handler.get_backend(),
+            "raw_error": None,
+            "metadata": json.dumps(md),
+            "agent_restarts": self.restart_count,
+        }
+        events.record(events.Event(name=name, source=events.EventSource.AGENT, metadata=metadata),
+                      spec.event_log_handler)
+
+    def _get_alive_time(self) -> int:
+        """Last progress time for the health check: the watchdog's, else now."""
+        if self._in_exit_barrier or self._worker_watchdog is None:
+            return int(time.time())
+        return int(self._worker_watchdog.get_last_progress_time())
+
+    def _health_status(self) -> dict[str, Any]:
+        wg = self._worker_group
+        workers = []
+        for w in wg.workers:
+            pid = w.id
+            if pid is None:
+                wstate = "NOT_STARTED"
+            elif pid in self._exit_status:
+                wstate = "EXITED"
+            else:
+                wstate = "RUNNING"
+            workers.append({"local_rank": w.local_rank, "global_rank": w.global_rank, "pid": pid,
+                            "state": wstate, "exit_status": self._exit_status.get(pid)})
+        return {
+            "state": wg.state.value,
+            "role": wg.spec.role,
+            "group_rank": wg.group_rank,
+            "restart_count": self.restart_count,
+            "max_restarts": wg.spec.max_restarts,
+            "in_exit_barrier": self._in_exit_barrier,
+            "workers": workers,
+        }
+
+    def _setup_healthcheck(self) -> None:
+        if self._health_check_server is not None:
+            self._health_check_server.start()
+            return
+        raw = os.getenv(TORCHELASTIC_HEALTH_CHECK_PORT)
+        if raw is None:
+            return
+        try:
+            port = int(raw)
+        except ValueError:
+            logger.warning("Invalid %s=%r, expecting an integer; no health check server",
+                           TORCHELASTIC_HEALTH_CHECK_PORT, raw)
+            return
+        server = create_healthcheck_server(alive_callback=self._get_alive_time, port=port, timeout=60)
+        server.set_status_callback(self._health_status)
+        server.start()
+        self._health_check_server = server
+
+    # ------------------------------------------------------------------ worker lifecycle
+
+    @prof
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        from fastelastic.multiprocessing import start_processes
+
+        spec = worker_group.spec
+        if worker_group.store is None:
+            raise RuntimeError("workers started before the rendezvous assigned a store")
+        restart_count = self.restart_count
+        use_agent_store = bool(spec.rdzv_handler.use_agent_store)
+        args: dict[int, tuple] = {}
+        envs: dict[int, dict[str, str]] = {}
+        prefixes: dict[int, str] | None = {} if self._log_line_prefix_template else None
+        for worker in worker_group.workers:
+            lr = worker.local_rank
+            envs[lr] = self._worker_env(worker_group, worker, restart_count, use_agent_store)
+            args[lr] = substitute_local_rank(tuple(spec.args), lr)
+            if prefixes is not None:
+                prefixes[lr] = self._log_prefix(spec, worker)
+        self._setup_local_watchdog(envs)
+        self._setup_healthcheck()
+        kwargs: dict[str, Any] = {}
+        for name in ("numa_options", "duplicate_stdout_filters", "duplicate_stderr_filters"):
+            if getattr(spec, name) is not None:
+                kwargs[name] = getattr(spec, name)
+        self._pcontext = start_processes(
+            name=spec.role, entrypoint=spec.entrypoint, args=args, envs=envs,
+            logs_specs=self._logs_specs, log_line_prefixes=prefixes,
+            start_method=self._start_method, **kwargs,
+        )
+        pids = self._pcontext.pids()
+        self._watch(pids.values())
+        if self._worker_watchdog is not None and hasattr(self._worker_watchdog, "set_allowed_pids"):
+            self._worker_watchdog.set_allowed_pids(list(pids.values()))
+        return pids
+
+    def _watch(self, pids: Any) -> None:
+        if self._procmon is None:
+            self._procmon = PidfdMonitor()
+        for pid in pids:
+            try:
+                # reap=False: the process context owns the children and reaps them itself.
+                self._procmon.add(pid, reap=False)
+            except ProcessLookupError:
+                pass  # already gone: the full check below sees it
+        self._exits_pending = True
+
+    def _unwatch_all(self) -> None:
+        if self._procmon is not None:
+            for pid in self._procmon.pids():
+                self._procmon.remove(pid)
+        self._exit_status.clear()
+        self._uninterruptible_state_first_seen.clear()
+
+    def _wait_for_workers(self, worker_group: WorkerGroup, timeout: float) -> None:
+        """Blocks until a worker exits or ``timeout`` elapses (no polling)."""
+        mon = self._procmon
+        if mon is None or len(mon) == 0:
+            if not self._exits_pending:
+                time.sleep(timeout)
+            return
+        for pid, status in mon.wait(timeout):
+            self._exit_status[pid] = status
+            self._exits_pending = True
+            if status != 0:
+                self._suspicious_exit = True
+
+    @prof
+    def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        self._unwatch_all()
+        if self._pcontext is not None:
+            self._pcontext.close(signal.SIGTERM, self._shutdown_timeout)
+
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        if self._worker_watchdog is not None:
+            self._worker_watchdog.stop()
+            self._worker_watchdog = None
+        if self._health_check_server is not None:
+            self._health_check_server.stop()
+            self._health_check_server = None
+        self._unwatch_all()
+        if self._pcontext is not None:
+            self._pcontext.close(death_sig, timeout)
+        if self._procmon is not None:
+            self._procmon.close()
+            self._procmon = None
+
+    # ------------------------------------------------------------------ monitoring
+
+    def _check_uninterruptible_state_timeout(self, worker_group: WorkerGroup, timeout: float) -> RunResult | None:
+        """UNHEALTHY (and no more restarts) once a worker sat in D-state for ``timeout`` s."""
+        import psutil
+
+        assert self._pcontext is not None
+        live = set(self._pcontext.pids().values()) - set(self._exit_status)
+        for pid in list(self._uninterruptible_state_first_seen):
+            if pid not in live:
+                del self._uninterruptible_state_first_seen[pid]
+        now = time.monotonic()
+        stuck = []
+        for pid in live:
+            try:
+                in_d = psutil.Process(pid).status() == psutil.STATUS_DISK_SLEEP
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                in_d = False
+            if not in_d:
+                self._uninterruptible_state_first_seen.pop(pid, None)
+                continue
+            first = self._uninterruptible_state_first_seen.setdefault(pid, now)
+            if now - first >= timeout:
+                stuck.append((pid, now - first))
+        if not stuck:
+            return None
+        for pid, elapsed in stuck:
+            logger.error("[%s] worker pid=%s stuck in uninterruptible sleep (D-state) for %.1fs"
+                         " (>= %.1fs); marking the group UNHEALTHY, no more restarts",
+                         worker_group.spec.role, pid, elapsed, timeout)
+        self._remaining_restarts = 0  # a wedged worker holds a device a new one would need
+        return RunResult(state=WorkerState.UNHEALTHY)
+
+    @prof
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        if self._pcontext is None:
+            raise RuntimeError("no workers to monitor: the group was not started")
+        timeout = self._uninterruptible_state_timeout
+        if not self._exits_pending:
+            # Nothing exited since the last full check (pidfds would have said so).
+            if timeout > 0:
+                stuck = self._check_uninterruptible_state_timeout(worker_group, timeout)
+                if stuck is not None:
+                    return stuck
+            return RunResult(state=WorkerState.HEALTHY)
+        self._exits_pending = False
+        role = worker_group.spec.role
+        worker_pids = {w.id for w in worker_group.workers}
+        pc_pids = set(self._pcontext.pids().values())
+        if worker_pids != pc_pids:
+            logger.error("[%s] worker pids do not match process_context pids. Expected: %s, actual: %s",
+                         role, worker_pids, pc_pids)
+            return RunResult(state=WorkerState.UNKNOWN)
+        suspicious = self._suspicious_exit
+        self._suspicious_exit = False
+        result = self._pcontext.wait(0)
+        if not result and suspicious:
+            # A pidfd saw a non-zero (or unknown) exit the context has not reaped yet.
+            result = self._pcontext.wait(1.0)
+            if not result:
+                self._exits_pending = True  # look again at the next wake-up
+        if result:
+            if result.is_failed():
+                failures = {worker_group.workers[lr].global_rank: f for lr, f in result.failures.items()}
+                return RunResult(state=WorkerState.FAILED, failures=failures)
+            values = {worker_group.workers[lr].global_rank: v for lr, v in result.return_values.items()}
+            return RunResult(state=WorkerState.SUCCEEDED, return_values=values)
+        if timeout > 0:
+            stuck = self._check_uninterruptible_state_timeout(worker_group, timeout)
+            if stuck is not None:
+                return stuck
+        return RunResult(state=WorkerState.HEALTHY)
