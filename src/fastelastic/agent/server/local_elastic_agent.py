@@ -12,7 +12,6 @@ from string import Template
 from typing import TYPE_CHECKING, Any
 
 from fastelastic import events
-from fastelastic._native.procmon import PidfdMonitor
 from fastelastic.agent.server.api import RunResult, SimpleElasticAgent, WorkerGroup, WorkerSpec, WorkerState
 from fastelastic.agent.server.health_check_server import HealthCheckServer, create_healthcheck_server
 from fastelastic.metrics import prof
@@ -111,10 +110,7 @@ class LocalElasticAgent(SimpleElasticAgent):
             uninterruptible_state_timeout
         )
         self._uninterruptible_state_first_seen: dict[int, float] = {}
-        self._procmon: PidfdMonitor | None = None
         self._exits_pending = True  # a full check is due (start, or an exit was reported)
-        self._exit_status: dict[int, int | None] = {}
-        self._suspicious_exit = False
 
     # ------------------------------------------------------------------ environment
 
@@ -231,17 +227,19 @@ class LocalElasticAgent(SimpleElasticAgent):
 
     def _health_status(self) -> dict[str, Any]:
         wg = self._worker_group
+        pc = self._pcontext
+        exitcodes = pc.exitcodes() if pc is not None and hasattr(pc, "exitcodes") else {}
+        live = pc.worker_states() if pc is not None and hasattr(pc, "worker_states") else {}
         workers = []
         for w in wg.workers:
-            pid = w.id
-            if pid is None:
+            if w.id is None:
                 wstate = "NOT_STARTED"
-            elif pid in self._exit_status:
+            elif w.local_rank in exitcodes:
                 wstate = "EXITED"
             else:
-                wstate = "RUNNING"
-            workers.append({"local_rank": w.local_rank, "global_rank": w.global_rank, "pid": pid,
-                            "state": wstate, "exit_status": self._exit_status.get(pid)})
+                wstate = str(live.get(w.local_rank, "running")).upper()
+            workers.append({"local_rank": w.local_rank, "global_rank": w.global_rank, "pid": w.id,
+                            "state": wstate, "exitcode": exitcodes.get(w.local_rank)})
         return {
             "state": wg.state.value,
             "role": wg.spec.role,
@@ -302,45 +300,22 @@ class LocalElasticAgent(SimpleElasticAgent):
             start_method=self._start_method, **kwargs,
         )
         pids = self._pcontext.pids()
-        self._watch(pids.values())
+        self._exits_pending = True
+        self._uninterruptible_state_first_seen.clear()
         if self._worker_watchdog is not None and hasattr(self._worker_watchdog, "set_allowed_pids"):
             self._worker_watchdog.set_allowed_pids(list(pids.values()))
         return pids
 
-    def _watch(self, pids: Any) -> None:
-        if self._procmon is None:
-            self._procmon = PidfdMonitor()
-        for pid in pids:
-            try:
-                # reap=False: the process context owns the children and reaps them itself.
-                self._procmon.add(pid, reap=False)
-            except ProcessLookupError:
-                pass  # already gone: the full check below sees it
-        self._exits_pending = True
-
-    def _unwatch_all(self) -> None:
-        if self._procmon is not None:
-            for pid in self._procmon.pids():
-                self._procmon.remove(pid)
-        self._exit_status.clear()
-        self._uninterruptible_state_first_seen.clear()
-
     def _wait_for_workers(self, worker_group: WorkerGroup, timeout: float) -> None:
-        """Blocks until a worker exits or ``timeout`` elapses (no polling)."""
-        mon = self._procmon
-        if mon is None or len(mon) == 0:
-            if not self._exits_pending:
-                time.sleep(timeout)
-            return
-        for pid, status in mon.wait(timeout):
-            self._exit_status[pid] = status
+        """Blocks until a worker exits or ``timeout`` elapses (pidfds, no polling)."""
+        pc = self._pcontext
+        if pc is None:
+            time.sleep(timeout)
+        elif pc.wait_any(timeout):
             self._exits_pending = True
-            if status != 0:
-                self._suspicious_exit = True
 
     @prof
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
-        self._unwatch_all()
         if self._pcontext is not None:
             self._pcontext.close(signal.SIGTERM, self._shutdown_timeout)
 
@@ -351,37 +326,29 @@ class LocalElasticAgent(SimpleElasticAgent):
         if self._health_check_server is not None:
             self._health_check_server.stop()
             self._health_check_server = None
-        self._unwatch_all()
         if self._pcontext is not None:
             self._pcontext.close(death_sig, timeout)
-        if self._procmon is not None:
-            self._procmon.close()
-            self._procmon = None
 
     # ------------------------------------------------------------------ monitoring
 
     def _check_uninterruptible_state_timeout(self, worker_group: WorkerGroup, timeout: float) -> RunResult | None:
         """UNHEALTHY (and no more restarts) once a worker sat in D-state for ``timeout`` s."""
-        import psutil
-
         assert self._pcontext is not None
-        live = set(self._pcontext.pids().values()) - set(self._exit_status)
-        for pid in list(self._uninterruptible_state_first_seen):
-            if pid not in live:
-                del self._uninterruptible_state_first_seen[pid]
+        states = self._pcontext.worker_states()  # {local_rank: psutil status} of live workers
+        pids = self._pcontext.pids()
         now = time.monotonic()
         stuck = []
-        for pid in live:
-            try:
-                in_d = psutil.Process(pid).status() == psutil.STATUS_DISK_SLEEP
-            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-                in_d = False
-            if not in_d:
-                self._uninterruptible_state_first_seen.pop(pid, None)
+        seen = self._uninterruptible_state_first_seen
+        for lr, status in states.items():
+            pid = pids[lr]
+            if status != "disk-sleep":
+                seen.pop(pid, None)
                 continue
-            first = self._uninterruptible_state_first_seen.setdefault(pid, now)
+            first = seen.setdefault(pid, now)
             if now - first >= timeout:
                 stuck.append((pid, now - first))
+        for pid in [p for p in seen if p not in pids.values()]:
+            del seen[pid]
         if not stuck:
             return None
         for pid, elapsed in stuck:
@@ -411,14 +378,7 @@ class LocalElasticAgent(SimpleElasticAgent):
             logger.error("[%s] worker pids do not match process_context pids. Expected: %s, actual: %s",
                          role, worker_pids, pc_pids)
             return RunResult(state=WorkerState.UNKNOWN)
-        suspicious = self._suspicious_exit
-        self._suspicious_exit = False
         result = self._pcontext.wait(0)
-        if not result and suspicious:
-            # A pidfd saw a non-zero (or unknown) exit the context has not reaped yet.
-            result = self._pcontext.wait(1.0)
-            if not result:
-                self._exits_pending = True  # look again at the next wake-up
         if result:
             if result.is_failed():
                 failures = {worker_group.workers[lr].global_rank: f for lr, f in result.failures.items()}

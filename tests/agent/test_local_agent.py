@@ -1,0 +1,254 @@
+"""LocalElasticAgent end to end: real workers, the real static rendezvous and store, signals."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+import agent_workers
+from fastelastic.agent.server import WorkerSpec, WorkerState
+from fastelastic.agent.server.local_elastic_agent import LocalElasticAgent
+from fastelastic.multiprocessing import DefaultLogsSpecs
+from fastelastic.multiprocessing.errors import ChildFailedError
+from fastelastic.rendezvous import RendezvousParameters, get_rendezvous_handler
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKERS = os.path.join(HERE, "agent_workers.py")
+AGENT_MAIN = os.path.join(HERE, "agent_main.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def static(rank: int = 0, world: int = 1, port: int | None = None, run_id: str = "agent-test"):
+    return get_rendezvous_handler(RendezvousParameters(
+        backend="static", endpoint=f"127.0.0.1:{port or free_port()}", run_id=run_id,
+        min_nodes=world, max_nodes=world, rank=rank, timeout=60,
+    ))
+
+
+def binary_spec(*args, nproc=2, max_restarts=0, role="trainer", **kw):
+    return WorkerSpec(role=role, local_world_size=nproc, rdzv_handler=static(), entrypoint=sys.executable,
+                      args=(WORKERS, *args), max_restarts=max_restarts, **kw)
+
+
+def make_agent(spec, tmp_path, **kw):
+    kw.setdefault("exit_barrier_timeout", 10)
+    return LocalElasticAgent(spec, DefaultLogsSpecs(log_dir=str(tmp_path / "logs")), **kw)
+
+
+def wait_until(cond, limit=30.0):
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for name in ("TORCH_ELASTIC_WORKER_IDENTICAL", "FASTELASTIC_WORKER_IDENTICAL",
+                 "TORCHELASTIC_HEALTH_CHECK_PORT", "TORCHELASTIC_ENABLE_FILE_TIMER",
+                 "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_callable_entrypoint_env_and_return_values(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    spec = WorkerSpec(role="trainer", local_world_size=2, rdzv_handler=static(run_id="cb"),
+                      entrypoint=agent_workers.env_worker, args=("tag${local_rank}",))
+    result = make_agent(spec, tmp_path, start_method="spawn").run()
+    assert result.state == WorkerState.SUCCEEDED and not result.is_failed()
+    assert sorted(result.return_values) == [0, 1]
+    for rank, env in result.return_values.items():
+        assert env["tag"] == f"tag{rank}"
+        assert env["RANK"] == env["LOCAL_RANK"] == env["ROLE_RANK"] == str(rank)
+        assert env["WORLD_SIZE"] == env["ROLE_WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "2"
+        assert env["GROUP_RANK"] == "0" and env["GROUP_WORLD_SIZE"] == "1"
+        assert env["ROLE_NAME"] == "trainer" and env["TORCHELASTIC_RUN_ID"] == "cb"
+        assert env["MASTER_ADDR"] == "127.0.0.1" and int(env["MASTER_PORT"]) > 0
+        assert env["TORCHELASTIC_RESTART_COUNT"] == "0" and env["TORCHELASTIC_MAX_RESTARTS"] == "3"
+        assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+        assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+        assert env["TORCHELASTIC_ERROR_FILE"].endswith(f"/attempt_0/{rank}/error.json")
+        assert env["OMP_NUM_THREADS"] == "3" and env["CUDA_VISIBLE_DEVICES"] == "4,5"
+
+
+def test_binary_entrypoint_and_virtual_local_rank(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "6,7")
+    out = tmp_path / "env"
+    out.mkdir()
+    spec = binary_spec("env", str(out), "${local_rank}", virtual_local_rank=True)
+    result = make_agent(spec, tmp_path).run()
+    assert result.state == WorkerState.SUCCEEDED
+    envs = {int(p.stem): json.loads(p.read_text()) for p in out.iterdir()}
+    assert sorted(envs) == [0, 1]
+    for rank, env in envs.items():
+        assert env["tag"] == str(rank)  # ${local_rank} substituted in the binary's args
+        assert env["LOCAL_RANK"] == "0" and env["CUDA_VISIBLE_DEVICES"] == ["6", "7"][rank]
+
+
+def test_callable_failure_shows_traceback_without_record(tmp_path):
+    spec = WorkerSpec(role="trainer", local_world_size=2, rdzv_handler=static(),
+                      entrypoint=agent_workers.failing_worker, max_restarts=0)
+    result = make_agent(spec, tmp_path).run()
+    assert result.is_failed() and list(result.failures) == [1]
+    failure = result.failures[1]
+    assert failure.exitcode != 0
+    report = str(ChildFailedError("trainer", result.failures))
+    assert "worker one is unhappy" in report, report
+
+
+def test_binary_failure_shows_traceback_without_record(tmp_path):
+    result = make_agent(binary_spec("raise", nproc=1), tmp_path).run()
+    assert result.is_failed() and list(result.failures) == [0]
+    assert result.failures[0].exitcode == 1
+    report = str(ChildFailedError("trainer", result.failures))
+    assert "ZeroDivisionError" in report, report
+
+
+def test_restarts_increase_restart_count(tmp_path):
+    logdir = tmp_path / "runs"
+    logdir.mkdir()
+    agent = make_agent(binary_spec("fail_until", "2", str(logdir), max_restarts=3), tmp_path)
+    result = agent.run()
+    assert result.state == WorkerState.SUCCEEDED and agent.restart_count == 2
+    assert sorted(p.name for p in logdir.iterdir()) == [
+        "r0_0", "r0_1", "r0_2", "r1_0", "r1_1", "r1_2"]
+    pids = {p.read_text() for p in logdir.iterdir()}
+    assert len(pids) == 6  # every attempt ran fresh processes
+
+
+def test_failure_after_restarts_exhausted(tmp_path):
+    agent = make_agent(binary_spec("exit", "5", max_restarts=1), tmp_path)
+    result = agent.run()
+    assert result.is_failed() and agent.restart_count == 1
+    assert {f.exitcode for f in result.failures.values()} == {5}
+
+
+def get_health(port):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("GET", "/health")
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+def test_health_endpoint_reports_workers(tmp_path, monkeypatch):
+    port = free_port()
+    monkeypatch.setenv("TORCHELASTIC_HEALTH_CHECK_PORT", str(port))
+    monkeypatch.setenv("FASTELASTIC_HEALTH_CHECK_ADDR", "127.0.0.1")
+    flag = tmp_path / "flag"
+    agent = make_agent(binary_spec("pidwait", str(tmp_path), str(flag)), tmp_path)
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.setdefault("r", agent.run()))
+    t.start()
+    try:
+        assert wait_until(lambda: (tmp_path / "pid0").exists() and (tmp_path / "pid1").exists())
+        code, body = get_health(port)
+        assert code == 200 and body["healthy"] and body["state"] == "HEALTHY"
+        assert body["restart_count"] == 0 and isinstance(body["last_progress_time"], int)
+        pids = sorted(w["pid"] for w in body["workers"])
+        assert pids == sorted(int((tmp_path / f"pid{i}").read_text()) for i in range(2))
+        assert all(w["state"] != "EXITED" for w in body["workers"])
+    finally:
+        flag.touch()
+        t.join(60)
+    assert box["r"].state == WorkerState.SUCCEEDED
+    with pytest.raises(OSError):
+        get_health(port)
+
+
+def run_agent_proc(cfg, **kw):
+    return subprocess.Popen([sys.executable, AGENT_MAIN, json.dumps(cfg)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=HERE, **kw)
+
+
+def result_of(out: str) -> dict:
+    lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+    assert lines, out
+    return json.loads(lines[-1][7:])
+
+
+def test_heterogeneous_roles_three_agents(tmp_path):
+    out = tmp_path / "env"
+    out.mkdir()
+    port = free_port()
+    layout = [("trainer", 2), ("ps", 1), ("trainer", 3)]
+    procs = [run_agent_proc({"port": port, "rank": i, "world": 3, "role": role, "nproc": n,
+                             "args": ["env", str(out), "${local_rank}"],
+                             "log_dir": str(tmp_path / f"logs{i}")})
+             for i, (role, n) in enumerate(layout)]
+    outs = [p.communicate(timeout=90) for p in procs]
+    for (stdout, stderr), p in zip(outs, procs):
+        assert p.returncode == 0, stderr[-3000:]
+        assert result_of(stdout)["state"] == "SUCCEEDED"
+    envs = {int(p.stem): json.loads(p.read_text()) for p in out.iterdir()}
+    assert sorted(envs) == list(range(6))
+    expected = {  # rank: (group rank, role, role rank, role world size, local rank)
+        0: (0, "trainer", 0, 5, 0), 1: (0, "trainer", 1, 5, 1), 2: (1, "ps", 0, 1, 0),
+        3: (2, "trainer", 2, 5, 0), 4: (2, "trainer", 3, 5, 1), 5: (2, "trainer", 4, 5, 2),
+    }
+    for rank, (group, role, role_rank, role_ws, local) in expected.items():
+        env = envs[rank]
+        assert (int(env["GROUP_RANK"]), env["ROLE_NAME"], int(env["ROLE_RANK"]),
+                int(env["ROLE_WORLD_SIZE"]), int(env["LOCAL_RANK"])) == (group, role, role_rank, role_ws, local)
+        assert env["WORLD_SIZE"] == "6" and env["GROUP_WORLD_SIZE"] == "3"
+
+
+def test_log_line_prefix_with_hostname(tmp_path):
+    p = run_agent_proc({"port": free_port(), "rank": 0, "world": 1, "nproc": 1, "args": ["raise"], "tee": 3,
+                        "prefix": "[${role_name}|${rank}|${local_rank}|${hostname}]:"})
+    stdout, stderr = p.communicate(timeout=60)
+    assert result_of(stdout)["state"] == "FAILED"
+    assert f"[trainer|0|0|{socket.gethostname()}]:about to fail" in stdout + stderr, stdout + stderr
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_signal_to_agent_leaves_no_worker(tmp_path, sig):
+    flag = tmp_path / "never"
+    p = run_agent_proc({"port": free_port(), "rank": 0, "world": 1, "nproc": 2,
+                        "args": ["pidwait", str(tmp_path), str(flag)]})
+    try:
+        assert wait_until(lambda: all((tmp_path / f"pid{i}").exists() for i in range(2)))
+        pids = [int((tmp_path / f"pid{i}").read_text()) for i in range(2)]
+        assert all(pid_alive(x) for x in pids)
+        p.send_signal(sig)
+        p.communicate(timeout=60)
+        assert wait_until(lambda: not any(pid_alive(x) for x in pids), 20), "a worker survived"
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+
+
+@pytest.mark.timeout(180)
+def test_unmodified_torch_gloo_script_four_workers(tmp_path):
+    pytest.importorskip("torch", reason="!!! torch 2.13 is required for the gloo test")
+    agent = make_agent(binary_spec("gloo", nproc=4), tmp_path)
+    result = agent.run()
+    assert result.state == WorkerState.SUCCEEDED, result.failures
