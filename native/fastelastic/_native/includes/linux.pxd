@@ -220,3 +220,19 @@ cdef extern from "<errno.h>" nogil:
         ECHILD
         ENOSYS
         EINVAL
+
+
+# --- watchdog: wall-clock reads (to convert torch's wall expirations), mutex, /proc parsing
+cdef extern from "<time.h>" nogil:
+    enum:
+        CLOCK_REALTIME
+    int clock_gettime(int clockid, timespec *tp)
+
+
+cdef extern from "<pthread.h>" nogil:
+    ctypedef struct pthread_mutex_t:
+        pass
+    int pthread_mutex_init(pthread_mutex_t *mutex, const void *attr)
+    int pthread_mutex_destroy(pthread_mutex_t *mutex)
+    int pthread_mutex_lock(pthread_mutex_t *mutex)
+    int pthread_mutex_unlock(pthread_mutex_t *mutex)
