@@ -21,9 +21,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    conf = {"rank": cfg["rank"], "timeout": 60, **cfg.get("rdzv_conf", {})}
     handler = get_rendezvous_handler(RendezvousParameters(
-        backend="static", endpoint=f"127.0.0.1:{cfg['port']}", run_id=cfg.get("run_id", "t"),
-        min_nodes=cfg["world"], max_nodes=cfg["world"], rank=cfg["rank"], timeout=60,
+        backend=cfg.get("backend", "static"), endpoint=f"127.0.0.1:{cfg['port']}",
+        run_id=cfg.get("run_id", "t"), min_nodes=cfg.get("min", cfg["world"]),
+        max_nodes=cfg["world"], **conf,
     ))
     spec = WorkerSpec(
         role=cfg.get("role", "trainer"), local_world_size=cfg.get("nproc", 1),
@@ -37,7 +39,9 @@ def main() -> None:
         log_line_prefix_template=cfg.get("prefix"),
     )
     result = agent.run()
-    out = {"state": result.state.value, "failures": sorted(result.failures)}
+    out = {"state": result.state.value, "failures": sorted(result.failures),
+           "restart_count": agent.restart_count}
+    handler.shutdown()
     print("RESULT " + json.dumps(out), flush=True)
 
 

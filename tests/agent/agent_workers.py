@@ -84,6 +84,20 @@ def main(argv: list[str]) -> int:
         with open(os.path.join(argv[1], f"pid{os.environ['LOCAL_RANK']}"), "w") as f:
             f.write(str(os.getpid()))
         return 0 if wait_for(argv[2], 60) else 9
+    if mode == "timer":  # timer FLAG: arm a 0.3 s watchdog timer, then hang until FLAG
+        from fastelastic import timer
+
+        timer.configure(timer.FileTimerClient(os.environ["TORCHELASTIC_TIMER_FILE"]))
+        with timer.expires(after=0.3):
+            wait_for(argv[1], 30)
+        return 0
+    if mode == "elastic":  # elastic DIR WORLD: log the round, hang until the world has WORLD nodes
+        with open(os.path.join(argv[1], f"{os.environ['RANK']}_{os.environ['GROUP_WORLD_SIZE']}"), "w"):
+            pass
+        if int(os.environ["GROUP_WORLD_SIZE"]) >= int(argv[2]):
+            return 0
+        wait_for(os.path.join(argv[1], "never"), 30)
+        return 8
     if mode == "gloo":
         _gloo()
         return 0

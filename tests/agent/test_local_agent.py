@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import os
 import signal
 import socket
@@ -15,6 +16,7 @@ import time
 import pytest
 
 import agent_workers
+from fastelastic import events
 from fastelastic.agent.server import WorkerSpec, WorkerState
 from fastelastic.agent.server.local_elastic_agent import LocalElasticAgent
 from fastelastic.multiprocessing import DefaultLogsSpecs
@@ -252,3 +254,75 @@ def test_unmodified_torch_gloo_script_four_workers(tmp_path):
     agent = make_agent(binary_spec("gloo", nproc=4), tmp_path)
     result = agent.run()
     assert result.state == WorkerState.SUCCEEDED, result.failures
+
+
+class _Collect(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.records: list[dict] = []
+
+    def emit(self, record):
+        self.records.append(json.loads(record.getMessage()))
+
+
+def test_watchdog_kill_is_recorded_and_fails_the_group(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_ENABLE_FILE_TIMER", "1")
+    monkeypatch.delenv("TORCHELASTIC_TIMER_FILE", raising=False)
+    sink = _Collect()
+    events.register_handler("agent-test-watchdog", sink, replace=True)
+    try:
+        spec = binary_spec("timer", str(tmp_path / "never"), nproc=1,
+                           event_log_handler="agent-test-watchdog")
+        agent = make_agent(spec, tmp_path)
+        start = time.monotonic()
+        result = agent.run()
+        elapsed = time.monotonic() - start
+    finally:
+        events.unregister_handler("agent-test-watchdog")
+    assert result.is_failed() and result.failures[0].exitcode == -signal.SIGKILL
+    assert elapsed < 20, f"the stuck worker was not killed by the watchdog ({elapsed:.1f}s)"
+    names = [r["name"] for r in sink.records]
+    assert "kill worker process" in names, names
+    kill = next(r for r in sink.records if r["name"] == "kill worker process")
+    assert json.loads(kill["metadata"]["metadata"])["worker_pid"] == str(result.failures[0].pid)
+    states = [r["metadata"]["state"] for r in sink.records if r["name"].startswith("torchelastic.worker")]
+    assert "START" in states and "FAILED" in states
+
+
+def test_failed_node_releases_healthy_node_from_exit_barrier(tmp_path):
+    port = free_port()
+    ok = run_agent_proc({"port": port, "rank": 0, "world": 2, "args": ["exit", "0"],
+                         "exit_barrier_timeout": 120})
+    bad = run_agent_proc({"port": port, "rank": 1, "world": 2, "args": ["exit", "4"],
+                          "exit_barrier_timeout": 120})
+    start = time.monotonic()
+    ok_out, ok_err = ok.communicate(timeout=60)
+    elapsed = time.monotonic() - start
+    bad_out, _ = bad.communicate(timeout=60)
+    assert result_of(ok_out)["state"] == "SUCCEEDED", ok_err[-2000:]
+    assert result_of(bad_out)["state"] == "FAILED"
+    assert elapsed < 30, f"healthy agent waited {elapsed:.1f}s in the exit barrier"
+    assert "group_rank 1 failed" in ok_err
+
+
+def test_new_node_triggers_restart_with_bigger_world(tmp_path):
+    """c10d rendezvous: a second node joining makes the running agent restart (not a retry)."""
+    port = free_port()
+    base = {"port": port, "world": 2, "min": 1, "backend": "c10d", "run_id": "grow",
+            "args": ["elastic", str(tmp_path), "2"], "max_restarts": 1}
+    first = run_agent_proc({**base, "rank": 0, "rdzv_conf": {"is_host": True, "last_call_timeout": 1}})
+    second = None
+    try:
+        assert wait_until(lambda: (tmp_path / "0_1").exists(), 40), "first round never started"
+        second = run_agent_proc({**base, "rank": 1, "rdzv_conf": {"is_host": False, "last_call_timeout": 1}})
+        out1, err1 = first.communicate(timeout=60)
+        out2, err2 = second.communicate(timeout=60)
+    finally:
+        for p in (first, second):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait(10)
+    r1, r2 = result_of(out1), result_of(out2)
+    assert r1["state"] == r2["state"] == "SUCCEEDED", err1[-3000:] + err2[-3000:]
+    assert r1["restart_count"] == 0  # a membership change does not use a retry
+    assert {"0_2", "1_2"} <= {p.name for p in tmp_path.iterdir()}
