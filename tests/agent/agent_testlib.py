@@ -9,7 +9,11 @@ from typing import Any
 
 import pytest
 
-from fastelastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
+from fastelastic.rendezvous import (
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousStoreInfo,
+)
 
 
 def _store_classes() -> Any:

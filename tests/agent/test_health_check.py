@@ -9,7 +9,10 @@ import time
 
 import pytest
 
-from fastelastic.agent.server.health_check_server import HealthCheckServer, create_healthcheck_server
+from fastelastic.agent.server.health_check_server import (
+    HealthCheckServer,
+    create_healthcheck_server,
+)
 
 
 def get(port: int, path: str = "/health") -> tuple[int, dict]:

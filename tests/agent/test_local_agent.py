@@ -13,9 +13,9 @@ import sys
 import threading
 import time
 
+import agent_workers
 import pytest
 
-import agent_workers
 from fastelastic import events
 from fastelastic.agent.server import WorkerSpec, WorkerState
 from fastelastic.agent.server.local_elastic_agent import LocalElasticAgent

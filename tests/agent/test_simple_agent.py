@@ -14,11 +14,15 @@ import time
 import types
 
 import pytest
-
-from fastelastic.agent.server import RunResult, SimpleElasticAgent, WorkerSpec, WorkerState
-from fastelastic.agent.server.api import Worker, WorkerGroup
-
 from agent_testlib import CountingStore, StoreRendezvous, store_client
+
+from fastelastic.agent.server import (
+    RunResult,
+    SimpleElasticAgent,
+    WorkerSpec,
+    WorkerState,
+)
+from fastelastic.agent.server.api import Worker, WorkerGroup
 
 
 class PopenAgent(SimpleElasticAgent):

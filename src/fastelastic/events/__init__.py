@@ -16,8 +16,18 @@ import socket
 import threading
 import traceback
 
-from fastelastic.events.api import Event, EventMetadataValue, EventSource, NodeState, RdzvEvent
-from fastelastic.events.handlers import get_logging_handler, register_handler, unregister_handler
+from fastelastic.events.api import (
+    Event,
+    EventMetadataValue,
+    EventSource,
+    NodeState,
+    RdzvEvent,
+)
+from fastelastic.events.handlers import (
+    get_logging_handler,
+    register_handler,
+    unregister_handler,
+)
 
 __all__ = [
     "Event",

@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from typing import Union
 
-__all__ = ["EventSource", "Event", "NodeState", "RdzvEvent", "EventMetadataValue"]
+__all__ = ["Event", "EventMetadataValue", "EventSource", "NodeState", "RdzvEvent"]
 
-EventMetadataValue = Union[str, int, float, bool, None]
+EventMetadataValue = str | int | float | bool | None
 
 
 class EventSource(str, Enum):
@@ -39,7 +38,7 @@ class Event:
         return self.serialize()
 
     @staticmethod
-    def deserialize(data: Union[str, "Event"]) -> "Event":
+    def deserialize(data: str | Event) -> Event:
         """Builds an Event from its JSON form (or returns ``data`` if already an Event).
 
         Raises:
@@ -100,7 +99,7 @@ class RdzvEvent:
         return self.serialize()
 
     @staticmethod
-    def deserialize(data: Union[str, "RdzvEvent"]) -> "RdzvEvent":
+    def deserialize(data: str | RdzvEvent) -> RdzvEvent:
         """Builds an RdzvEvent from its JSON form (or returns ``data`` if already one).
 
         Raises:
@@ -122,8 +121,8 @@ class RdzvEvent:
 
 def _load_object(data: object) -> dict:
     if not isinstance(data, str):
-        raise ValueError(f"expected a JSON string, got {type(data).__name__}")
+        raise TypeError(f"expected a JSON string, got {type(data).__name__}")
     fields = json.loads(data)
     if not isinstance(fields, dict):
-        raise ValueError(f"expected a JSON object, got {data!r}")
+        raise ValueError(f"expected a JSON object, got {data!r}")  # noqa: TRY004
     return fields

@@ -28,13 +28,13 @@ if TYPE_CHECKING:
     from fastelastic.rendezvous import RendezvousHandler
 
 __all__ = [
-    "WorkerSpec",
-    "Worker",
-    "WorkerState",
-    "WorkerGroup",
-    "RunResult",
     "ElasticAgent",
+    "RunResult",
     "SimpleElasticAgent",
+    "Worker",
+    "WorkerGroup",
+    "WorkerSpec",
+    "WorkerState",
 ]
 
 _TERMINAL_STATE_SYNC_ID = _coord.TERMINAL_STATE_SYNC_ID
@@ -120,7 +120,7 @@ class Worker:
         role_world_size: number of workers with the same role.
     """
 
-    __slots__ = ["id", "local_rank", "global_rank", "role_rank", "world_size", "role_world_size"]
+    __slots__ = ["global_rank", "id", "local_rank", "role_rank", "role_world_size", "world_size"]
 
     def __init__(
         self,
@@ -174,8 +174,14 @@ class WorkerGroup:
     """The ``Worker`` instances of one ``WorkerSpec`` managed by an agent."""
 
     __slots__ = [
-        "spec", "workers", "store", "group_rank", "group_world_size", "state",
-        "master_addr", "master_port",
+        "group_rank",
+        "group_world_size",
+        "master_addr",
+        "master_port",
+        "spec",
+        "state",
+        "store",
+        "workers",
     ]
 
     def __init__(self, spec: WorkerSpec):
@@ -375,7 +381,7 @@ class SimpleElasticAgent(ElasticAgent):
             return RunResult(state=WorkerState.SUCCEEDED)
         except SignalException as e:
             logger.warning("Received %s death signal, shutting down workers", e.sigval)
-            self._shutdown(e.sigval, timeout=self._shutdown_timeout)
+            self._shutdown(e.sigval, timeout=self._shutdown_timeout)  # type: ignore[arg-type]
             shutdown_called = True
             raise
         finally:

@@ -12,19 +12,28 @@ from string import Template
 from typing import TYPE_CHECKING, Any
 
 from fastelastic import events
-from fastelastic.agent.server.api import RunResult, SimpleElasticAgent, WorkerGroup, WorkerSpec, WorkerState
-from fastelastic.agent.server.health_check_server import HealthCheckServer, create_healthcheck_server
+from fastelastic.agent.server.api import (
+    RunResult,
+    SimpleElasticAgent,
+    WorkerGroup,
+    WorkerSpec,
+    WorkerState,
+)
+from fastelastic.agent.server.health_check_server import (
+    HealthCheckServer,
+    create_healthcheck_server,
+)
 from fastelastic.metrics import prof
 
 if TYPE_CHECKING:
     from fastelastic.multiprocessing import LogsSpecs, PContext
 
 __all__ = [
-    "LocalElasticAgent",
     "TORCHELASTIC_ENABLE_FILE_TIMER",
-    "TORCHELASTIC_TIMER_FILE",
     "TORCHELASTIC_HEALTH_CHECK_PORT",
+    "TORCHELASTIC_TIMER_FILE",
     "TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT",
+    "LocalElasticAgent",
 ]
 
 logger = logging.getLogger(__name__)
@@ -290,6 +299,8 @@ class LocalElasticAgent(SimpleElasticAgent):
                 prefixes[lr] = self._log_prefix(spec, worker)
         self._setup_local_watchdog(envs)
         self._setup_healthcheck()
+        if spec.entrypoint is None:
+            raise ValueError("WorkerSpec has no entrypoint")
         kwargs: dict[str, Any] = {}
         for name in ("numa_options", "duplicate_stdout_filters", "duplicate_stderr_filters"):
             if getattr(spec, name) is not None:
