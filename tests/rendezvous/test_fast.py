@@ -1,0 +1,235 @@
+"""Semantics of the fast (ticket) rendezvous on fastelastic's TCPStore."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from datetime import timedelta
+
+import pytest
+
+from fastelastic.errors import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousTimeoutError,
+)
+from fastelastic.rendezvous import RendezvousParameters, get_rendezvous_handler
+from fastelastic.rendezvous.fast_rendezvous import FastRendezvousHandler, assign_ranks
+from fastelastic.rendezvous.timeouts import RendezvousTimeout
+from fastelastic.store import TCPStore
+
+RUN = "job"
+
+
+def _handler(port, min_nodes, max_nodes, last_call=30.0, join=20.0, rank=-1, ka=5.0, ka_max=3,
+             run_id=RUN):
+    store = TCPStore("127.0.0.1", port, timeout=timedelta(seconds=30))
+    timeout = RendezvousTimeout(join=timedelta(seconds=join), last_call=timedelta(seconds=last_call))
+    return FastRendezvousHandler(run_id, store, "c10d", min_nodes, max_nodes, timeout,
+                                 local_addr="127.0.0.1", node_rank=rank,
+                                 keep_alive_interval=ka, keep_alive_max_attempt=ka_max)
+
+
+def _wait_key(store, key, timeout=10.0):
+    store.wait([key], timedelta(seconds=timeout))
+
+
+def test_assign_ranks_keeps_preferences_then_join_order():
+    assert assign_ranks([-1, -1, -1], 3) == [0, 1, 2]
+    assert assign_ranks([2, -1, 0], 3) == [2, 1, 0]
+    assert assign_ranks([1, 1, -1], 3) == [1, 0, 2]  # conflict: first by join order wins
+    assert assign_ranks([7, 0, -1], 3) == [1, 0, 2]  # out of range is ignored
+    ranks = assign_ranks([5, 3, 3, -1, 0, 9], 6)
+    assert sorted(ranks) == list(range(6)) and ranks[0] == 5 and ranks[1] == 3
+
+
+def test_max_nodes_completes_without_waiting_for_last_call(server, nodes):
+    handlers = [_handler(server.port, 2, 3, last_call=60) for _ in range(3)]
+    t0 = time.monotonic()
+    for i, h in enumerate(handlers):
+        nodes.start(i, lambda i, h=h: h.next_rendezvous())
+    nodes.join(20)
+    assert not nodes.errors
+    assert time.monotonic() - t0 < 10  # far below the 60 s last call
+    infos = [nodes.results[i] for i in range(3)]
+    assert sorted(x.rank for x in infos) == [0, 1, 2]
+    assert {x.world_size for x in infos} == {3}
+    assert {(x.bootstrap_store_info.master_port) for x in infos} == {server.port}
+    infos[0].store.set("k", b"v")  # the round's store is shared (prefixed per round)
+    assert infos[2].store.get("k") == b"v"
+
+
+def test_last_call_completes_with_min_nodes_and_late_node_waits(server, nodes):
+    a, b = (_handler(server.port, 2, 4, last_call=1.0) for _ in range(2))
+    t0 = time.monotonic()
+    nodes.start(0, lambda i: a.next_rendezvous())
+    nodes.start(1, lambda i: b.next_rendezvous())
+    nodes.join(20)
+    elapsed = time.monotonic() - t0
+    assert not nodes.errors
+    assert 1.0 <= elapsed < 10
+    assert {nodes.results[i].world_size for i in (0, 1)} == {2}
+    assert a.num_nodes_waiting() == 0
+    late = _handler(server.port, 2, 4, last_call=1.0, join=30)
+    nodes.start(2, lambda i: late.next_rendezvous())
+    _wait_key(server, f"fe.rdzv.{RUN}/1/n/1")  # the late node holds a ticket of the next round
+    assert a.num_nodes_waiting() == 1 and b.num_nodes_waiting() == 1
+    assert 2 not in nodes.results  # still waiting: members have not re-joined
+    # Members re-rendezvous (as agents do when num_nodes_waiting() > 0): all three form round 1,
+    # and the members keep their ranks.
+    ranks_before = {id(a): nodes.results[0].rank, id(b): nodes.results[1].rank}
+    nodes.start(3, lambda i: a.next_rendezvous())
+    nodes.start(4, lambda i: b.next_rendezvous())
+    nodes.join(20)
+    assert not nodes.errors
+    assert {nodes.results[i].world_size for i in (2, 3, 4)} == {3}
+    assert nodes.results[3].rank == ranks_before[id(a)]
+    assert nodes.results[4].rank == ranks_before[id(b)]
+    assert nodes.results[2].rank == 2
+
+
+def test_join_timeout(server):
+    h = _handler(server.port, 2, 2, join=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(RendezvousTimeoutError):
+        h.next_rendezvous()
+    assert 0.9 <= time.monotonic() - t0 < 5
+    # The timed-out node gave up its ticket: the round is abandoned, later nodes form a new one.
+    assert server.get(f"fe.rdzv.{RUN}/0/res").startswith(b"D")
+
+
+def test_set_closed_wakes_waiters_and_refuses_new_joins(server, nodes):
+    waiter = _handler(server.port, 3, 3)
+    nodes.start(0, lambda i: waiter.next_rendezvous())
+    _wait_key(server, f"fe.rdzv.{RUN}/0/n/1")
+    closer = _handler(server.port, 3, 3)
+    assert not closer.is_closed()
+    t0 = time.monotonic()
+    closer.set_closed()
+    nodes.join(10)
+    assert time.monotonic() - t0 < 5
+    assert isinstance(nodes.errors[0], RendezvousClosedError)
+    assert closer.is_closed() and waiter.is_closed()
+    with pytest.raises(RendezvousClosedError):
+        _handler(server.port, 3, 3).next_rendezvous()
+
+
+def test_shutdown_closes_the_rendezvous(server, nodes):
+    a, b = _handler(server.port, 2, 2), _handler(server.port, 2, 2)
+    nodes.start(0, lambda i: a.next_rendezvous())
+    nodes.start(1, lambda i: b.next_rendezvous())
+    nodes.join(20)
+    assert not nodes.errors
+    assert a.shutdown() is True
+    assert b.is_closed()
+    with pytest.raises(RendezvousClosedError):
+        b.next_rendezvous()
+
+
+def test_requested_node_ranks_are_kept(server, nodes):
+    hs = [_handler(server.port, 4, 4, rank=r) for r in (3, -1, 1, -1)]
+    for i, h in enumerate(hs):
+        nodes.start(i, lambda i, h=h: h.next_rendezvous())
+    nodes.join(20)
+    assert not nodes.errors
+    assert nodes.results[0].rank == 3 and nodes.results[2].rank == 1
+    assert sorted(nodes.results[i].rank for i in range(4)) == [0, 1, 2, 3]
+
+
+_CHILD = textwrap.dedent("""
+    import sys
+    from datetime import timedelta
+    from fastelastic.store import TCPStore
+    from fastelastic.rendezvous.fast_rendezvous import FastRendezvousHandler
+    from fastelastic.rendezvous.timeouts import RendezvousTimeout
+    store = TCPStore("127.0.0.1", int(sys.argv[1]), timeout=timedelta(seconds=30))
+    h = FastRendezvousHandler("job", store, "c10d", 2, 4,
+                              RendezvousTimeout(last_call=timedelta(seconds=60)))
+    h.next_rendezvous()
+""")
+
+
+@pytest.mark.timeout(60)
+def test_sigkilled_node_mid_join_is_noticed_within_a_second(server, nodes):
+    a, b = (_handler(server.port, 2, 4, last_call=60) for _ in range(2))
+    nodes.start(0, lambda i: a.next_rendezvous())
+    _wait_key(server, f"fe.rdzv.{RUN}/0/n/1")
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(server.port)])
+    try:
+        _wait_key(server, f"fe.rdzv.{RUN}/0/n/2")  # the child is ticket 2: the coordinator
+        nodes.start(1, lambda i: b.next_rendezvous())
+        _wait_key(server, f"fe.rdzv.{RUN}/0/n/3")
+        t0 = time.monotonic()
+        os.kill(child.pid, signal.SIGKILL)
+        # Both survivors abandon round 0 and re-join round 1 well within a second.
+        server.wait([f"fe.rdzv.{RUN}/1/n/1", f"fe.rdzv.{RUN}/1/n/2"], timedelta(seconds=1))
+        noticed = time.monotonic() - t0
+    finally:
+        child.kill()
+        child.wait()
+    assert noticed < 1.0
+    assert server.get(f"fe.rdzv.{RUN}/0/res").startswith(b"D")
+    _handler(server.port, 2, 4).set_closed()  # end the waiting survivors
+    nodes.join(10)
+    assert all(isinstance(e, RendezvousClosedError) for e in nodes.errors.values()), nodes.errors
+
+
+@pytest.mark.timeout(60)
+def test_hung_member_is_dropped_by_keepalive(server, nodes):
+    a, b = (_handler(server.port, 1, 2, last_call=0.2, ka=0.2, ka_max=2) for _ in range(2))
+    nodes.start(0, lambda i: a.next_rendezvous())
+    nodes.start(1, lambda i: b.next_rendezvous())
+    nodes.join(20)
+    assert not nodes.errors and nodes.results[0].world_size == 2
+    a._stop_heartbeats()  # a is hung: connected, never re-joins, no keep-alives
+    t0 = time.monotonic()
+    info = b.next_rendezvous()
+    # Dropped after two silent windows of 0.4 s; without the keep-alive check b would wait
+    # for the 20 s join timeout.
+    assert info.world_size == 1 and info.rank == 0
+    assert time.monotonic() - t0 < 5
+
+
+def test_connection_loss_is_a_rendezvous_connection_error():
+    host = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    h = _handler(host.port, 2, 2, join=30)
+    host.shutdown_server()
+    with pytest.raises(RendezvousConnectionError):
+        h.next_rendezvous()
+
+
+def test_registry_c10d_hosts_store_on_endpoint_port(nodes):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    params = [RendezvousParameters(name, f"127.0.0.1:{port}", "reg", 2, 2, local_addr="127.0.0.1",
+                                   last_call_timeout=0, join_timeout=20)
+              for name in ("c10d", "fastelastic")]
+    first = get_rendezvous_handler(params[0])  # the endpoint is this machine: it hosts
+    second = get_rendezvous_handler(params[1])
+    assert first.get_backend() == "c10d" and second.get_backend() == "fastelastic"
+    assert first.use_agent_store and first.get_run_id() == "reg"
+    assert first._server is not None  # multi_tenant: in one process both share that server
+    nodes.start(0, lambda i: first.next_rendezvous())
+    nodes.start(1, lambda i: second.next_rendezvous())
+    nodes.join(20)
+    assert not nodes.errors
+    assert sorted(nodes.results[i].rank for i in (0, 1)) == [0, 1]
+    assert nodes.results[0].bootstrap_store_info.master_port == port
+
+
+def test_messages_per_node_do_not_grow_with_n(server):
+    from counting import CountingStore, run_counted
+
+    small = run_counted(server.port, "m8", 8)
+    large = run_counted(server.port, "m64", 64)
+    # Constant in N: every node (the publisher included) sends the same few requests.
+    assert max(small) <= 20 and max(large) == max(small)
+    assert sorted(small)[len(small) // 2] == sorted(large)[len(large) // 2]
+    assert CountingStore  # the proxy is importable for the benchmark too
