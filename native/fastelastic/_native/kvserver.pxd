@@ -59,6 +59,7 @@ cdef class KVServer:
     cdef readonly uint64_t accepted
     cdef readonly uint64_t closed
     cdef readonly uint64_t protocol_errors
+    cdef readonly int64_t waiting      # connections with a WAIT or BARRIER pending
     cdef object _last_error
 
     cdef int _loop(self) except -1 nogil

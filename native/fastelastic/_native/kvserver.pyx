@@ -498,6 +498,7 @@ cdef class KVServer:
                     put_u8(c.wbuf, REPLY_STOP_WAITING)
                 else:
                     c.waiting = True
+                    self.waiting += 1
             else:
                 if cmd == CMD_EXT_TRY_MULTI_GET:
                     for i in range(count):
@@ -587,6 +588,7 @@ cdef class KVServer:
                 c.wait_left = 0
                 self._register_wait(c, key)
                 c.waiting = True
+                self.waiting += 1
         elif cmd == CMD_EXT_ON_DISCONNECT_APPEND:
             ln = load_u64(q)
             action.first.assign(q + 8, ln)
@@ -639,6 +641,8 @@ cdef class KVServer:
             if ws.size() == 0:
                 self._waiters.erase(wit)
         c.wait_keys.clear()
+        if c.waiting:
+            self.waiting -= 1
         c.waiting = False
         c.wait_left = 0
         c.wait_gen += 1

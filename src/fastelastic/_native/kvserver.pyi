@@ -7,6 +7,7 @@ class KVServer:
     accepted: int
     closed: int
     protocol_errors: int
+    waiting: int
     def __init__(
         self,
         listen_fds: Sequence[int],

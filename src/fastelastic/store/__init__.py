@@ -112,8 +112,9 @@ class TCPStore(KVClient, Store):
         self._world_size = world_size
         self._use_libuv = use_libuv
         if is_master:
+            # Like torch's, the server listens on every interface whatever host_name says.
             self._server = host_server(
-                host_name, port, multi_tenant=multi_tenant, listen_fd=master_listen_fd
+                "", port, multi_tenant=multi_tenant, listen_fd=master_listen_fd
             )
             weakref.finalize(self, self._server.release)
             port = self._server.port

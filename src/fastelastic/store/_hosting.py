@@ -15,7 +15,7 @@ from fastelastic.errors import StoreError
 
 log = logging.getLogger("fastelastic.store")
 
-_lock = threading.Lock()
+_lock = threading.RLock()
 _tenants: dict[int, "ServerHandle"] = {}
 
 

@@ -1,0 +1,297 @@
+"""fastelastic.store.TCPStore and PrefixStore through their public API, on our own server."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+
+from fastelastic.errors import (
+    QueueEmptyError, StoreConnectionError, StoreError, StoreTimeoutError,
+)
+from fastelastic.store import PrefixStore, TCPStore
+
+from .conftest import wait_until
+
+
+def client(master, **kw):
+    return TCPStore("127.0.0.1", master.port, timeout=kw.pop("timeout", 10), **kw)
+
+
+def test_basic_operations(master):
+    c = client(master)
+    assert c.supports_extensions
+    c.set("a", "1")
+    c.set("b", b"\x00\xff")
+    assert master.get("a") == b"1" and c.get("b") == b"\x00\xff"
+    assert c.add("n", 5) == 5 and c.add("n", -7) == -2 and c.get("n") == b"-2"
+    assert c.compare_set("a", "1", "2") == b"2"
+    assert c.compare_set("a", "x", "3") == b"2"
+    assert c.check(["a", "b"]) and not c.check(["a", "zz"])
+    c.append("a", "tail")
+    assert c.get("a") == b"2tail"
+    assert c.delete_key("a") and not c.delete_key("a")
+    c.multi_set(["m1", "m2"], ["v1", b"v2"])
+    assert c.multi_get(["m2", "m1", "m2"]) == [b"v2", b"v1", b"v2"]
+    assert sorted(c.list_keys()) == ["b", "m1", "m2", "n"]
+    assert c.num_keys() == 4
+
+
+def test_get_waits_for_a_later_set(master):
+    c = client(master)
+    threading.Timer(0.05, lambda: master.set("late", "v")).start()
+    assert c.get("late") == b"v"
+    threading.Timer(0.05, lambda: master.multi_set(["l1", "l2"], ["1", "2"])).start()
+    assert c.multi_get(["l1", "l2"]) == [b"1", b"2"]
+
+
+def test_get_timeout_raises_and_client_stays_usable(master):
+    c = client(master, timeout=timedelta(milliseconds=200))
+    start = time.monotonic()
+    with pytest.raises(StoreTimeoutError) as err:
+        c.get("never")
+    assert 0.19 < time.monotonic() - start < 5
+    assert isinstance(err.value, RuntimeError) and isinstance(err.value, TimeoutError)
+    assert "/never" in str(err.value)
+    with pytest.raises(StoreTimeoutError):
+        c.multi_get(["never", "x"])
+    with pytest.raises(StoreTimeoutError):
+        c.wait(["never"], timedelta(milliseconds=50))
+    c.set("k", "v")
+    assert c.get("k") == b"v"
+    assert master.server.waiting == 0
+
+
+def test_wait_and_timeout_override(master):
+    c = client(master)
+    master.set("w1", "1")
+    c.wait(["w1"])
+    threading.Timer(0.05, lambda: master.set("w2", "1")).start()
+    c.wait(["w1", "w2"], timedelta(seconds=5))
+    c.set_timeout(timedelta(seconds=3))
+    assert c.timeout == timedelta(seconds=3)
+
+
+def test_barrier(master):
+    clients = [client(master) for _ in range(4)]
+    errors = []
+
+    def arrive(c):
+        try:
+            c.barrier("bar", 4, timedelta(seconds=10))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=arrive, args=(c,)) for c in clients]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(15)
+    assert not errors and not any(t.is_alive() for t in threads)
+    with pytest.raises(StoreTimeoutError):
+        clients[0].barrier("bar2", 2, timedelta(milliseconds=100))
+    assert clients[1].get("bar2") == b"1"
+
+
+def test_queues(master):
+    c = client(master, timeout=timedelta(milliseconds=300))
+    with pytest.raises(QueueEmptyError):
+        c.queue_pop("q", block=False)
+    c.queue_push("q", "a")
+    c.queue_push("q", b"b")
+    assert c.queue_len("q") == 2
+    assert c.queue_pop("q") == b"a" and c.queue_pop("q", block=False) == b"b"
+    threading.Timer(0.05, lambda: master.queue_push("q", "late")).start()
+    assert c.queue_pop("q") == b"late"
+    with pytest.raises(StoreTimeoutError):
+        c.queue_pop("q")
+
+
+def test_prefix_store(master):
+    p = PrefixStore("job", client(master))
+    p.set("a", "1")
+    assert master.get("job/a") == b"1"
+    assert p.get("a") == b"1" and p.add("n", 2) == 2
+    p.multi_set(["x", "y"], ["1", "2"])
+    assert p.multi_get(["x", "y"]) == [b"1", b"2"]
+    assert sorted(p.list_keys()) == ["a", "n", "x", "y"]
+    nested = PrefixStore("inner", p)
+    nested.set("k", "v")
+    assert master.get("job/inner/k") == b"v"
+
+
+def test_shared_between_threads(master):
+    c = client(master)
+    n_threads, n_ops = 8, 200
+
+    def work(i):
+        for j in range(n_ops):
+            c.set(f"t{i}/{j}", str(j))
+            assert c.get(f"t{i}/{j}") == str(j).encode()
+            c.add("total", 1)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert c.get("total") == str(n_threads * n_ops).encode()
+
+
+def test_clone_is_a_new_connection(master):
+    c = client(master)
+    before = master.server.num_connections
+    d = c.clone()
+    d.set("cl", "1")
+    assert c.get("cl") == b"1"
+    assert master.server.num_connections == before + 1
+
+
+def test_world_size_wait_for_workers():
+    port_holder = {}
+    result = {}
+
+    def run_master():
+        m = TCPStore("127.0.0.1", 0, world_size=3, is_master=True, timeout=10,
+                     master_listen_fd=port_holder["fd"])
+        result["master"] = m
+
+    lsock = socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(64)
+    port = lsock.getsockname()[1]
+    port_holder["fd"] = lsock.fileno()
+    t = threading.Thread(target=run_master)
+    t.start()
+    workers = [TCPStore("127.0.0.1", port, world_size=3, timeout=10) for _ in range(2)]
+    t.join(15)
+    m = result["master"]
+    assert m.port == port
+    assert m._add_unprefixed(b"init/", 0) == 3
+    assert workers[0].num_keys() == 1            # only init/
+    m.shutdown_server()
+    lsock.close()
+
+
+def test_wait_for_workers_times_out():
+    with pytest.raises(StoreTimeoutError, match="1 connected"):
+        TCPStore("127.0.0.1", 0, world_size=2, is_master=True, timeout=0.3)
+
+
+def test_multi_tenant_shares_one_server():
+    a = TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, timeout=5)
+    b = TCPStore("127.0.0.1", a.port, is_master=True, multi_tenant=True, timeout=5)
+    assert a.server is b.server
+    a.set("shared", "1")
+    assert b.get("shared") == b"1"
+    a.shutdown_server()
+    assert b.get("shared") == b"1"          # still served: b holds a reference
+    b.shutdown_server()
+
+
+def test_port_in_use_is_a_clear_error(master):
+    with pytest.raises(StoreError, match="already in use"):
+        TCPStore("127.0.0.1", master.port, is_master=True, timeout=1)
+
+
+def test_unreachable_store_names_host_and_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    with pytest.raises(StoreConnectionError, match=f"127.0.0.1:{port}"):
+        TCPStore("127.0.0.1", port, timeout=0.3)
+
+
+def test_lost_connection_is_a_clear_error(master):
+    c = client(master)
+    c.set("x", "1")
+    master.shutdown_server()
+    with pytest.raises(StoreConnectionError, match=f"127.0.0.1:{master.port}"):
+        c.get("x")
+    with pytest.raises(StoreConnectionError):
+        c.set("y", "1")
+
+
+def test_connect_retries_until_server_appears(tmp_path):
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    proc = None
+    try:
+        def start_server():
+            nonlocal proc
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "fastelastic.store", "--host", "127.0.0.1", "--port",
+                 str(port)], stdout=subprocess.PIPE, text=True)
+        threading.Timer(0.2, start_server).start()
+        c = TCPStore("127.0.0.1", port, timeout=20)
+        c.set("k", "v")
+        assert c.get("k") == b"v"
+        assert c.supports_extensions
+    finally:
+        wait_until(lambda: proc is not None, what="server started")
+        proc.terminate()
+        assert proc.wait(10) == 0
+
+
+def test_standalone_server_bad_flag():
+    out = subprocess.run([sys.executable, "-m", "fastelastic.store", "--port", "70000"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and "--port must be in 0..65535" in out.stderr
+
+
+def test_append_on_disconnect_runs_when_a_process_dies(master):
+    code = (
+        "import os, sys\n"
+        "from fastelastic.store import TCPStore\n"
+        f"s = TCPStore('127.0.0.1', {master.port}, timeout=10)\n"
+        "s.append_on_disconnect('dead', 'node7;')\n"
+        "s.set('registered', '1')\n"
+        "os.kill(os.getpid(), 9)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], timeout=30)
+    assert proc.returncode == -9
+    c = client(master)
+    assert c.get("dead") == b"node7;"
+
+
+def test_ipv6_loopback():
+    if not socket.has_ipv6:
+        pytest.skip("!!! no IPv6 on this machine")
+    m = TCPStore("::1", 0, is_master=True, timeout=5)
+    c = TCPStore("::1", m.port, timeout=5)
+    c.set("v6", "1")
+    assert m.get("v6") == b"1"
+    v4 = TCPStore("127.0.0.1", m.port, timeout=5)      # dual-stack listener
+    assert v4.get("v6") == b"1"
+    m.shutdown_server()
+
+
+def test_fd_limit_raised_when_hosting(master):
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert soft == hard or hard == resource.RLIM_INFINITY
+
+
+def test_no_fd_leak():
+    def fds():
+        return len(os.listdir("/proc/self/fd"))
+
+    before = fds()
+    for _ in range(5):
+        m = TCPStore("127.0.0.1", 0, is_master=True, timeout=5)
+        c = m.clone()
+        c.set("a", "1")
+        c.close()
+        m.shutdown_server()
+        del c, m
+    assert fds() == before
