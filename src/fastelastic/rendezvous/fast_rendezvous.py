@@ -182,6 +182,13 @@ class FastRendezvousHandler(RendezvousHandler):
         """The store client this handler talks through."""
         return self._store
 
+    @property
+    def store_prefix(self) -> str | None:
+        """Key prefix of the store returned by the last :py:meth:`next_rendezvous` (per round)."""
+        if self._member is None:
+            return None
+        return f"torch.rendezvous.{self._run_id}.{self._member[0]}"
+
     def next_rendezvous(self) -> RendezvousInfo:
         """See base class."""
         with self._lock:
@@ -260,7 +267,7 @@ class FastRendezvousHandler(RendezvousHandler):
                     store.append_on_disconnect(f"{self._key}{r}/left/{rank}", b"1")
                 self._start_heartbeats()
                 return RendezvousInfo(
-                    _prefix_store(f"torch.rendezvous.{self._run_id}.{r}", store),
+                    _prefix_store(str(self.store_prefix), store),
                     rank,
                     world,
                     RendezvousStoreInfo(self._bootstrap_addr, int(store.port)),
