@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 import signal
+import sys
 from collections.abc import Callable
 from multiprocessing import reduction
 from typing import Any
@@ -27,6 +28,17 @@ def _rebuild_fd(dup: Any) -> FdArg:
     return FdArg(dup.detach())
 
 
+def _rebind(name: str, fd: int) -> None:
+    """Points ``sys.<name>`` at ``fd`` if it writes elsewhere (a forked parent's replacement)."""
+    stream = getattr(sys, name)
+    try:
+        ok = stream is not None and stream.fileno() == fd
+    except (OSError, ValueError, AttributeError):
+        ok = False
+    if not ok:
+        setattr(sys, name, open(fd, "w", buffering=1, closefd=False, errors="backslashreplace"))  # noqa: SIM115
+
+
 def worker_main(
     fn: Callable[..., Any],
     args: tuple,
@@ -47,10 +59,11 @@ def worker_main(
         set_pdeathsig(signal.SIGKILL, agent_pid)
     for sig in reset_signals:
         signal.signal(sig, signal.SIG_DFL)
-    for target, arg in ((1, stdout), (2, stderr)):
+    for target, arg, name in ((1, stdout, "stdout"), (2, stderr, "stderr")):
         if arg is not None:
             os.dup2(arg.fd, target)
             os.close(arg.fd)
+            _rebind(name, target)
     os.environ.update(env)
     ret = record(fn)(*args)
     tmp = ret_path + ".tmp"

@@ -1,0 +1,48 @@
+"""Worker functions for the multiprocessing tests (importable by spawn/forkserver children)."""
+
+import os
+import signal
+import subprocess
+import sys
+
+
+def double(x):
+    print(f"out {x}")
+    print(f"err {x}", file=sys.stderr)
+    return {"rank": int(os.environ["LOCAL_RANK"]), "value": x * 2, "env": os.environ.get("FOO")}
+
+
+def fail(x):
+    raise ValueError(f"boom from {x}")
+
+
+def exit_code(code):
+    sys.exit(code)
+
+
+def kill_self(sig):
+    os.kill(os.getpid(), sig)
+
+
+def spawn_grandchild(wfd, ignore_term):
+    """Starts a grandchild (sleep), reports 'worker_pid grandchild_pid' on wfd or stdout, waits."""
+    cmd = ["sh", "-c", "trap '' TERM; sleep 60"] if ignore_term else ["sleep", "60"]
+    child = subprocess.Popen(cmd)
+    line = f"{os.getpid()} {child.pid}\n"
+    if wfd is None:
+        print(line, end="", flush=True)
+    else:
+        os.write(wfd, line.encode())
+        os.close(wfd)
+    child.wait()
+
+
+def report_pgid(wfd):
+    os.write(wfd, f"{os.getpid()} {os.getpgid(0)} {signal.getsignal(signal.SIGTERM)}\n".encode())
+    os.close(wfd)
+
+
+def block_on_fd(rfd):
+    """Exits with the byte value read from rfd (fork start method: the fd is inherited)."""
+    data = os.read(rfd, 1)
+    sys.exit(data[0] if data else 99)

@@ -1,0 +1,340 @@
+"""Tests of start_processes / PContext: callables, binaries, failures, signals, stopping, logs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+import pytest
+
+import mpworkers
+from fastelastic.errors import ChildFailedError
+from fastelastic.multiprocessing import (
+    DefaultLogsSpecs,
+    MultiprocessContext,
+    RunProcsResult,
+    Std,
+    SubprocessContext,
+    start_processes,
+)
+from mphelpers import is_alive, open_fds, read_line, wait_gone
+
+pytestmark = pytest.mark.timeout(60)
+
+PY = sys.executable
+
+
+def _envs(n: int, **extra: str) -> dict[int, dict[str, str]]:
+    return {r: {"LOCAL_RANK": str(r), **extra} for r in range(n)}
+
+
+def _fifo_gate(tmp_path, name="gate"):
+    path = str(tmp_path / name)
+    os.mkfifo(path)
+    return path, os.open(path, os.O_RDWR)  # O_RDWR never blocks; the worker reads it
+
+
+# ---------------------------------------------------------------- callables
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_callable_return_values_by_local_rank(method, logs_dir):
+    pc = start_processes(
+        "trainer", mpworkers.double, {0: (1,), 1: (5,)}, _envs(2, FOO="bar"),
+        DefaultLogsSpecs(log_dir=logs_dir, redirects=Std.ALL), start_method=method,
+    )
+    assert isinstance(pc, MultiprocessContext) and set(pc.pids()) == {0, 1}
+    result = pc.wait(30)
+    assert isinstance(result, RunProcsResult) and not result.is_failed()
+    assert result.return_values == {
+        0: {"rank": 0, "value": 2, "env": "bar"},
+        1: {"rank": 1, "value": 10, "env": "bar"},
+    }
+    with open(result.stdouts[1]) as f:
+        assert f.read() == "out 5\n"
+    with open(result.stderrs[0]) as f:
+        assert f.read() == "err 1\n"
+
+
+def test_callable_failure_is_recorded_and_formatted(logs_dir):
+    pc = start_processes(
+        "trainer", mpworkers.fail, {0: ("r0",)}, _envs(1),
+        DefaultLogsSpecs(log_dir=logs_dir, redirects=Std.ALL), start_method="fork",
+    )
+    result = pc.wait(30)
+    assert result is not None and result.is_failed()
+    failure = result.failures[0]
+    assert failure.exitcode == 1 and failure.local_rank == 0 and failure.pid == pc.pids()[0]
+    # function launches are wrapped with @record: the error file has the traceback
+    assert failure.error_file.endswith("error.json")
+    assert failure.message["message"] == "ValueError: boom from r0"
+    err = ChildFailedError("trainer", {7: failure})
+    text = str(err)
+    assert "rank      : 7 (local_rank: 0)" in text
+    assert "exitcode  : 1" in text and f"pid: {failure.pid}" in text
+    assert 'raise ValueError(f"boom from {x}")' in text
+    assert err.get_first_failure() == (7, failure)
+
+
+def test_fork_worker_gets_own_group_and_default_signal_handlers():
+    r, w = os.pipe()
+    try:
+        pc = start_processes(
+            "g", mpworkers.report_pgid, {0: (w,)}, _envs(1),
+            DefaultLogsSpecs(log_dir=os.devnull), start_method="fork",
+        )
+        pid, pgid, handler = read_line(r, 10).split()
+        assert int(pid) == int(pgid) == pc.pids()[0]
+        assert handler == str(signal.SIG_DFL).encode()  # not the agent's raising handler
+        assert not pc.wait(10).is_failed()
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_sys_exit_code_and_signal_death():
+    pc = start_processes(
+        "x", mpworkers.exit_code, {0: (0,), 1: (3,)}, _envs(2),
+        DefaultLogsSpecs(log_dir=os.devnull), start_method="fork",
+    )
+    result = pc.wait(30)
+    assert set(result.failures) == {1} and result.failures[1].exitcode == 3
+    pc = start_processes(
+        "x", mpworkers.kill_self, {0: (signal.SIGSEGV,)}, _envs(1),
+        DefaultLogsSpecs(log_dir=os.devnull), start_method="fork",
+    )
+    failure = pc.wait(30).failures[0]
+    assert failure.exitcode == -signal.SIGSEGV and failure.signal_name() == "SIGSEGV"
+    assert "(SIGSEGV)" in str(ChildFailedError("x", {0: failure}))
+
+
+# ---------------------------------------------------------------- binaries
+
+
+def test_binary_success_and_args_stringified(logs_dir):
+    pc = start_processes(
+        "echo", "/bin/echo", {0: (1, [2, 3]), 1: ("a",)}, _envs(2),
+        DefaultLogsSpecs(log_dir=logs_dir, redirects=Std.OUT),
+    )
+    assert isinstance(pc, SubprocessContext)
+    result = pc.wait(30)
+    assert not result.is_failed() and result.return_values == {0: None, 1: None}
+    with open(result.stdouts[0]) as f:
+        assert f.read() == "1 [2, 3]\n"
+
+
+def test_binary_traceback_without_record_reaches_the_user(capfd, logs_dir, tmp_path):
+    script = tmp_path / "plain.py"
+    script.write_text("print('to stdout')\ndef f():\n    raise KeyError('no-record-here')\nf()\n")
+    pc = start_processes(
+        "plain", PY, {0: (script,), 1: ("-c", "import time; time.sleep(60)")}, _envs(2),
+        DefaultLogsSpecs(log_dir=logs_dir),
+    )
+    result = pc.wait(30)
+    assert set(result.failures) == {0}  # rank 1 was stopped by us, not a failure
+    failure = result.failures[0]
+    assert failure.exitcode == 1 and failure.error_file == "<N/A>"
+    assert "KeyError: 'no-record-here'" in failure.message
+    assert "raise KeyError('no-record-here')" in failure.message
+    text = str(ChildFailedError("plain", {0: failure}))
+    assert "Traceback (most recent call last)" in text and "no-record-here" in text
+    out, err = capfd.readouterr()
+    # not redirected: the user still sees both streams on the console
+    assert "to stdout" in out and "KeyError: 'no-record-here'" in err
+    # ...and stderr was also captured to a file next to the error file
+    with open(os.path.join(os.path.dirname(pc.error_files[0]), "stderr.log")) as f:
+        assert "no-record-here" in f.read()
+    assert not is_alive(pc.pids()[1])
+
+
+def test_binary_killed_by_signal():
+    pc = start_processes(
+        "k", "/bin/sh", {0: ("-c", "kill -KILL $$",)}, _envs(1), DefaultLogsSpecs(log_dir=os.devnull)
+    )
+    failure = pc.wait(30).failures[0]
+    assert failure.exitcode == -9 and "Signal 9 (SIGKILL)" in failure.message
+
+
+def test_binary_with_torch_record_error_file(logs_dir):
+    pytest.importorskip("torch", reason="!!! torch 2.13 is not installed: interop test skipped")
+    script = (
+        "from torch.distributed.elastic.multiprocessing.errors import record\n"
+        "@record\ndef main():\n    raise RuntimeError('torch-recorded')\nmain()\n"
+    )
+    pc = start_processes("t", PY, {0: ("-c", script)}, _envs(1), DefaultLogsSpecs(log_dir=logs_dir))
+    failure = pc.wait(60).failures[0]
+    assert failure.error_file == pc.error_files[0]
+    assert failure.message["message"] == "RuntimeError: torch-recorded"
+    assert "torch-recorded" in failure.message["extraInfo"]["py_callstack"]
+
+
+# ---------------------------------------------------------------- waiting
+
+
+def test_wait_returns_the_moment_a_worker_fails(tmp_path):
+    path, gate = _fifo_gate(tmp_path)
+    try:
+        pc = start_processes(
+            "w", "/bin/sh", {0: ("-c", f"read x < {path}; exit 7"), 1: ("-c", "sleep 60")},
+            _envs(2), DefaultLogsSpecs(log_dir=os.devnull),
+        )
+        assert pc.wait(0) is None
+        assert pc.wait(0.05, period=5) is None  # period is not a sleep
+        t0 = time.monotonic()
+        os.write(gate, b"go\n")
+        result = pc.wait(30, period=10)
+        assert time.monotonic() - t0 < 2.0  # torch would sleep the 10 s period here
+        assert result.failures[0].exitcode == 7
+    finally:
+        os.close(gate)
+
+
+def test_wait_any_wakeup_and_fileno():
+    r, w = os.pipe()
+    try:
+        pc = start_processes(
+            "a", mpworkers.block_on_fd, {0: (r,), 1: (r,)}, _envs(2),
+            DefaultLogsSpecs(log_dir=os.devnull), start_method="fork",
+        )
+        assert pc.wait_any(0) is False
+        woke = threading.Event()
+
+        def waker():
+            woke.set()
+            pc.wakeup()
+
+        threading.Thread(target=waker).start()
+        assert woke.wait(5)
+        assert pc.wait_any(20) is False  # woken, no exit
+        os.write(w, b"\x00")  # one worker exits cleanly
+        assert pc.wait_any(20) is True
+        assert pc.wait(0) is None  # the other still runs
+        assert pc.exitcodes() == {r_: 0 for r_, _ in pc.exitcodes().items()}
+        assert len(pc.exitcodes()) == 1
+        import select
+
+        assert not select.select([pc.fileno()], [], [], 0)[0]
+        os.write(w, b"\x00")
+        assert select.select([pc.fileno()], [], [], 20)[0]
+        result = pc.wait(20)
+        assert not result.is_failed() and result.return_values == {0: None, 1: None}
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+# ---------------------------------------------------------------- stopping
+
+
+@pytest.mark.parametrize("ignore_term", [False, True])
+def test_close_kills_grandchildren(ignore_term):
+    r, w = os.pipe()
+    try:
+        pc = start_processes(
+            "gc", mpworkers.spawn_grandchild, {0: (w, ignore_term)}, _envs(1),
+            DefaultLogsSpecs(log_dir=os.devnull), start_method="fork",
+        )
+        worker, grandchild = (int(x) for x in read_line(r, 10).split())
+        assert worker == pc.pids()[0] and is_alive(grandchild)
+        t0 = time.monotonic()
+        pc.close(timeout=2)
+        assert time.monotonic() - t0 < 4
+        assert wait_gone(grandchild, 5) and not is_alive(worker)
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_close_escalates_to_sigkill(tmp_path):
+    path, ready = _fifo_gate(tmp_path, "ready")
+    script = f"trap '' TERM; echo ready > {path}; while :; do sleep 1; done"
+    try:
+        pc = start_processes(
+            "s", "/bin/sh", {0: ("-c", script)}, _envs(1), DefaultLogsSpecs(log_dir=os.devnull)
+        )
+        assert read_line(ready, 10) == b"ready\n"  # SIGTERM is ignored from now on
+    finally:
+        os.close(ready)
+    t0 = time.monotonic()
+    pc.close(timeout=0.3)
+    elapsed = time.monotonic() - t0
+    assert 0.25 <= elapsed < 3
+    assert pc.exitcodes()[0] == -signal.SIGKILL
+    assert not is_alive(pc.pids()[0]) and pc.stuck_pids == {}
+
+
+def test_worker_states_reports_stopped_worker_and_close_still_ends_it():
+    pc = start_processes("st", "/bin/sleep", {0: ("60",)}, _envs(1), DefaultLogsSpecs(log_dir=os.devnull))
+    pid = pc.pids()[0]
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 5
+    states = pc.worker_states()
+    while states.get(0) != "stopped" and time.monotonic() < deadline:
+        states = pc.worker_states()  # the stop is asynchronous; bounded re-check
+    assert states == {0: "stopped"}
+    pc.close(timeout=0.2)
+    assert not is_alive(pid)
+
+
+def test_validation_errors():
+    with pytest.raises(RuntimeError, match="envs"):
+        start_processes("v", "/bin/true", {0: (), 1: ()}, {0: {}}, DefaultLogsSpecs(log_dir=os.devnull))
+    with pytest.raises(ValueError, match="start_method"):
+        start_processes("v", mpworkers.double, {0: (1,)}, {0: {}}, DefaultLogsSpecs(log_dir=os.devnull),
+                        start_method="thread")
+
+
+def test_no_fd_leaks_across_runs(logs_dir):
+    def run():
+        pc = start_processes(
+            "f", "/bin/sh", {0: ("-c", "echo x; echo y >&2"), 1: ("-c", "exit 2")}, _envs(2),
+            DefaultLogsSpecs(log_dir=logs_dir, tee=Std.ALL),
+            duplicate_stdout_filters=["x"],
+        )
+        pc.wait(30)
+
+    run()  # starts the guardian
+    before = open_fds()
+    for _ in range(3):
+        run()
+    assert open_fds() == before
+
+
+# ---------------------------------------------------------------- logs
+
+
+def test_redirect_tee_prefix_and_filters(capfd, logs_dir):
+    script = "echo keep-1; echo drop-2; echo err-3 >&2; printf tail-no-newline"
+    pc = start_processes(
+        "tee", "/bin/sh", {0: ("-c", script), 1: ("-c", script)}, _envs(2),
+        DefaultLogsSpecs(log_dir=logs_dir, redirects={1: Std.ALL}, tee={0: Std.ALL}),
+        log_line_prefixes={0: "[pfx0]:"},
+        duplicate_stdout_filters=["keep"],
+    )
+    result = pc.wait(30)
+    assert not result.is_failed()
+    out, err = capfd.readouterr()
+    # rank 0 tee'd with its prefix; rank 1 only redirected: nothing on the console
+    assert out.splitlines() == ["[pfx0]:keep-1", "[pfx0]:drop-2", "[pfx0]:tail-no-newline"]
+    assert err.splitlines() == ["[pfx0]:err-3"]
+    for rank in (0, 1):
+        with open(result.stdouts[rank]) as f:
+            assert f.read() == "keep-1\ndrop-2\ntail-no-newline"
+        with open(result.stderrs[rank]) as f:
+            assert f.read() == "err-3\n"
+    attempt_dir = os.path.dirname(os.path.dirname(result.stdouts[0]))
+    with open(os.path.join(attempt_dir, "filtered_stdout.log")) as f:
+        assert f.read() == "[pfx0]:keep-1\n"
+
+
+def test_default_tee_header_and_local_ranks_filter(capfd, logs_dir):
+    pc = start_processes(
+        "hdr", "/bin/sh", {0: ("-c", "echo a"), 1: ("-c", "echo b; echo c >&2")}, _envs(2),
+        DefaultLogsSpecs(log_dir=logs_dir, tee=Std.ALL, local_ranks_filter={0}),
+    )
+    assert not pc.wait(30).is_failed()
+    out, err = capfd.readouterr()
+    assert out == "[hdr0]:a\n" and err == ""
