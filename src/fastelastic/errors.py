@@ -94,7 +94,7 @@ _FAILURE_FMT = """[{idx}]:
   time      : {time}
   host      : {host}
   rank      : {rank} (local_rank: {local_rank})
-  exitcode  : {exitcode} (pid: {pid}){signal}
+  exitcode  : {exitcode} (pid: {pid}) {signal}
   error_file: {error_file}
   traceback : {traceback}"""
 

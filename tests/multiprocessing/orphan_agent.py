@@ -8,9 +8,9 @@ each worker's ``<worker pid> <grandchild pid>`` line appears on our stdout with 
 import sys
 import threading
 
-from fastelastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
-
 import mpworkers
+
+from fastelastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
 
 
 def main(log_dir: str, mode: str) -> None:

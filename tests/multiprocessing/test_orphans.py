@@ -10,7 +10,6 @@ import sys
 import time
 
 import pytest
-
 from mphelpers import is_alive, read_line, wait_gone
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -8,9 +8,10 @@ import sys
 import threading
 import time
 
-import pytest
-
 import mpworkers
+import pytest
+from mphelpers import is_alive, open_fds, read_line, wait_gone
+
 from fastelastic.errors import ChildFailedError
 from fastelastic.multiprocessing import (
     DefaultLogsSpecs,
@@ -20,7 +21,6 @@ from fastelastic.multiprocessing import (
     SubprocessContext,
     start_processes,
 )
-from mphelpers import is_alive, open_fds, read_line, wait_gone
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -338,3 +338,15 @@ def test_default_tee_header_and_local_ranks_filter(capfd, logs_dir):
     assert not pc.wait(30).is_failed()
     out, err = capfd.readouterr()
     assert out == "[hdr0]:a\n" and err == ""
+
+
+def test_wait_after_close_reports_the_stopped_workers():
+    pc = start_processes(
+        "c", "/bin/sleep", {0: ("60",), 1: ("60",)}, _envs(2), DefaultLogsSpecs(log_dir=os.devnull)
+    )
+    pc.close(timeout=5)
+    t0 = time.monotonic()
+    result = pc.wait(10)
+    assert time.monotonic() - t0 < 1
+    assert {r: f.exitcode for r, f in result.failures.items()} == {0: -15, 1: -15}
+    pc.close()  # idempotent

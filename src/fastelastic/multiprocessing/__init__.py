@@ -19,20 +19,26 @@ from fastelastic.multiprocessing.api import (
     _validate_full_rank,
 )
 from fastelastic.multiprocessing.errors import ProcessFailure
-from fastelastic.multiprocessing.logs import DefaultLogsSpecs, LogsDest, LogsSpecs, Std, to_map
+from fastelastic.multiprocessing.logs import (
+    DefaultLogsSpecs,
+    LogsDest,
+    LogsSpecs,
+    Std,
+    to_map,
+)
 
 __all__ = [
-    "start_processes",
+    "DefaultLogsSpecs",
+    "LogsDest",
+    "LogsSpecs",
     "MultiprocessContext",
     "PContext",
     "ProcessFailure",
     "RunProcsResult",
     "SignalException",
     "Std",
-    "LogsDest",
-    "LogsSpecs",
-    "DefaultLogsSpecs",
     "SubprocessContext",
+    "start_processes",
     "to_map",
 ]
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import logging
+import multiprocessing as mp
 import os
 import pickle
 import shutil
@@ -25,8 +26,6 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, TextIO
 
-import multiprocessing as mp
-
 from fastelastic._native.procmon import PidfdMonitor, set_pdeathsig
 from fastelastic.errors import SignalException
 from fastelastic.multiprocessing._guardian import guardian
@@ -36,11 +35,11 @@ from fastelastic.multiprocessing.errors import ProcessFailure
 from fastelastic.multiprocessing.logs import LogsSpecs
 
 __all__ = [
-    "PContext",
     "MultiprocessContext",
-    "SubprocessContext",
+    "PContext",
     "RunProcsResult",
     "SignalException",
+    "SubprocessContext",
 ]
 
 logger = logging.getLogger(__name__)
@@ -214,7 +213,7 @@ class PContext(abc.ABC):
         line_filter = None
         if filtered is not None and filters:
             needles = list(filters)
-            line_filter = lambda line: any(n in line for n in needles)  # noqa: E731
+            line_filter = lambda line: any(n in line for n in needles)
         sink = StreamSink(
             rank, file, console, self._header(rank) if header is None else header,
             filtered if line_filter else None, line_filter, keep_tail,
@@ -296,7 +295,7 @@ class PContext(abc.ABC):
         deadline = None if timeout < 0 else time.monotonic() + timeout
         while True:
             result = self._poll()
-            if result is not None:
+            if result is not None or self._closed:
                 return result
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
@@ -308,6 +307,9 @@ class PContext(abc.ABC):
         with self._lock:
             failed = list(self._failed_ranks)
             done = len(self._exitcodes) == self.nprocs
+            if not failed and done and self._closed:
+                # stopped by close(): the processes we killed are the failures, as in torch
+                failed = [r for r, code in sorted(self._exitcodes.items()) if code != 0]
         if failed:
             self.close()
             failures = {}
@@ -350,7 +352,7 @@ class PContext(abc.ABC):
 
     def worker_states(self) -> dict[int, str]:
         """psutil status of each live process by local rank (``disk-sleep`` = uninterruptible)."""
-        import psutil
+        import psutil  # type: ignore[import-untyped]
 
         states = {}
         for rank, pid in self._pids.items():
@@ -492,7 +494,7 @@ class MultiprocessContext(PContext):
             raise ValueError("The process context already started (start() called twice?)")
         ctx = mp.get_context(self.start_method)
         on_main = threading.current_thread() is threading.main_thread()
-        reset = ()
+        reset: tuple[int, ...] = ()
         if self.start_method == "fork":
             reset = tuple(
                 int(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -500,7 +502,7 @@ class MultiprocessContext(PContext):
         for rank in range(self.nprocs):
             out_fd, err_fd = self._child_stdio(rank)
             try:
-                proc = ctx.Process(
+                proc = ctx.Process(  # type: ignore[attr-defined]
                     target=worker_main,
                     args=(
                         self.entrypoint, self.args[rank], self.envs[rank],
@@ -594,7 +596,8 @@ class SubprocessContext(PContext):
                     stdout=out_fd,
                     stderr=err_fd,
                     process_group=0,
-                    preexec_fn=(lambda: set_pdeathsig(signal.SIGKILL, me)) if on_main else None,
+                    # runs one prctl in the child; no lock is taken, so other threads are harmless
+                    preexec_fn=(lambda: set_pdeathsig(signal.SIGKILL, me)) if on_main else None,  # noqa: PLW1509
                 )
             finally:
                 for fd in (out_fd, err_fd):

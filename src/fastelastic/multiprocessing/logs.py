@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from enum import IntFlag
 
-__all__ = ["Std", "to_map", "LogsDest", "LogsSpecs", "DefaultLogsSpecs"]
+__all__ = ["DefaultLogsSpecs", "LogsDest", "LogsSpecs", "Std", "to_map"]
 
 logger = logging.getLogger(__name__)
 

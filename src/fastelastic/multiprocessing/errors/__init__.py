@@ -22,7 +22,7 @@ from fastelastic.errors import ChildFailedError
 from fastelastic.multiprocessing.errors.error_handler import ErrorHandler
 from fastelastic.multiprocessing.errors.handlers import get_error_handler
 
-__all__ = ["ProcessFailure", "ChildFailedError", "record", "ErrorHandler", "get_error_handler"]
+__all__ = ["ChildFailedError", "ErrorHandler", "ProcessFailure", "get_error_handler", "record"]
 
 logger = logging.getLogger(__name__)
 

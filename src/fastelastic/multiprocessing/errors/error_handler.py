@@ -35,7 +35,7 @@ class ErrorHandler:
         """Prepares to capture errors: enables ``faulthandler`` for every thread."""
         try:
             faulthandler.enable(all_threads=True)
-        except Exception as e:  # a closed or fileno-less stderr
+        except (RuntimeError, ValueError, OSError, AttributeError) as e:  # no usable stderr
             warnings.warn(f"Unable to enable fault handler. {type(e).__name__}: {e}", stacklevel=2)
 
     def _write_error_file(self, file_path: str, error_msg: str) -> None:
