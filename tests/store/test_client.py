@@ -286,6 +286,9 @@ def test_no_fd_leak():
     def fds():
         return len(os.listdir("/proc/self/fd"))
 
+    import gc
+
+    gc.collect()
     before = fds()
     for _ in range(5):
         m = TCPStore("127.0.0.1", 0, is_master=True, timeout=5)
@@ -294,4 +297,5 @@ def test_no_fd_leak():
         c.close()
         m.shutdown_server()
         del c, m
+    gc.collect()
     assert fds() == before
