@@ -19,6 +19,7 @@ from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcmp
 from libcpp.pair cimport pair
 from libcpp.string cimport string
+from libcpp.unordered_set cimport unordered_set
 from libcpp.vector cimport vector
 
 from fastelastic._native.includes.linux cimport (
@@ -399,6 +400,7 @@ cdef class KVServer:
         cdef uint32_t nonce
         cdef string key, val, num
         cdef vector[string] keys
+        cdef unordered_set[string] seen
         cdef bint found
         cdef pair[string, string] action
         self.ops += 1
@@ -492,7 +494,8 @@ cdef class KVServer:
                 c.wait_gen += 1
                 c.wait_left = 0
                 for i in range(count):
-                    if self._missing(keys[i]):
+                    # a duplicate key in one WAIT is satisfied by one write
+                    if self._missing(keys[i]) and seen.insert(keys[i]).second:
                         self._register_wait(c, keys[i])
                 if c.wait_left == 0:
                     put_u8(c.wbuf, REPLY_STOP_WAITING)
@@ -611,10 +614,6 @@ cdef class KVServer:
 
     cdef void _register_wait(self, Conn *c, const string &key) noexcept nogil:
         cdef Waiter w
-        cdef size_t i
-        for i in range(c.wait_keys.size()):
-            if c.wait_keys[i] == key:
-                return  # a duplicate key in one WAIT is satisfied by one write
         w.fd = c.fd
         w.cid = c.cid
         w.gen = c.wait_gen
