@@ -279,6 +279,28 @@ def test_worker_states_reports_stopped_worker_and_close_still_ends_it():
     assert not is_alive(pid)
 
 
+def test_worker_in_uninterruptible_sleep_is_reported(tmp_path):
+    # a vfork parent waits for its child in D state (killable); the agent sees "disk-sleep"
+    import shutil
+    import subprocess
+
+    cc = shutil.which("cc")
+    if cc is None:
+        pytest.skip("!!! no C compiler: cannot build the D-state worker")
+    src = tmp_path / "dstate.c"
+    src.write_text("#include <unistd.h>\nint main(void){if(vfork()==0){pause();_exit(0);}return 0;}\n")
+    subprocess.run([cc, "-o", str(tmp_path / "dstate"), str(src)], check=True)
+    pc = start_processes("d", str(tmp_path / "dstate"), {0: ()}, _envs(1), DefaultLogsSpecs(log_dir=os.devnull))
+    deadline = time.monotonic() + 5
+    states = pc.worker_states()
+    while states.get(0) != "disk-sleep" and time.monotonic() < deadline:
+        states = pc.worker_states()  # vfork happens right after exec; bounded re-check
+    assert states == {0: "disk-sleep"}
+    pid = pc.pids()[0]
+    pc.close(timeout=0.2)  # SIGTERM is deferred in D state; the group SIGKILL ends it
+    assert not is_alive(pid) and pc.stuck_pids == {}
+
+
 def test_validation_errors():
     with pytest.raises(RuntimeError, match="envs"):
         start_processes("v", "/bin/true", {0: (), 1: ()}, {0: {}}, DefaultLogsSpecs(log_dir=os.devnull))

@@ -45,8 +45,18 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 SIGNALS_TO_HANDLE_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
-# After SIGKILL a process exits at once unless it is in uninterruptible sleep; wait this long.
+# After SIGKILL a process exits at once unless it is in uninterruptible sleep; wait this long
+# (TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT when set and positive) before reporting it.
+UNINTERRUPTIBLE_STATE_TIMEOUT_ENV = "TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT"
 _KILL_GRACE_S = 5.0
+
+
+def _kill_grace() -> float:
+    try:
+        value = float(os.environ.get(UNINTERRUPTIBLE_STATE_TIMEOUT_ENV, ""))
+    except ValueError:
+        return _KILL_GRACE_S
+    return value if value > 0 else _KILL_GRACE_S
 # How long a failure report waits for the failed worker's stderr to reach EOF.
 _DRAIN_S = 2.0
 
@@ -429,7 +439,8 @@ class PContext(abc.ABC):
         # SIGKILL every group: the stragglers, and grandchildren left behind by exited workers
         for rank in self._pids:
             self._signal_group(rank, signal.SIGKILL)
-        alive = self._wait_ranks(alive, time.monotonic() + _KILL_GRACE_S)
+        grace = _kill_grace()
+        alive = self._wait_ranks(alive, time.monotonic() + grace)
         if alive:
             states = self.worker_states()
             for rank in alive:
@@ -438,7 +449,7 @@ class PContext(abc.ABC):
                 logger.error(
                     "Process %s (local_rank %s) did not exit after SIGKILL within %ss (state: %s);"
                     " abandoning it. It may be in uninterruptible kernel sleep.",
-                    self._pids[rank], rank, _KILL_GRACE_S, state,
+                    self._pids[rank], rank, grace, state,
                 )
         self._reap()
 
