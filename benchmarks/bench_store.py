@@ -1,0 +1,308 @@
+"""Store benchmarks: fastelastic's server and client against torch 2.13's, in the same run.
+
+Every server runs in its own process, so its CPU (``/proc/PID/stat``; the ns-resolution
+schedstat sum where a phase is too short for 10 ms ticks) and RSS can be read. Families:
+
+* ``rt_user``: one client, one op at a time: our client on our server vs torch's client on
+  torch's server (what a user sees; the issue's latency targets).
+* ``rt_server``: torch's client on each server (same client, servers compared; server CPU).
+* ``rt_client``: each client on our server (same server, clients compared).
+* ``tp``: set+get throughput of 16 and 64 torch clients in 4 processes, on each server.
+* ``multi_*``: multi_set then multi_get of 10,000 and 100,000 keys with 64-byte values.
+* ``storm``: N light raw clients (separate processes) connect, handshake and ADD at once.
+* ``rss``: server RSS holding 10,000 idle connections (a fresh server per implementation).
+
+Run: ``python -m pytest benchmarks/bench_store.py --benchmark-only -q`` (about 5 minutes);
+smoke: ``python -m pytest benchmarks/bench_store.py --benchmark-disable -q`` (small sizes).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import pytest
+
+import _storebench as sb
+
+IMPLS = ["fastelastic", "torch"]
+OPS = ["set", "get", "add", "compare_set"]
+TP_PROCS = 4
+
+pytest.importorskip("torch", reason="!!! torch 2.13 is needed: every benchmark here compares "
+                                    "fastelastic against torch's TCPStore")
+
+
+def _make_op(client, op: str):
+    key = f"rt/{op}"
+    if op == "set":
+        return lambda: client.set(key, sb.VALUE64)
+    if op == "get":
+        client.set(key, sb.VALUE64)
+        return lambda: client.get(key)
+    if op == "add":
+        return lambda: client.add(key, 1)
+    client.set(key, "a")
+    return lambda: client.compare_set(key, "a", "a")
+
+
+def _lat_metrics(lat_ns: list[int]) -> dict:
+    return {"p50_us": sb.pct(lat_ns, 50) / 1e3, "p99_us": sb.pct(lat_ns, 99) / 1e3,
+            "mean_us": statistics.fmean(lat_ns) / 1e3, "samples": len(lat_ns)}
+
+
+def _roundtrip(benchmark, sizes, server: sb.ServerProc, client_kind: str, op: str) -> dict:
+    client = sb._client(client_kind, server.port)
+    fn = _make_op(client, op)
+    lat: list[int] = []
+    clock = time.perf_counter_ns
+
+    def one() -> None:
+        t = clock()
+        fn()
+        lat.append(clock() - t)
+
+    rounds, warmup = sizes["rt_rounds"], sizes["rt_warmup"]
+    cpu0, cpus0 = server.cpu_precise(), server.cpu()
+    benchmark.pedantic(one, rounds=rounds, warmup_rounds=warmup, iterations=1)
+    if op == "set":  # fire-and-forget: let the server catch up before reading its CPU
+        client.add("rt/sync", 1)
+    ops = len(lat)
+    cpu, cpus = server.cpu_precise() - cpu0, server.cpu() - cpus0
+    measured = lat[-rounds:] if len(lat) > rounds else lat
+    del client
+    return {**_lat_metrics(measured), "cpu_s_per_1k": cpu / ops * 1000,
+            "cpu_stat_s": cpus, "cpu_precise_s": cpu, "ops": ops}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", OPS)
+def test_rt_user(benchmark, sizes, servers, results, op, impl):
+    """Own client on own server: the latency a user of each store sees."""
+    m = _roundtrip(benchmark, sizes, servers[impl], impl, op)
+    results.add("rt_user", op, impl, m, benchmark.extra_info)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", OPS)
+def test_rt_server(benchmark, sizes, servers, results, op, impl):
+    """torch's client on each server: the servers compared, with the server's CPU per op."""
+    m = _roundtrip(benchmark, sizes, servers[impl], "torch", op)
+    results.add("rt_server", op, impl, m, benchmark.extra_info)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", OPS)
+def test_rt_client(benchmark, sizes, servers, results, op, impl):
+    """Each client on our server: the clients compared (ours gets in one round trip)."""
+    m = _roundtrip(benchmark, sizes, servers["fastelastic"], impl, op)
+    results.add("rt_client", op, impl, m, benchmark.extra_info)
+
+
+# ------------------------------------------------------------------------------ throughput
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("clients", [16, 64])
+def test_tp(benchmark, sizes, servers, pool, results, clients, impl):
+    """Aggregate set+get throughput of torch clients spread over 4 processes, per server."""
+    server = servers[impl]
+    workers = pool.get(TP_PROCS)
+    for i, w in enumerate(workers):
+        w.send({"op": "tp_connect", "port": server.port, "threads": clients // TP_PROCS,
+                "client": "torch", "prefix": f"tp{clients}/{i}"})
+    for w in workers:
+        w.recv(300)
+    pairs = sizes["tp_pairs"][clients]
+    rounds: list[tuple[float, list[int]]] = []
+
+    def one_round() -> None:
+        for w in workers:
+            w.send({"op": "tp_run", "pairs": pairs})
+        replies = [w.recv(300) for w in workers]
+        wall = max(r["t1"] for r in replies) - min(r["t0"] for r in replies)
+        rounds.append((wall, [x for r in replies for x in r["lat_ns"]]))
+
+    try:
+        one_round()  # warm-up: connections, server maps
+        rounds.clear()
+        cpu0, cpus0 = server.cpu_precise(), server.cpu()
+        benchmark.pedantic(one_round, rounds=sizes["tp_rounds"], iterations=1)
+        cpu, cpus = server.cpu_precise() - cpu0, server.cpu() - cpus0
+    finally:
+        for w in workers:
+            w.send({"op": "tp_close"})
+        for w in workers:
+            w.recv(60)
+    ops = 2 * pairs * clients * len(rounds)
+    lat = [x for _, l in rounds for x in l]
+    m = {**_lat_metrics(lat),
+         "ops_per_s": statistics.median(2 * pairs * clients / w for w, _ in rounds),
+         "cpu_s_per_1k": cpu / ops * 1000, "cpu_stat_s_per_1k": cpus / ops * 1000,
+         "clients": clients, "processes": TP_PROCS, "ops": ops}
+    results.add("tp", str(clients), impl, m, benchmark.extra_info)
+
+
+# ------------------------------------------------------------------------------ multi-key
+
+def _multi(benchmark, sizes, pool, server, client_kind, n, rounds, family, impl, results):
+    bound = sizes["multi_bound_s"]
+    out: list[dict] = []
+    state = {"finished": True}
+
+    def one_round() -> None:
+        if not state["finished"]:
+            return
+        w = pool.get(1)[0]
+        try:
+            out.append(w.call({"op": "multi", "port": server.port, "client": client_kind,
+                               "n": n, "rounds": 1, "prefix": f"{family}"}, bound))
+        except TimeoutError:
+            pool.discard(w)  # it is stuck inside the store call; ending it is the only bound
+            state["finished"] = False
+
+    cpu0 = server.cpu_precise()
+    benchmark.pedantic(one_round, rounds=rounds, iterations=1)
+    cpu = server.cpu_precise() - cpu0
+    if not out:
+        m = {"finished": False, "bound_s": bound, "total_s": None, "keys": n}
+    else:
+        sets = [s for r in out for s in r["set_s"]]
+        gets = [g for r in out for g in r["get_s"]]
+        tot = [s + g for s, g in zip(sets, gets)]
+        m = {"total_s": statistics.median(tot), "total_max_s": max(tot),
+             "set_s": statistics.median(sets), "get_s": statistics.median(gets),
+             "finished": state["finished"], "bound_s": bound, "keys": n, "runs": len(tot),
+             "server_cpu_s_per_run": cpu / (len(tot) + (0 if state["finished"] else 1))}
+    results.add(family, str(n), impl, m, benchmark.extra_info)
+    return m
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("n", ["small", "large"])
+def test_multi_user(benchmark, sizes, servers, pool, results, n, impl):
+    """multi_set then multi_get, own client on own server (torch's run bounded in time)."""
+    keys = sizes["multi_n"][0 if n == "small" else 1]
+    rounds = (sizes["multi_rounds"] if impl == "fastelastic" else sizes["multi_torch_rounds"])
+    _multi(benchmark, sizes, pool, servers[impl], impl, keys, rounds[keys], "multi_user", impl,
+           results)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_multi_server(benchmark, sizes, servers, pool, results, impl):
+    """multi_set then multi_get with torch's client on each server."""
+    keys = sizes["multi_n"][0]
+    _multi(benchmark, sizes, pool, servers[impl], "torch", keys,
+           sizes["multi_torch_rounds"][keys], "multi_server", impl, results)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_multi_client(benchmark, sizes, servers, pool, results, impl):
+    """multi_set then multi_get with each client on our server."""
+    keys = sizes["multi_n"][0]
+    _multi(benchmark, sizes, pool, servers["fastelastic"], impl, keys,
+           sizes["multi_torch_rounds"][keys], "multi_client", impl, results)
+
+
+# ------------------------------------------------------------------------------ storm
+
+def _storm_procs(n: int) -> int:
+    return 1 if n <= 1024 else 2
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("n", [1024, 8192, 16384])
+def test_storm(benchmark, sizes, servers, results, n, impl):
+    """Time until n light clients have connected, handshaked and done one ADD."""
+    if n not in sizes["storm_n"]:
+        pytest.skip(f"storm of {n} clients runs only with full sizes (FE_BENCH_SIZE=full)")
+    server = servers[impl]
+    base_fds = server.nfds()
+    procs = _storm_procs(n)
+    live: list[sb.StormClient] = []
+    runs: list[dict] = []
+
+    def finish_live() -> None:
+        for c in live:
+            c.finish()
+        live.clear()
+        left = server.wait_fds_at_most(base_fds + 2, 60)
+        assert left <= base_fds + 2, f"{impl} server still holds {left - base_fds} connections"
+
+    def setup():
+        finish_live()
+        live.extend(sb.StormClient(server.port, n // procs, f"/storm{n}") for _ in range(procs))
+        for c in live:
+            c.line(120)
+
+    def storm() -> None:
+        drops = sb.listen_drops()
+        cpu0 = server.cpu_precise()
+        for c in live:
+            c.tell("go")
+        rs = [c.line(300) for c in live]
+        # All replies are in, so the server has done all the work of this storm.
+        cpu = server.cpu_precise() - cpu0
+        agg = {k: sum(r[k] for r in rs) for k in
+               ("done", "refused", "reset", "closed", "bad_reply", "other", "unfinished")}
+        runs.append({"time_s": max(r["t1"] for r in rs) - min(r["t0"] for r in rs),
+                     "server_cpu_s": cpu, "listen_drops": sb.listen_drops() - drops, **agg})
+
+    try:
+        benchmark.pedantic(storm, setup=setup, rounds=sizes["storm_rounds"][n], iterations=1)
+    finally:
+        finish_live()
+    errors = sum(r["refused"] + r["reset"] + r["closed"] + r["bad_reply"] + r["other"]
+                 + r["unfinished"] for r in runs)
+    m = {"time_s": statistics.median(r["time_s"] for r in runs),
+         "time_max_s": max(r["time_s"] for r in runs),
+         "server_cpu_s": statistics.median(r["server_cpu_s"] for r in runs),
+         "errors": errors, "refused": sum(r["refused"] for r in runs),
+         "reset": sum(r["reset"] for r in runs),
+         "unfinished": sum(r["unfinished"] for r in runs),
+         "listen_drops": sum(r["listen_drops"] for r in runs),
+         "clients": n, "client_processes": procs, "runs": len(runs)}
+    results.add("storm", str(n), impl, m, benchmark.extra_info)
+    assert runs and runs[-1]["done"] + errors >= n // procs * procs
+
+
+# ------------------------------------------------------------------------------ memory
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_rss_idle(benchmark, sizes, results, impl):
+    """RSS of a fresh server process while it holds 10,000 idle (handshaked) connections."""
+    n = sizes["rss_conns"]
+    server = sb.ServerProc(impl)
+    live: list[sb.StormClient] = []
+    state: dict = {}
+    try:
+        base_rss, base_fds = server.rss(), server.nfds()
+
+        def setup():
+            live.extend(sb.StormClient(server.port, n // 2, "/rss") for _ in range(2))
+            for c in live:
+                c.line(120)
+
+        def hold() -> None:
+            for c in live:
+                c.tell("go")
+            rs = [c.line(300) for c in live]
+            state["done"] = sum(r["done"] for r in rs)
+            state["fds"] = server.nfds() - base_fds
+            state["rss"] = server.rss()
+
+        benchmark.pedantic(hold, setup=setup, rounds=1, iterations=1)
+    finally:
+        for c in live:
+            c.finish()
+        server.stop()
+    assert state["done"] == n, f"only {state['done']} of {n} connections completed"
+    m = {"rss_mib": state["rss"] / 2**20, "delta_mib": (state["rss"] - base_rss) / 2**20,
+         "base_rss_mib": base_rss / 2**20, "bytes_per_conn": (state["rss"] - base_rss) / n,
+         "conns": n, "server_fds_held": state["fds"]}
+    results.add("rss", "idle", impl, m, benchmark.extra_info)
