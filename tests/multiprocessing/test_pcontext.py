@@ -120,6 +120,9 @@ def test_binary_success_and_args_stringified(logs_dir):
         DefaultLogsSpecs(log_dir=logs_dir, redirects=Std.OUT),
     )
     assert isinstance(pc, SubprocessContext)
+    # torch's shape: handlers with a Popen in .proc, each a process-group leader
+    assert {r: h.proc.pid for r, h in pc.subprocess_handlers.items()} == pc.pids()
+    assert pc.subprocess_handlers[1].local_rank_id == 1
     result = pc.wait(30)
     assert not result.is_failed() and result.return_values == {0: None, 1: None}
     with open(result.stdouts[0]) as f:

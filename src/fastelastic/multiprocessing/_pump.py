@@ -12,9 +12,13 @@ import codecs
 import logging
 import os
 import selectors
+import sys
 import threading
 from collections.abc import Callable
-from typing import BinaryIO, TextIO
+from typing import TYPE_CHECKING, BinaryIO, TextIO
+
+if TYPE_CHECKING:
+    from fastelastic.multiprocessing.logs import LogsDest
 
 logger = logging.getLogger(__name__)
 
@@ -195,3 +199,78 @@ class OutputPump:
             except OSError:
                 pass
             thread.join(5)
+
+
+class StdioRouter:
+    """Decides each worker's stdout/stderr from the log destinations and wires the pipes.
+
+    stdout: inherited when not redirected; written straight to its file when only redirected;
+    through the pump when tee'd (file + console with the line header + filtered copy).
+    stderr: always through the pump, so its tail is kept: to the console raw when not
+    redirected (plus a copy in ``<rank dir>/stderr.log``), to its file when redirected, and
+    also to the console with the header when tee'd.
+    """
+
+    def __init__(
+        self,
+        pump: OutputPump,
+        dest: LogsDest,
+        prefixes: dict[int, str],
+        name: str,
+        filtered_out: tuple[TextIO | None, list[str] | None],
+        filtered_err: tuple[TextIO | None, list[str] | None],
+    ) -> None:
+        self._pump = pump
+        self._dest = dest
+        self._prefixes = prefixes
+        self._name = name
+        self._filtered_out = filtered_out
+        self._filtered_err = filtered_err
+        self.stderr_sinks: dict[int, StreamSink] = {}
+
+    def _header(self, rank: int) -> str:
+        return self._prefixes.get(rank, f"[{self._name}{rank}]:")
+
+    def child_fds(self, rank: int) -> tuple[int | None, int]:
+        """Returns (stdout fd or None to inherit, stderr fd); the caller closes them after fork."""
+        out_fd: int | None = None
+        out_path = self._dest.stdouts[rank]
+        if out_path and rank in self._dest.tee_stdouts:
+            out_fd = self._pipe(rank, out_path, sys.stdout, self._header(rank), self._filtered_out, False)
+        elif out_path:
+            out_fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        err_path = self._dest.stderrs[rank]
+        tee = rank in self._dest.tee_stderrs
+        if err_path == "":
+            err_fd = self._pipe(rank, self._capture_path(rank), sys.stderr, "", (None, None), True)
+        else:
+            err_fd = self._pipe(
+                rank, err_path, sys.stderr if tee else None, self._header(rank) if tee else "",
+                self._filtered_err if tee else (None, None), True,
+            )
+        return out_fd, err_fd
+
+    def _capture_path(self, rank: int) -> str | None:
+        err = self._dest.error_files.get(rank, "")
+        if err and err != os.devnull and os.path.isdir(os.path.dirname(err)):
+            return os.path.join(os.path.dirname(err), "stderr.log")
+        return None
+
+    def _pipe(
+        self, rank: int, path: str | None, console: TextIO | None, header: str,
+        filtered: tuple[TextIO | None, list[str] | None], keep_tail: bool,
+    ) -> int:
+        r, w = os.pipe()
+        file = open(path, "wb") if path and path != os.devnull else None  # noqa: SIM115
+        out, needles = filtered
+        line_filter: Callable[[str], bool] | None = None
+        if out is not None and needles:
+            words = list(needles)
+            line_filter = lambda line: any(word in line for word in words)
+        else:
+            out = None
+        sink = StreamSink(rank, file, console, header, out, line_filter, keep_tail)
+        self._pump.add(r, sink)
+        if keep_tail:
+            self.stderr_sinks[rank] = sink
+        return w

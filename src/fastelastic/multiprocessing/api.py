@@ -16,8 +16,6 @@ import os
 import pickle
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -26,13 +24,17 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, TextIO
 
-from fastelastic._native.procmon import PidfdMonitor, set_pdeathsig
+from fastelastic._native.procmon import PidfdMonitor
 from fastelastic.errors import SignalException
 from fastelastic.multiprocessing._guardian import guardian
-from fastelastic.multiprocessing._pump import OutputPump, StreamSink
+from fastelastic.multiprocessing._pump import OutputPump, StdioRouter
 from fastelastic.multiprocessing._worker import FdArg, worker_main
 from fastelastic.multiprocessing.errors import ProcessFailure
 from fastelastic.multiprocessing.logs import LogsSpecs
+from fastelastic.multiprocessing.subprocess_handler import (
+    SubprocessHandler,
+    get_subprocess_handler,
+)
 
 __all__ = [
     "MultiprocessContext",
@@ -130,19 +132,18 @@ class PContext(abc.ABC):
         self.stderrs = dest.stderrs
         self.error_files = dest.error_files
         self.nprocs = nprocs
-        self._tee_stdouts = dest.tee_stdouts
-        self._tee_stderrs = dest.tee_stderrs
-        self._prefixes = log_line_prefixes or {}
         self.filtered_stdout: TextIO | None = None
         self.filtered_stderr: TextIO | None = None
-        self._out_filters = duplicate_stdout_filters
-        self._err_filters = duplicate_stderr_filters
         if duplicate_stdout_filters:
             self.filtered_stdout = open(dest.filtered_stdout, "w", errors="replace", buffering=1)  # noqa: SIM115
         if duplicate_stderr_filters:
             self.filtered_stderr = open(dest.filtered_stderr, "w", errors="replace", buffering=1)  # noqa: SIM115
         self._pump = OutputPump(name)
-        self._stderr_sinks: dict[int, StreamSink] = {}
+        self._router = StdioRouter(
+            self._pump, dest, log_line_prefixes or {}, name,
+            (self.filtered_stdout, duplicate_stdout_filters),
+            (self.filtered_stderr, duplicate_stderr_filters),
+        )
         self._monitor: PidfdMonitor | None = None
         self._pids: dict[int, int] = {}  # local rank -> pid (== its process group id)
         self._rank_of: dict[int, int] = {}
@@ -175,63 +176,9 @@ class PContext(abc.ABC):
     def _start(self) -> None:
         """Starts the processes (context specific)."""
 
-    def _header(self, rank: int) -> str:
-        return self._prefixes.get(rank, f"[{self.name}{rank}]:")
-
     def _child_stdio(self, rank: int) -> tuple[int | None, int | None]:
         """Returns the fds to install as the child's stdout/stderr (None = inherit ours)."""
-        out_fd: int | None = None
-        out_path = self.stdouts[rank]
-        if out_path:
-            if rank in self._tee_stdouts or self.filtered_stdout is not None:
-                out_fd = self._pipe_to(
-                    rank, out_path, sys.stdout if rank in self._tee_stdouts else None,
-                    self.filtered_stdout if rank in self._tee_stdouts else None,
-                    self._out_filters, keep_tail=False,
-                )
-            else:
-                out_fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-        # stderr always goes through the pump so its tail is kept for the failure report
-        err_path = self.stderrs[rank]
-        tee = rank in self._tee_stderrs
-        if err_path == "":
-            err_file = self._capture_path(rank)
-            console: TextIO | None = sys.stderr
-            header = ""
-        else:
-            err_file = err_path if err_path != os.devnull else None
-            console = sys.stderr if tee else None
-            header = self._header(rank) if tee else ""
-        err_fd = self._pipe_to(
-            rank, err_file, console, self.filtered_stderr if tee else None, self._err_filters,
-            keep_tail=True, header=header,
-        )
-        return out_fd, err_fd
-
-    def _capture_path(self, rank: int) -> str | None:
-        err = self.error_files.get(rank, "")
-        if err and err != os.devnull and os.path.isdir(os.path.dirname(err)):
-            return os.path.join(os.path.dirname(err), "stderr.log")
-        return None
-
-    def _pipe_to(
-        self, rank: int, path: str | None, console: TextIO | None, filtered: TextIO | None,
-        filters: list[str] | None, keep_tail: bool, header: str | None = None,
-    ) -> int:
-        r, w = os.pipe()
-        file = open(path, "wb") if path and path != os.devnull else None  # noqa: SIM115
-        line_filter = None
-        if filtered is not None and filters:
-            needles = list(filters)
-            line_filter = lambda line: any(n in line for n in needles)
-        sink = StreamSink(
-            rank, file, console, self._header(rank) if header is None else header,
-            filtered if line_filter else None, line_filter, keep_tail,
-        )
-        self._pump.add(r, sink)
-        if keep_tail:
-            self._stderr_sinks[rank] = sink
-        return w
+        return self._router.child_fds(rank)
 
     def _track(self, rank: int, pid: int) -> None:
         assert self._monitor is not None
@@ -324,7 +271,7 @@ class PContext(abc.ABC):
             self.close()
             failures = {}
             for rank in failed:
-                sink = self._stderr_sinks.get(rank)
+                sink = self._router.stderr_sinks.get(rank)
                 failures[rank] = ProcessFailure(
                     local_rank=rank,
                     pid=self._pids[rank],
@@ -589,40 +536,36 @@ class SubprocessContext(PContext):
             duplicate_stdout_filters, duplicate_stderr_filters,
         )
         self._numa_options = numa_options
-        self.subprocess_handlers: dict[int, subprocess.Popen] = {}
+        self.subprocess_handlers: dict[int, SubprocessHandler] = {}
 
     def _start(self) -> None:
         if self.subprocess_handlers:
             raise ValueError("The subprocess handlers already started (start() called twice?)")
-        on_main = threading.current_thread() is threading.main_thread()
-        me = os.getpid()
         for rank in range(self.nprocs):
             out_fd, err_fd = self._child_stdio(rank)
-            env = os.environ.copy()
-            env.update(self.envs[rank])
             try:
-                proc = subprocess.Popen(
-                    [str(self.entrypoint), *(str(a) for a in self.args[rank])],
-                    env=env,
+                handler = get_subprocess_handler(
+                    entrypoint=str(self.entrypoint),
+                    args=self.args[rank],
+                    env=self.envs[rank],
                     stdout=out_fd,
                     stderr=err_fd,
-                    process_group=0,
-                    # runs one prctl in the child; no lock is taken, so other threads are harmless
-                    preexec_fn=(lambda: set_pdeathsig(signal.SIGKILL, me)) if on_main else None,  # noqa: PLW1509
+                    local_rank_id=rank,
+                    numa_options=self._numa_options,
                 )
             finally:
                 for fd in (out_fd, err_fd):
                     if fd is not None:
                         os.close(fd)
-            self.subprocess_handlers[rank] = proc
-            self._track(rank, proc.pid)
+            self.subprocess_handlers[rank] = handler
+            self._track(rank, handler.proc.pid)
 
     def _exitcode(self, rank: int, status: int | None) -> int | None:
         if status is None:
-            return self.subprocess_handlers[rank].wait(_KILL_GRACE_S)
+            return self.subprocess_handlers[rank].proc.wait(_KILL_GRACE_S)
         return status
 
     def _reap(self) -> None:
-        for rank, proc in self.subprocess_handlers.items():
-            if rank in self._exitcodes and proc.returncode is None:
-                proc.wait(_KILL_GRACE_S)
+        for rank, handler in self.subprocess_handlers.items():
+            if rank in self._exitcodes and handler.proc.returncode is None:
+                handler.proc.wait(_KILL_GRACE_S)
