@@ -8,6 +8,8 @@ cdef enum:
     MON_WAKE_TAG = 0
     # Events fetched per epoll_wait call; more pending exits are fetched by the next call.
     MON_MAX_EVENTS = 64
+    # Longest single epoll_wait (its timeout is an int of ms); longer waits loop.
+    MON_MAX_WAIT_MS = 86400000
 
 
 cdef class PidfdMonitor:

@@ -249,14 +249,15 @@ cdef class PidfdMonitor:
         cdef uint64_t drained
         cdef uint64_t tag
         self._check_open()
-        if timeout is not None and timeout >= 0:
+        # beyond ~30 years a timeout is as good as infinite (and would overflow int64 ns)
+        if timeout is not None and 0 <= timeout < 1e9:
             deadline = fe_monotonic_ns() + <int64_t>(float(timeout) * 1e9)
         result = []
         while True:
             if deadline >= 0:
                 now = fe_monotonic_ns()
                 # round up so a sub-millisecond remainder does not spin with a 0 ms timeout
-                ms = <int>((deadline - now + 999999) // 1000000) if deadline > now else 0
+                ms = <int>min((deadline - now + 999999) // 1000000, MON_MAX_WAIT_MS) if deadline > now else 0
             with nogil:
                 n = epoll_wait(self._epfd, self._events, MON_MAX_EVENTS, ms)
             if n < 0:
@@ -274,8 +275,10 @@ cdef class PidfdMonitor:
                     item = self._collect(<pid_t>tag)
                     if item is not None:
                         result.append(item)
-            if result or woken or n == 0:
+            if result or woken:
                 return result
+            if n == 0 and (deadline < 0 or fe_monotonic_ns() >= deadline):
+                return result  # timed out (a clamped slice that ended early loops again)
 
     def __enter__(self):
         return self
