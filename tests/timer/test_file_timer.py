@@ -11,7 +11,12 @@ import time
 import pytest
 from timer_testlib import EventLog
 
-from fastelastic.timer import FileTimerClient, FileTimerRequest, FileTimerServer, default_timer_file
+from fastelastic.timer import (
+    FileTimerClient,
+    FileTimerRequest,
+    FileTimerServer,
+    default_timer_file,
+)
 
 KILL = int(signal.SIGKILL)
 

@@ -27,9 +27,8 @@ class _Recorder(TimerClient):
 
 def test_expires_without_client_raises(monkeypatch):
     monkeypatch.setattr(timer.api, "_timer_client", None)
-    with pytest.raises(RuntimeError, match="Configure timer client"):
-        with timer.expires(after=1):
-            pass
+    with pytest.raises(RuntimeError, match="Configure timer client"), timer.expires(after=1):
+        pass
 
 
 def test_expires_default_scope_is_the_with_statement(monkeypatch):
@@ -47,9 +46,8 @@ def test_expires_default_scope_is_the_with_statement(monkeypatch):
 
 def test_expires_releases_on_exception():
     rec = _Recorder()
-    with pytest.raises(KeyError):
-        with timer.expires(after=1, scope="s", client=rec):
-            raise KeyError("x")
+    with pytest.raises(KeyError), timer.expires(after=1, scope="s", client=rec):
+        raise KeyError("x")
     assert [c[0] for c in rec.calls] == ["acquire", "release"]
 
 

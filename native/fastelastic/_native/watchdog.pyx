@@ -7,18 +7,19 @@ import warnings
 cimport cython
 from cpython.exc cimport PyErr_CheckSignals, PyErr_SetFromErrno
 from cython.operator cimport dereference as deref, preincrement as inc
-from libc.math cimport isfinite, pow
+from libc.math cimport isfinite
 from libc.stdint cimport int64_t, uint64_t
 from libc.stdio cimport snprintf
 from libc.stdlib cimport strtol
-from libc.string cimport memchr, memcmp, memset, strrchr
+from libc.string cimport memchr, memset, strrchr
 from libcpp.pair cimport pair
 from libcpp.string cimport string
 from libcpp.vector cimport vector
 from cpython.mem cimport PyMem_RawFree, PyMem_RawMalloc
 
+from fastelastic._native.watchdog_json cimport _parse_request, _ws
 from fastelastic._native.includes.linux cimport (
-    CLOCK_MONOTONIC, CLOCK_REALTIME, EFD_CLOEXEC, EFD_NONBLOCK, EAGAIN, EINTR, EPOLL_CLOEXEC,
+    CLOCK_MONOTONIC, CLOCK_REALTIME, EFD_CLOEXEC, EFD_NONBLOCK, EINTR, EPOLL_CLOEXEC,
     EPOLL_CTL_ADD, EPOLL_CTL_DEL, EPOLLIN, ESRCH, O_CLOEXEC, O_NONBLOCK, O_RDONLY, O_RDWR,
     POLLIN, TFD_CLOEXEC, TFD_NONBLOCK, TFD_TIMER_ABSTIME, clock_gettime, close, epoll_create1,
     epoll_ctl, epoll_event, epoll_wait, errno, eventfd, fe_monotonic_ns, fe_pidfd_open,
@@ -46,242 +47,6 @@ ADMIT_BAD_PID = WD_BAD_PID
 cdef int _raise_errno() except -1:
     PyErr_SetFromErrno(OSError)
     return -1
-
-
-# --------------------------------------------------------------------------- request parser
-# A strict reader for the one JSON object per line that torch's FileTimerClient writes
-# ({"version": 1, "pid": P, "scope_id": S, "expiration_time": T, "signal": N}). It runs without
-# the GIL, so a request is registered the moment its line arrives, whatever Python is doing.
-
-cdef inline bint _isdigit(char c) noexcept nogil:
-    return c'0' <= c <= c'9'
-
-
-cdef inline const char *_ws(const char *p, const char *e) noexcept nogil:
-    while p < e and (p[0] == c' ' or p[0] == c'\t' or p[0] == c'\n' or p[0] == c'\r'):
-        p += 1
-    return p
-
-
-cdef int _hex4(const char *p, const char *e, unsigned int *out) noexcept nogil:
-    cdef unsigned int v = 0
-    cdef int i
-    cdef char c
-    if e - p < 4:
-        return -1
-    for i in range(4):
-        c = p[i]
-        v <<= 4
-        if c'0' <= c <= c'9':
-            v |= <unsigned int>(c - c'0')
-        elif c'a' <= c <= c'f':
-            v |= <unsigned int>(c - c'a' + 10)
-        elif c'A' <= c <= c'F':
-            v |= <unsigned int>(c - c'A' + 10)
-        else:
-            return -1
-    out[0] = v
-    return 0
-
-
-cdef void _put_utf8(string *out, unsigned int cp) noexcept nogil:
-    if cp < 0x80:
-        out.push_back(<char>cp)
-    elif cp < 0x800:
-        out.push_back(<char>(0xC0 | (cp >> 6)))
-        out.push_back(<char>(0x80 | (cp & 0x3F)))
-    elif cp < 0x10000:
-        out.push_back(<char>(0xE0 | (cp >> 12)))
-        out.push_back(<char>(0x80 | ((cp >> 6) & 0x3F)))
-        out.push_back(<char>(0x80 | (cp & 0x3F)))
-    else:
-        out.push_back(<char>(0xF0 | (cp >> 18)))
-        out.push_back(<char>(0x80 | ((cp >> 12) & 0x3F)))
-        out.push_back(<char>(0x80 | ((cp >> 6) & 0x3F)))
-        out.push_back(<char>(0x80 | (cp & 0x3F)))
-
-
-cdef const char *_str(const char *p, const char *e, string *out) noexcept nogil:
-    """Reads a JSON string starting at its opening quote; returns the end or NULL."""
-    cdef unsigned char c
-    cdef unsigned int cp, lo
-    p += 1
-    while p < e:
-        c = <unsigned char>p[0]
-        if c == c'"':
-            return p + 1
-        if c < 0x20:
-            return NULL
-        if c != c'\\':
-            out.push_back(<char>c)
-            p += 1
-            continue
-        p += 1
-        if p >= e:
-            return NULL
-        c = <unsigned char>p[0]
-        if c == c'"' or c == c'\\' or c == c'/':
-            out.push_back(<char>c)
-        elif c == c'b':
-            out.push_back(c'\b')
-        elif c == c'f':
-            out.push_back(c'\f')
-        elif c == c'n':
-            out.push_back(c'\n')
-        elif c == c'r':
-            out.push_back(c'\r')
-        elif c == c't':
-            out.push_back(c'\t')
-        elif c == c'u':
-            if _hex4(p + 1, e, &cp) < 0:
-                return NULL
-            p += 4
-            # a high surrogate followed by an escaped low one is one astral code point
-            if (0xD800 <= cp < 0xDC00 and e - p >= 7 and p[1] == c'\\' and p[2] == c'u'
-                    and _hex4(p + 3, e, &lo) == 0 and 0xDC00 <= lo < 0xE000):
-                cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00)
-                p += 6
-            _put_utf8(out, cp)
-        else:
-            return NULL
-        p += 1
-    return NULL
-
-
-cdef const char *_num(const char *p, const char *e, double *out, bint *integral) noexcept nogil:
-    """Reads a JSON number (strict grammar, locale independent); returns the end or NULL."""
-    cdef uint64_t m = 0
-    cdef int nd = 0, dexp = 0, e10 = 0, esign = 1
-    cdef bint neg = False
-    integral[0] = True
-    if p < e and p[0] == c'-':
-        neg = True
-        p += 1
-    if p >= e or not _isdigit(p[0]):
-        return NULL
-    if p[0] == c'0':
-        p += 1
-    else:
-        while p < e and _isdigit(p[0]):
-            if nd < 19:
-                m = m * 10 + <uint64_t>(p[0] - c'0')
-                nd += 1
-            else:
-                dexp += 1
-            p += 1
-    if p < e and p[0] == c'.':
-        integral[0] = False
-        p += 1
-        if p >= e or not _isdigit(p[0]):
-            return NULL
-        while p < e and _isdigit(p[0]):
-            if nd < 19:
-                m = m * 10 + <uint64_t>(p[0] - c'0')
-                dexp -= 1
-                if m != 0:
-                    nd += 1
-            p += 1
-    if p < e and (p[0] == c'e' or p[0] == c'E'):
-        integral[0] = False
-        p += 1
-        if p < e and (p[0] == c'+' or p[0] == c'-'):
-            esign = -1 if p[0] == c'-' else 1
-            p += 1
-        if p >= e or not _isdigit(p[0]):
-            return NULL
-        while p < e and _isdigit(p[0]):
-            if e10 < 100000:
-                e10 = e10 * 10 + (p[0] - c'0')
-            p += 1
-    out[0] = <double>m * pow(10.0, <double>(dexp + esign * e10))
-    if neg:
-        out[0] = -out[0]
-    return p
-
-
-cdef const char *_skip(const char *p, const char *e) noexcept nogil:
-    """Skips the scalar value of a key we do not know; returns the end or NULL."""
-    cdef string tmp
-    cdef double d
-    cdef bint integral
-    if p < e and p[0] == c'"':
-        return _str(p, e, &tmp)
-    if e - p >= 4 and (memcmp(p, b"true", 4) == 0 or memcmp(p, b"null", 4) == 0):
-        return p + 4
-    if e - p >= 5 and memcmp(p, b"false", 5) == 0:
-        return p + 5
-    return _num(p, e, &d, &integral)
-
-
-cdef const char *_parse_request(const char *p, size_t n, pid_t *pid, string *scope,
-                                double *expiration, int *sig) noexcept nogil:
-    """Parses one request line; returns NULL on success, else a static reason."""
-    cdef const char *e = p + n
-    cdef string key
-    cdef double v
-    cdef bint integral
-    cdef int have = 0
-    p = _ws(p, e)
-    if p >= e or p[0] != c'{':
-        return "not a JSON object"
-    p = _ws(p + 1, e)
-    if p < e and p[0] == c'}':
-        p += 1
-    else:
-        while True:
-            if p >= e or p[0] != c'"':
-                return "expected a key"
-            key.clear()
-            p = _str(p, e, &key)
-            if p == NULL:
-                return "bad key"
-            p = _ws(p, e)
-            if p >= e or p[0] != c':':
-                return "expected ':'"
-            p = _ws(p + 1, e)
-            if key == b"pid":
-                p = _num(p, e, &v, &integral)
-                if p == NULL or not integral or v < 0 or v > 2147483647.0:
-                    return "bad pid"
-                pid[0] = <pid_t>v
-                have |= 1
-            elif key == b"scope_id":
-                if p >= e or p[0] != c'"':
-                    return "scope_id is not a string"
-                scope.clear()
-                p = _str(p, e, scope)
-                if p == NULL:
-                    return "bad scope_id"
-                have |= 2
-            elif key == b"expiration_time":
-                p = _num(p, e, expiration, &integral)
-                if p == NULL or not isfinite(expiration[0]):
-                    return "bad expiration_time"
-                have |= 4
-            elif key == b"signal":
-                p = _num(p, e, &v, &integral)
-                if p == NULL or not integral or v < -WD_SIG_MAX or v > WD_SIG_MAX:
-                    return "bad signal"
-                sig[0] = <int>v
-                have |= 8
-            else:
-                p = _skip(p, e)
-                if p == NULL:
-                    return "bad value"
-            p = _ws(p, e)
-            if p >= e:
-                return "truncated object"
-            if p[0] == c'}':
-                p += 1
-                break
-            if p[0] != c',':
-                return "expected ',' or '}'"
-            p = _ws(p + 1, e)
-    if _ws(p, e) != e:
-        return "data after the object"
-    if have != 15:
-        return "missing pid, scope_id, expiration_time or signal"
-    return NULL
 
 
 def parse_request(bytes line):
@@ -322,10 +87,10 @@ cdef bint _descends_from(pid_t pid, pid_t ancestor) noexcept nogil:
     cdef char path[64]
     cdef char buf[1024]
     cdef const char *rp
-    cdef int fd, depth
+    cdef int fd, _depth
     cdef long ppid
     cdef Py_ssize_t n
-    for depth in range(WD_MAX_DEPTH):
+    for _depth in range(WD_MAX_DEPTH):
         snprintf(path, sizeof(path), "/proc/%d/stat", <int>pid)
         fd = open(path, O_RDONLY | O_CLOEXEC)
         if fd < 0:
@@ -857,13 +622,14 @@ cdef class FifoWatchdog:
         return err
 
     def snapshot(self):
-        """Returns every pending timer as ``(pid, scope_id, expiration_time, signal, deadline_ns)``."""
+        """Returns the pending timers: ``(pid, scope_id, expiration_time, signal, deadline_ns)``."""
         cdef list out = []
         self._lock()
         try:
             for item in self._timers:
-                out.append((item.second.pid, item.first.substr(4).decode("utf-8", "surrogateescape"),
-                            item.second.expiration, item.second.sig, item.second.deadline_ns))
+                scope = item.first.substr(4).decode("utf-8", "surrogateescape")
+                out.append((item.second.pid, scope, item.second.expiration, item.second.sig,
+                            item.second.deadline_ns))
         finally:
             self._unlock()
         return out

@@ -15,29 +15,40 @@ kills the worker so the agent can restart the group. Usage in a worker::
 ours with torch's server); its loop is native and fires each timer at its deadline.
 """
 
-from fastelastic.timer.api import RequestQueue, TimerClient, TimerRequest, TimerServer, configure, expires
+from fastelastic.timer.api import (
+    RequestQueue,
+    TimerClient,
+    TimerRequest,
+    TimerServer,
+    configure,
+    expires,
+)
 from fastelastic.timer.file_based_local_timer import (
     FileTimerClient,
     FileTimerRequest,
     FileTimerServer,
     default_timer_file,
 )
-from fastelastic.timer.local_timer import LocalTimerClient, LocalTimerServer, MultiprocessingRequestQueue
+from fastelastic.timer.local_timer import (
+    LocalTimerClient,
+    LocalTimerServer,
+    MultiprocessingRequestQueue,
+)
 from fastelastic.timer.stacks import enable_stack_dump
 
 __all__ = [
+    "FileTimerClient",
+    "FileTimerRequest",
+    "FileTimerServer",
+    "LocalTimerClient",
+    "LocalTimerServer",
+    "MultiprocessingRequestQueue",
     "RequestQueue",
     "TimerClient",
     "TimerRequest",
     "TimerServer",
     "configure",
-    "expires",
-    "FileTimerClient",
-    "FileTimerRequest",
-    "FileTimerServer",
     "default_timer_file",
-    "LocalTimerClient",
-    "LocalTimerServer",
-    "MultiprocessingRequestQueue",
     "enable_stack_dump",
+    "expires",
 ]

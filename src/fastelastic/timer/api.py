@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["TimerRequest", "TimerClient", "RequestQueue", "TimerServer", "configure", "expires"]
+__all__ = ["RequestQueue", "TimerClient", "TimerRequest", "TimerServer", "configure", "expires"]
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ class TimerRequest:
         expiration_time: wall-clock expiry in seconds, or negative to release.
     """
 
-    __slots__ = ["worker_id", "scope_id", "expiration_time"]
+    __slots__ = ["expiration_time", "scope_id", "worker_id"]
 
     def __init__(self, worker_id: Any, scope_id: str, expiration_time: float) -> None:
         self.worker_id = worker_id

@@ -51,7 +51,7 @@ class FileTimerRequest(TimerRequest):
         signal: signal number sent on expiry.
     """
 
-    __slots__ = ["version", "signal"]
+    __slots__ = ["signal", "version"]
 
     def __init__(self, worker_pid: int, scope_id: str, expiration_time: float, signal: int = 0) -> None:
         super().__init__(worker_id=worker_pid, scope_id=scope_id, expiration_time=expiration_time)
@@ -182,6 +182,9 @@ class FileTimerServer:
         allow_descendants: also accept any process that descends from this one.
         dump_stacks: before a kill, dump the worker's Python stacks (py-spy, else faulthandler
             via ``SIGUSR2`` if the worker called ``enable_stack_dump``); delays that kill.
+        realtime: run the watchdog thread at the lowest ``SCHED_FIFO`` priority (if permitted),
+            so that a loaded host does not delay its wake-up at a deadline. The thread blocks in
+            ``epoll_wait`` between events and does bounded work per event.
     """
 
     def __init__(
@@ -195,6 +198,7 @@ class FileTimerServer:
         allowed_pids: Iterable[int] | None = None,
         allow_descendants: bool = True,
         dump_stacks: bool = False,
+        realtime: bool = False,
     ) -> None:
         self._file_path = file_path
         self._run_id = run_id
@@ -202,6 +206,7 @@ class FileTimerServer:
         self._daemon = daemon
         self._log_event = log_event if log_event is not None else (lambda name, request: None)
         self._dump_stacks = dump_stacks
+        self._realtime = realtime
         self._watchdog_thread: threading.Thread | None = None
         self._is_client_started = False
         self._wd_closed = False
@@ -224,11 +229,19 @@ class FileTimerServer:
             self._file_path,
         )
         self._watchdog_thread = threading.Thread(
-            target=self._wd.run, args=(self._on_events,), daemon=self._daemon, name="FileTimerServer"
+            target=self._run, daemon=self._daemon, name="FileTimerServer"
         )
         self._watchdog_thread.start()
         self._is_client_started = True
         self._emit("watchdog started", None)
+
+    def _run(self) -> None:
+        if self._realtime:
+            try:  # pid 0: the calling thread (scheduling policy is per thread on Linux)
+                os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(os.sched_get_priority_min(os.SCHED_FIFO)))
+            except OSError as e:
+                logger.warning("FileTimerServer: SCHED_FIFO not permitted (%s); running at normal priority", e)
+        self._wd.run(self._on_events)
 
     def stop(self) -> None:
         """Stops the thread, closes the pipe and removes it (and its private directory)."""

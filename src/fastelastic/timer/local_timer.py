@@ -13,7 +13,7 @@ from typing import Any
 
 from fastelastic.timer.api import RequestQueue, TimerClient, TimerRequest, TimerServer
 
-__all__ = ["LocalTimerClient", "MultiprocessingRequestQueue", "LocalTimerServer"]
+__all__ = ["LocalTimerClient", "LocalTimerServer", "MultiprocessingRequestQueue"]
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import sys
 import time
 from collections.abc import Callable
 
-__all__ = ["enable_stack_dump", "catches_signal", "dump_stacks"]
+__all__ = ["catches_signal", "dump_stacks", "enable_stack_dump"]
 
 logger = logging.getLogger(__name__)
 
