@@ -79,9 +79,15 @@ def _rank_log_dir(failure: Any, run_log_dir: str | None) -> str | None:
 
 def worker_traceback(failure: Any, run_log_dir: str | None) -> tuple[str | None, str]:
     """Returns (traceback text or None, where it came from) for one ``ProcessFailure``."""
-    stack = _callstack_from_error_data(getattr(failure, "error_file_data", None))
+    error_file = getattr(failure, "error_file", "") or ""
+    has_file = os.path.isabs(error_file) and os.path.isfile(error_file)
+    stack = _callstack_from_error_data(failure.error_file_data) if has_file else None
     if stack:
         return stack, f"error file {failure.error_file}"
+    tail = getattr(failure, "stderr_tail", None)
+    if tail and tail.strip():
+        tail = "\n".join(tail.rstrip().splitlines()[-_TAIL_LINES:])
+        return tail, "no error file; last lines of the worker's stderr"
     rank_dir = _rank_log_dir(failure, run_log_dir)
     if rank_dir:
         stderr_log = os.path.join(rank_dir, "stderr.log")
