@@ -453,12 +453,26 @@ def _storm_main(port: int, n: int, key: str, limit_s: float = 120.0) -> None:
         for s in socks[idx:idx + batch]:
             rc = s.connect_ex(addr)
             fd = s.fileno()
-            if rc in (0, errno.EINPROGRESS):
-                ep.register(fd, select.EPOLLOUT)
-                pending += 1
-            else:
+            if rc not in (0, errno.EINPROGRESS):
                 counts["refused" if rc == errno.ECONNREFUSED else "other"] += 1
                 state.pop(fd)
+                continue
+            pending += 1
+            # On loopback the handshake has usually completed inside connect(): send at once
+            # and wait for EPOLLOUT only if it has not (client work kept out of the figure).
+            try:
+                s.send(payload)
+            except BlockingIOError:
+                ep.register(fd, select.EPOLLOUT)
+                continue
+            except OSError as e:
+                counts["refused" if e.errno == errno.ECONNREFUSED else
+                       "reset" if e.errno == errno.ECONNRESET else "other"] += 1
+                pending -= 1
+                state.pop(fd)
+                continue
+            state[fd] = _READING
+            ep.register(fd, select.EPOLLIN)
         idx += batch
         events = ep.poll(0 if idx < n else min(1.0, max(0.0, deadline - time.monotonic())))
         for fd, ev in events:

@@ -8,6 +8,7 @@ schedstat sum where a phase is too short for 10 ms ticks) and RSS can be read. F
 * ``rt_server``: torch's client on each server (same client, servers compared; server CPU).
 * ``rt_client``: each client on our server (same server, clients compared).
 * ``tp``: set+get throughput of 16 and 64 torch clients in 4 processes, on each server.
+* ``tp_user``: the same with each implementation's own client on its own server.
 * ``multi_*``: multi_set then multi_get of 10,000 and 100,000 keys with 64-byte values.
 * ``storm``: N light raw clients (separate processes) connect, handshake and ADD at once.
 * ``rss``: server RSS holding 10,000 idle connections (a fresh server per implementation).
@@ -106,11 +107,22 @@ def test_rt_client(benchmark, sizes, servers, results, op, impl):
 @pytest.mark.parametrize("clients", [16, 64])
 def test_tp(benchmark, sizes, servers, pool, results, clients, impl):
     """Aggregate set+get throughput of torch clients spread over 4 processes, per server."""
-    server = servers[impl]
+    _throughput(benchmark, sizes, servers[impl], pool, results, clients, "torch", "tp", impl)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("clients", [16, 64])
+def test_tp_user(benchmark, sizes, servers, pool, results, clients, impl):
+    """The same with each implementation's own client (ours gets in one round trip)."""
+    _throughput(benchmark, sizes, servers[impl], pool, results, clients, impl, "tp_user", impl)
+
+
+def _throughput(benchmark, sizes, server, pool, results, clients, client_kind, family, impl):
     workers = pool.get(TP_PROCS)
     for i, w in enumerate(workers):
         w.send({"op": "tp_connect", "port": server.port, "threads": clients // TP_PROCS,
-                "client": "torch", "prefix": f"tp{clients}/{i}"})
+                "client": client_kind, "prefix": f"{family}{clients}/{i}"})
     for w in workers:
         w.recv(300)
     pairs = sizes["tp_pairs"][clients]
@@ -137,10 +149,12 @@ def test_tp(benchmark, sizes, servers, pool, results, clients, impl):
     ops = 2 * pairs * clients * len(rounds)
     lat = [x for _, l in rounds for x in l]
     m = {**_lat_metrics(lat),
-         "ops_per_s": statistics.median(2 * pairs * clients / w for w, _ in rounds),
+         # best round: the machine is shared, and other load only ever slows a round down
+         "ops_per_s": max(2 * pairs * clients / w for w, _ in rounds),
+         "ops_per_s_median": statistics.median(2 * pairs * clients / w for w, _ in rounds),
          "cpu_s_per_1k": cpu / ops * 1000, "cpu_stat_s_per_1k": cpus / ops * 1000,
          "clients": clients, "processes": TP_PROCS, "ops": ops}
-    results.add("tp", str(clients), impl, m, benchmark.extra_info)
+    results.add(family, str(clients), impl, m, benchmark.extra_info)
 
 
 # ------------------------------------------------------------------------------ multi-key
@@ -170,10 +184,11 @@ def _multi(benchmark, sizes, pool, server, client_kind, n, rounds, family, impl,
         sets = [s for r in out for s in r["set_s"]]
         gets = [g for r in out for g in r["get_s"]]
         tot = [s + g for s, g in zip(sets, gets)]
-        m = {"total_s": statistics.median(tot), "total_max_s": max(tot),
-             "set_s": statistics.median(sets), "get_s": statistics.median(gets),
+        best = min(range(len(tot)), key=tot.__getitem__)
+        m = {"total_s": tot[best], "total_median_s": statistics.median(tot),
+             "total_max_s": max(tot), "set_s": sets[best], "get_s": gets[best],
              "finished": state["finished"], "bound_s": bound, "keys": n, "runs": len(tot),
-             "server_cpu_s_per_run": cpu / (len(tot) + (0 if state["finished"] else 1))}
+             "server_cpu_s": cpu / (len(tot) + (0 if state["finished"] else 1))}
     results.add(family, str(n), impl, m, benchmark.extra_info)
     return m
 
@@ -258,7 +273,8 @@ def test_storm(benchmark, sizes, servers, results, n, impl):
         finish_live()
     errors = sum(r["refused"] + r["reset"] + r["closed"] + r["bad_reply"] + r["other"]
                  + r["unfinished"] for r in runs)
-    m = {"time_s": statistics.median(r["time_s"] for r in runs),
+    m = {"time_s": min(r["time_s"] for r in runs),
+         "time_median_s": statistics.median(r["time_s"] for r in runs),
          "time_max_s": max(r["time_s"] for r in runs),
          "server_cpu_s": statistics.median(r["server_cpu_s"] for r in runs),
          "errors": errors, "refused": sum(r["refused"] for r in runs),
