@@ -300,8 +300,13 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     @property
     def use_agent_store(self) -> bool:
-        """See base class."""
-        return os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0") != "1"
+        """See base class: true when the store is a TCPStore workers can connect to."""
+        return self._shares_tcp_store()
+
+    def _shares_tcp_store(self) -> bool:
+        if os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0") == "1":
+            return False
+        return type(self._store).__name__ == "TCPStore"
 
     def next_rendezvous(self) -> RendezvousInfo:
         """See base class."""
@@ -317,9 +322,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         from fastelastic.store import PrefixStore
 
         store = PrefixStore(f"torch.rendezvous.{self._settings.run_id}.{round_}", self._store)
-        host, port = getattr(self._store, "host", None), getattr(self._store, "port", None)
-        if host is not None and port is not None:
-            info = RendezvousStoreInfo(str(host), int(port))
+        if self._shares_tcp_store():
+            info = RendezvousStoreInfo(str(self._store.host), int(self._store.port))
         else:
             info = RendezvousStoreInfo.build(rank, store, self._this_node.addr)
         log.info("node %r joined round %d of %s as rank %d/%d", self._this_node, round_,

@@ -266,16 +266,18 @@ class FastRendezvousHandler(RendezvousHandler):
                 if self._hooks:
                     store.append_on_disconnect(f"{self._key}{r}/left/{rank}", b"1")
                 self._start_heartbeats()
-                return RendezvousInfo(
-                    _prefix_store(str(self.store_prefix), store),
-                    rank,
-                    world,
-                    RendezvousStoreInfo(self._bootstrap_addr, int(store.port)),
-                )
+                round_store, boot = self._round_store(r, rank)
+                return RendezvousInfo(round_store, rank, world, boot)
             r += 1
         raise RendezvousTimeoutError(
             f"The rendezvous '{self._run_id}' did not complete within {self._timeout.join}."
         )
+
+    def _round_store(self, r: int, rank: int) -> tuple[Any, RendezvousStoreInfo]:
+        """The store (prefixed per round) and its address for workers; overridden for etcd."""
+        del r, rank
+        boot = RendezvousStoreInfo(self._bootstrap_addr, int(self._store.port))
+        return _prefix_store(str(self.store_prefix), self._store), boot
 
     def _try_round(self, r: int, deadline: float) -> tuple[int, int] | None:
         """Joins round ``r``; returns (rank, world) or None to move on to round ``r + 1``."""

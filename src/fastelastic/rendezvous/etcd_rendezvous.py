@@ -1,0 +1,140 @@
+"""The ``etcd`` rendezvous: the ticket protocol of :mod:`.fast_rendezvous` on etcd v3.
+
+Rendezvous state lives in etcd (transactions for compare-and-set, a lease per node for
+liveness, watches for waiting; see :mod:`.etcd_kv`), outside any training node. The store
+handed to workers is still fastelastic's TCPStore: each round's rank 0 hosts it (once per
+process) and publishes its address through etcd.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from datetime import timedelta
+from typing import Any
+
+from fastelastic.errors import RendezvousConnectionError, StoreError
+
+from .api import RendezvousParameters, RendezvousStoreInfo
+from .etcd_kv import EtcdKV
+from .fast_rendezvous import FastRendezvousHandler, _prefix_store
+from .timeouts import timeout_from_params
+from .utils import parse_rendezvous_endpoint
+
+__all__ = ["EtcdFastRendezvousHandler", "create_rdzv_handler", "etcd_clients_from_params"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 2379
+
+
+class EtcdFastRendezvousHandler(FastRendezvousHandler):
+    """Fast rendezvous whose coordination goes through etcd; workers get a TCPStore."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._hosted: Any = None
+        self._clients: dict[str, Any] = {}
+
+    def _round_store(self, r: int, rank: int) -> tuple[Any, RendezvousStoreInfo]:
+        from fastelastic.store import TCPStore
+
+        key = f"{self._key}{r}/store"
+        if rank == 0:
+            if self._hosted is None:
+                self._hosted = TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
+                                        multi_tenant=True, timeout=self._store.timeout)
+            addr = self._local_addr or socket.gethostname()
+            self._store.set(key, f"{addr}:{self._hosted.port}".encode())
+        host, _, port = bytes(self._store.get(key)).decode().rpartition(":")
+        address = f"{host}:{port}"
+        client = self._clients.get(address)
+        if client is None:
+            if rank == 0:
+                client = self._hosted
+            else:
+                client = TCPStore(host, int(port), timeout=self._store.timeout)
+            self._clients[address] = client
+        return _prefix_store(str(self.store_prefix), client), RendezvousStoreInfo(host, int(port))
+
+    def shutdown(self) -> bool:
+        """See base class; also revokes this node's etcd lease."""
+        ok = super().shutdown()
+        self._store.close()
+        return ok
+
+
+def etcd_clients_from_params(params: RendezvousParameters) -> list[Any]:
+    """Builds one ``etcd3gw`` client per endpoint in ``params.endpoint`` (comma-separated).
+
+    ``rdzv_conf``: ``protocol`` (http/https), ``ca_cert``, ``ssl_cert``, ``ssl_cert_key``,
+    ``read_timeout`` (request timeout in seconds, default 60).
+
+    Raises:
+        ValueError: An unknown protocol or an incomplete client certificate pair.
+        RendezvousConnectionError: ``etcd3gw`` is not installed.
+    """
+    try:
+        import etcd3gw
+    except ImportError as e:
+        raise RendezvousConnectionError(
+            "The etcd rendezvous needs the etcd3gw package (pip install fastelastic[etcd])."
+        ) from e
+    protocol = str(params.get("protocol", "http")).strip().lower()
+    if protocol not in ("http", "https"):
+        raise ValueError(f"The etcd protocol must be http or https, not {protocol!r}.")
+    cert, key = params.get("ssl_cert"), params.get("ssl_cert_key")
+    if (cert is None) != (key is None):
+        raise ValueError("ssl_cert and ssl_cert_key must be given together.")
+    read_timeout = params.get_as_int("read_timeout", 60)
+    ca_cert = params.get("ca_cert")
+    clients = []
+    for endpoint in (params.endpoint or "").split(","):
+        host, port = parse_rendezvous_endpoint(endpoint, DEFAULT_PORT)
+        clients.append(etcd3gw.client(host=host, port=port, protocol=protocol,
+                                      timeout=read_timeout, session=_session(ca_cert, cert, key)))
+    return clients
+
+
+def _session(ca_cert: str | None, cert: str | None, key: str | None) -> Any:
+    import requests
+
+    session = requests.Session()
+    if ca_cert is not None:
+        session.verify = ca_cert
+        # requests lets REQUESTS_CA_BUNDLE/CURL_CA_BUNDLE override session.verify unless the
+        # environment is ignored (psf/requests#3829); an explicit ca_cert must win.
+        session.trust_env = False
+    if cert is not None and key is not None:
+        session.cert = (cert, key)
+    return session
+
+
+def create_rdzv_handler(params: RendezvousParameters) -> EtcdFastRendezvousHandler:
+    """Creates the ``etcd`` handler.
+
+    ``rdzv_conf`` keys: those of :func:`etcd_clients_from_params`, ``key_prefix`` (default
+    ``/fastelastic/``), ``lease_ttl`` (seconds, default 3: how fast a dead node is noticed),
+    and the timeouts of the ``c10d`` handler.
+
+    Raises:
+        ValueError: A malformed option.
+        RendezvousConnectionError: etcd cannot be reached.
+    """
+    clients = etcd_clients_from_params(params)
+    read_timeout = params.get_as_int("read_timeout", 60) or 60
+    kv = EtcdKV(clients, str(params.get("key_prefix", "/fastelastic/")),
+                timeout=timedelta(seconds=read_timeout),
+                lease_ttl=params.get_as_int("lease_ttl", 3) or 3)
+    try:
+        kv.check(["probe"])
+    except StoreError as e:
+        raise RendezvousConnectionError(f"etcd at {params.endpoint} is unreachable: {e}") from e
+    rank = params.get_as_int("rank", -1)
+    return EtcdFastRendezvousHandler(
+        params.run_id, kv, params.backend, params.min_nodes, params.max_nodes,
+        timeout_from_params(params), local_addr=params.local_addr,
+        node_rank=-1 if rank is None else rank,
+        keep_alive_interval=params.get_as_int("keep_alive_interval", 5) or 5,
+        keep_alive_max_attempt=params.get_as_int("keep_alive_max_attempt", 3) or 3,
+    )
