@@ -379,7 +379,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 if self._holder.commit(state):
                     backoff = 0.01
                 continue
-            wait = min(deadline + _ROLLBACK_SECONDS - time.monotonic(),
+            wait = min(deadline - time.monotonic() + 0.001,
                        self._settings.keep_alive_interval.total_seconds())
             if state.deadline is not None:  # wake when the last call ends
                 wait = min(wait, (state.deadline - _now()).total_seconds() + 0.001)
