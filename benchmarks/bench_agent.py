@@ -61,7 +61,7 @@ def free_port() -> int:
 
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 def summary(values_ms: list[float]) -> dict:
@@ -98,7 +98,9 @@ def make_agent(impl: str, *, entrypoint: str, args: tuple, nproc: int, max_resta
         from fastelastic.rendezvous import RendezvousParameters, get_rendezvous_handler
     else:
         from torch.distributed.elastic.agent.server import WorkerSpec
-        from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+        from torch.distributed.elastic.agent.server.local_elastic_agent import (
+            LocalElasticAgent,
+        )
         from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
         from torch.distributed.elastic.rendezvous import RendezvousParameters
         from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
@@ -234,7 +236,7 @@ def test_idle_cpu_monitoring_64_workers(benchmark, impl, tmp_path):
     """The agent process's own CPU (not its workers') over 5 s of monitoring 64 idle workers."""
     if impl == "torch":
         pytest.importorskip("torch", reason="!!! torch 2.13 is needed for the comparison")
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     out = {}
 
@@ -250,7 +252,7 @@ def test_idle_cpu_monitoring_64_workers(benchmark, impl, tmp_path):
         return total
 
     def measure():
-        proc, pids = _start_agent_proc(impl, tmp_path, 64, 60)
+        proc, _pids = _start_agent_proc(impl, tmp_path, 64, 60)
         try:
             time.sleep(1.0)  # let start-up settle; this is the quantity measured, not a sync
             c0, t0 = cpu_ns(proc.pid), time.monotonic_ns()
@@ -288,7 +290,7 @@ def _rank_sim_process(impl, port, first, count, nodes, prefix, ready, go, out):
         from fastelastic.store import PrefixStore, TCPStore
     from datetime import timedelta
 
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     threading.stack_size(256 * 1024)
     stores = [PrefixStore(prefix, TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
@@ -320,7 +322,7 @@ def test_slow_path_rank_assignment(benchmark, impl, nodes):
 
     if impl == "torch":
         pytest.importorskip("torch", reason="!!! torch 2.13 is needed for the comparison")
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     server, _, _ = _store_pair(impl)
     ctx = mp.get_context("fork")
