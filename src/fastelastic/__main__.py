@@ -32,7 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("endpoint", help="tcp://HOST:PORT (HOST: an address of this machine, or *)")
     w.add_argument("--once", action="store_true", help="print one snapshot and exit")
     w.add_argument("--expect", type=int, default=0,
-                   help="with --once: print as soon as this many agents are known")
+                   help="with --once: print as soon as this many agents have joined the job")
     w.add_argument("--timeout", type=float, default=None,
                    help="with --once: longest wait (default 2 s, or 60 s with --expect); "
                    "live: stop after this many seconds")

@@ -8,7 +8,8 @@ import time
 
 out = os.environ["DUMP_DIR"]
 rank = os.environ.get("RANK", "norank")
-data = {"env": dict(os.environ), "argv": sys.argv, "cwd": os.getcwd(), "module": __name__}
+data = {"env": dict(os.environ), "argv": sys.argv, "cwd": os.getcwd(), "module": __name__,
+        "pid": os.getpid()}
 tmp = os.path.join(out, f".{rank}.{os.getpid()}.tmp")
 with open(tmp, "w") as f:
     json.dump(data, f)

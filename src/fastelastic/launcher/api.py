@@ -169,7 +169,7 @@ class _Events:
         self._register = register_handler
         self.agent: Any = None
         self.publisher = EventPublisher(
-            endpoint, status=lambda: agent_status(self.agent) if self.agent is not None else {}
+            endpoint, status=lambda: agent_status(self.agent, spec)
         )
         # The user's destination keeps getting every event; ours is a tap in front of it.
         user = spec.event_log_handler

@@ -144,25 +144,36 @@ def format_failure_report(exc: Any, run_log_dir: str | None = None, host: str | 
     return "\n".join(lines)
 
 
+def _chain(e: BaseException) -> list[BaseException]:
+    out: list[BaseException] = []
+    cur: BaseException | None = e
+    while cur is not None and cur not in out and len(out) < 8:
+        out.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    return out
+
+
 def _store_error_line(e: BaseException) -> str | None:
     """A one-line explanation for address-in-use and unreachable-store errors, else None."""
-    from fastelastic.errors import StoreConnectionError
+    from fastelastic.errors import RendezvousConnectionError, StoreConnectionError
 
-    text = str(e)
-    if isinstance(e, OSError) and e.errno == errno.EADDRINUSE or "address already in use" in (
-        text.lower()
-    ):
-        return (
-            f"cannot listen: {text}. Another job holds this port: pick a free --master-port / "
-            "--rdzv-endpoint port, or use --standalone (a free port is picked for you)."
-        )
-    if isinstance(e, (StoreConnectionError, ConnectionRefusedError)) or (
-        type(e).__name__ in ("RendezvousConnectionError", "DistNetworkError")
-    ):
-        return (
-            f"cannot reach the store: {text}. Check that the rank-0 node / rendezvous host is "
-            "up and that --rdzv-endpoint (or --master-addr/--master-port) names it."
-        )
+    for err in _chain(e):
+        text = " ".join(str(err).split())
+        if (isinstance(err, OSError) and err.errno == errno.EADDRINUSE) or (
+            "already in use" in text.lower()
+        ):
+            return (
+                f"{text} [fastrun: the port comes from --master-port (static) or "
+                "--rdzv-endpoint; --standalone picks a free one]"
+            )
+    for err in _chain(e):
+        text = " ".join(str(err).split())
+        if isinstance(err, (StoreConnectionError, ConnectionRefusedError,
+                            RendezvousConnectionError)):
+            return (
+                f"{text} [fastrun: the store address comes from --rdzv-endpoint, or "
+                "--master-addr/--master-port for static; is the rank-0 node up?]"
+            )
     return None
 
 

@@ -50,19 +50,16 @@ def _pid_alive(pid: int) -> bool:
     return state not in (b"Z", b"X", b"")
 
 
-def agent_status(agent: Any) -> dict[str, Any]:
-    """Reads an agent's state (torch-shaped ``SimpleElasticAgent`` attributes) into a dict."""
+def agent_status(agent: Any, spec: Any = None) -> dict[str, Any]:
+    """Reads an agent's state (torch-shaped ``SimpleElasticAgent`` attributes) into a dict.
+
+    Args:
+        agent: the agent, or None before it exists (then only ``spec`` is described).
+        spec: the ``WorkerSpec`` (default: the agent's).
+    """
     wg = getattr(agent, "_worker_group", None)
-    spec = getattr(wg, "spec", None) or getattr(agent, "_spec", None)
-    st: dict[str, Any] = {}
-    if wg is not None:
-        state = getattr(wg, "state", None)
-        st["state"] = getattr(state, "value", state)
-        st["group_rank"] = getattr(wg, "group_rank", None)
-        st["group_world_size"] = getattr(wg, "group_world_size", None)
-        workers = getattr(wg, "workers", None) or []
-        sizes = [w.world_size for w in workers if getattr(w, "world_size", None) not in (None, -1)]
-        st["world_size"] = sizes[0] if sizes else None
+    spec = spec if spec is not None else getattr(wg, "spec", None)
+    st: dict[str, Any] = {"state": "INIT"}
     if spec is not None:
         st["role"] = spec.role
         st["local_world_size"] = spec.local_world_size
@@ -75,6 +72,14 @@ def agent_status(agent: Any) -> dict[str, Any]:
                 st["run_id"] = handler.get_run_id()
             except Exception:  # noqa: BLE001 - a status read must never break the agent
                 pass
+    if wg is not None:
+        state = getattr(wg, "state", None)
+        st["state"] = getattr(state, "value", state) or "INIT"
+        st["group_rank"] = getattr(wg, "group_rank", None)
+        st["group_world_size"] = getattr(wg, "group_world_size", None)
+        workers = getattr(wg, "workers", None) or []
+        sizes = [w.world_size for w in workers if getattr(w, "world_size", None) not in (None, -1)]
+        st["world_size"] = sizes[0] if sizes else None
     alive = 0
     pctx = getattr(agent, "_pcontext", None)
     if pctx is not None and st.get("state") not in ("SUCCEEDED", "FAILED", "STOPPED"):

@@ -80,6 +80,14 @@ class JobView:
         row.seen = time.monotonic() if now is None else now
         return row
 
+    def formed(self) -> int:
+        """How many agents run workers after a rendezvous, or reached a final state."""
+        return sum(
+            1 for r in self.rows.values()
+            if (r.fields.get("world_size") is not None and r.fields.get("state") != "INIT")
+            or r.fields.get("state") in _FINAL
+        )
+
     def all_done(self) -> bool:
         """True when at least one agent is known and every agent reached a final state."""
         return bool(self.rows) and all(
@@ -129,8 +137,9 @@ def watch(
 
     Args:
         endpoint: ``tcp://HOST:PORT`` (``HOST`` an interface address or ``*``) or ``ipc://PATH``.
-        once: print one snapshot and return: as soon as ``expect`` agents are known (if
-            ``expect`` > 0), else after ``timeout`` seconds.
+        once: print one snapshot and return: as soon as ``expect`` agents have joined the
+            job (finished a rendezvous, so their world size is known) if ``expect`` > 0,
+            else after ``timeout`` seconds.
         expect: number of agents to wait for in ``once`` mode.
         timeout: the longest ``once`` waits (default 2 s; 60 s when ``expect`` is set); in live
             mode, stop after that many seconds (default: never).
@@ -162,7 +171,7 @@ def watch(
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 break
-            if once and expect and len(view.rows) >= expect:
+            if once and expect and view.formed() >= expect:
                 break
             if until_done and view.all_done():
                 break
@@ -185,7 +194,7 @@ def watch(
         ctx.term()
     if once:
         print(view.render(), file=out, flush=True)
-        return 0 if view.rows and len(view.rows) >= expect else 1
+        return 0 if view.rows and view.formed() >= expect else 1
     _draw(out, view, tty=False)
     return 0
 

@@ -1,0 +1,240 @@
+"""Whole fastrun jobs: two nodes on loopback, failure reports, the watcher, ranks vs torchrun."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from run_testlib import DUMP, base_env, free_port, launcher_cmd, read_dumps, run_launcher
+
+
+def _two_nodes(which: str, tmp_path: Path, extra: list[str], env_extra: dict[str, str],
+               port: int) -> list[subprocess.Popen[str]]:
+    env = base_env(DUMP_DIR=str(tmp_path), **env_extra)
+    args = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"two-{port}", *extra, str(DUMP)]
+    return [
+        subprocess.Popen([*launcher_cmd(which), *args], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+
+
+def _finish(procs: list[subprocess.Popen[str]], timeout: float = 60) -> list[tuple[int, str]]:
+    out = []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            _, err = p.communicate()
+            raise AssertionError(f"launcher did not finish in {timeout}s:\n{err[-2000:]}")
+        out.append((p.returncode, err))
+    return out
+
+
+def _ranks(dumps: dict[int, dict]) -> list[tuple[int, ...]]:
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE",
+            "ROLE_WORLD_SIZE")
+    return sorted(tuple(int(d["env"][k]) for k in keys) for d in dumps.values())
+
+
+@pytest.mark.timeout(120)
+def test_two_nodes_two_workers_on_loopback(tmp_path):
+    results = _finish(_two_nodes("fastrun", tmp_path, [], {}, free_port()))
+    assert all(rc == 0 for rc, _ in results), results
+    dumps = read_dumps(tmp_path)
+    assert sorted(dumps) == [0, 1, 2, 3]
+    assert {d["env"]["WORLD_SIZE"] for d in dumps.values()} == {"4"}
+    assert sorted(d["env"]["GROUP_RANK"] for d in dumps.values()) == ["0", "0", "1", "1"]
+    # all workers agree on one store address
+    assert len({(d["env"]["MASTER_ADDR"], d["env"]["MASTER_PORT"]) for d in dumps.values()}) == 1
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.torch
+def test_two_nodes_same_ranks_as_torchrun(tmp_path, need_torch):
+    got = {}
+    for which in ("torchrun", "fastrun"):
+        d = tmp_path / which
+        d.mkdir()
+        results = _finish(_two_nodes(which, d, [], {}, free_port()), timeout=90)
+        assert all(rc == 0 for rc, _ in results), (which, results)
+        got[which] = _ranks(read_dumps(d))
+    assert got["fastrun"] == got["torchrun"]
+    assert len(got["fastrun"]) == 4
+
+
+FAIL_SCRIPT = """
+import os, sys, time
+def inner():
+    raise ValueError("boom from rank " + os.environ["RANK"])
+if os.environ["RANK"] == "1":
+    print("about to fail", file=sys.stderr, flush=True)
+    inner()
+time.sleep(60)
+"""
+
+RECORD_SCRIPT = """
+import os
+from fastelastic.multiprocessing.errors import record
+@record
+def main():
+    if os.environ["RANK"] == "0":
+        raise KeyError("recorded failure")
+main()
+"""
+
+KILL_SCRIPT = """
+import os, signal, time
+if os.environ["RANK"] == "1":
+    os.kill(os.getpid(), signal.SIGKILL)
+time.sleep(60)
+"""
+
+
+def _report(stderr: str) -> str:
+    start = stderr.rfind("fastrun: ")
+    assert "FAILED" in stderr[start:], stderr[-3000:]
+    return stderr[stderr.rfind("=" * 78, 0, start):]
+
+
+@pytest.mark.timeout(60)
+def test_failure_report_with_stderr_traceback(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text(FAIL_SCRIPT)
+    t0 = time.monotonic()
+    r = run_launcher("fastrun", ["--standalone", "--nproc-per-node", "2", "--log-dir",
+                                 str(tmp_path / "logs"), str(script)], base_env(), timeout=50)
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert time.monotonic() - t0 < 40  # rank 0 (sleeping 60 s) was stopped, not waited for
+    rep = _report(r.stderr)
+    assert "root cause : rank 1 (local_rank 1) on host" in rep
+    assert "failure    : exit code 1" in rep
+    assert 'raise ValueError("boom from rank " + os.environ["RANK"])' in rep
+    assert "ValueError: boom from rank 1" in rep
+    logs_line = next(ln for ln in rep.splitlines() if ln.startswith("logs"))
+    logs = Path(logs_line.split(":", 1)[1].strip())
+    assert logs.is_dir() and str(logs).startswith(str(tmp_path / "logs"))
+    assert "boom from rank 1" in (logs / "stderr.log").read_text()
+
+
+@pytest.mark.timeout(60)
+def test_failure_report_from_error_file(tmp_path):
+    script = tmp_path / "rec.py"
+    script.write_text(RECORD_SCRIPT)
+    err_file = tmp_path / "launcher_error.json"
+    env = base_env(TORCHELASTIC_ERROR_FILE=str(err_file))
+    r = run_launcher("fastrun", ["--standalone", "--nproc-per-node", "2", str(script)], env,
+                     timeout=50)
+    assert r.returncode == 1
+    rep = _report(r.stderr)
+    assert "root cause : rank 0 (local_rank 0)" in rep
+    assert "(error file " in rep and "error.json)" in rep
+    assert "KeyError: 'recorded failure'" in rep
+    # like torch's @record on torchrun's main: the root cause lands in the launcher's file
+    data = json.loads(err_file.read_text())
+    assert "recorded failure" in json.dumps(data)
+
+
+@pytest.mark.timeout(60)
+def test_failure_report_names_the_signal(tmp_path):
+    script = tmp_path / "kill.py"
+    script.write_text(KILL_SCRIPT)
+    r = run_launcher("fastrun", ["--standalone", "--nproc-per-node", "2", str(script)],
+                     base_env(), timeout=50)
+    assert r.returncode == 1
+    rep = _report(r.stderr)
+    assert "root cause : rank 1" in rep and "killed by SIGKILL" in rep
+
+
+@pytest.mark.timeout(60)
+def test_address_in_use_is_one_clear_line(tmp_path):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = run_launcher("fastrun", ["--nnodes", "1", "--master-addr", "127.0.0.1",
+                                     "--master-port", str(port), str(DUMP)],
+                         base_env(DUMP_DIR=str(tmp_path)), timeout=50)
+    assert r.returncode == 1
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("fastrun: error: ") and f":{port}" in last, r.stderr
+    assert "already in use" in last and "--master-port" in last
+    assert not list(tmp_path.glob("*.json"))  # no worker ran
+
+
+@pytest.mark.timeout(60)
+def test_unreachable_store_is_one_clear_line(tmp_path):
+    port = free_port()  # nothing listens there
+    r = run_launcher("fastrun", ["--nnodes", "2", "--node-rank", "1", "--master-addr",
+                                 "127.0.0.1", "--master-port", str(port), "--rdzv-conf",
+                                 "timeout=3", str(DUMP)], base_env(DUMP_DIR=str(tmp_path)),
+                     timeout=50)
+    assert r.returncode == 1
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("fastrun: error: ") and f"127.0.0.1:{port}" in last, r.stderr
+    assert "--master-addr/--master-port" in last
+    assert not list(tmp_path.glob("*.json"))
+
+
+@pytest.mark.timeout(90)
+def test_watch_once_shows_both_agents(tmp_path):
+    wport, rport = free_port(), free_port()
+    gate = tmp_path / "gate"
+    watcher = subprocess.Popen(
+        [sys.executable, "-m", "fastelastic", "watch", f"tcp://127.0.0.1:{wport}", "--once",
+         "--expect", "2", "--timeout", "60"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=base_env(),
+    )
+    assert watcher.stderr is not None
+    assert watcher.stderr.readline().startswith("watching tcp://127.0.0.1:")  # bound
+    agents = _two_nodes(
+        "fastrun", tmp_path, ["--events-endpoint", f"tcp://127.0.0.1:{wport}"],
+        {"DUMP_WAIT_FOR": str(gate)}, rport,
+    )
+    try:
+        out, _ = watcher.communicate(timeout=60)
+    finally:
+        gate.write_text("go")  # the workers stop waiting once the snapshot is taken
+    results = _finish(agents)
+    assert all(rc == 0 for rc, _ in results), results
+    assert watcher.returncode == 0, out
+    lines = out.strip().splitlines()
+    assert lines[0].split()[:5] == ["NODE", "PID", "RUN", "GROUP", "STATE"]
+    rows = [ln.split() for ln in lines[1:-1]]
+    assert len(rows) == 2 and lines[-1] == "2 agent(s)"
+    pids = {str(p.pid) for p in agents}
+    assert {r[1] for r in rows} == pids
+    assert sorted(r[3] for r in rows) == ["0", "1"]  # group ranks
+    assert all(r[4] == "HEALTHY" and r[5] == "4" for r in rows), rows  # state, world size
+    assert all(r[7] == "2/2" for r in rows), rows  # workers alive
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_stops_the_job(tmp_path):
+    gate = tmp_path / "never"
+    p = subprocess.Popen(
+        [*launcher_cmd("fastrun"), "--standalone", "--nproc-per-node", "2", str(DUMP)],
+        env=base_env(DUMP_DIR=str(tmp_path), DUMP_WAIT_FOR=str(gate)),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    deadline = time.monotonic() + 40
+    while len(list(tmp_path.glob("*.json"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(list(tmp_path.glob("*.json"))) == 2
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=30)
+    assert p.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "received SIGTERM" in err
+    for d in read_dumps(tmp_path).values():  # the workers are gone (or zombies awaiting reaping)
+        stat = Path(f"/proc/{d['pid']}/stat")
+        assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
