@@ -205,7 +205,7 @@ def _write_results(request):
                 "timers + the victim (64 workers). fastelastic-rt = same server with `realtime=True` "
                 "(SCHED_FIFO watchdog thread). torch at max_interval=10 is bounded to 3 kills per case.\n\n")
         f.write("## Requests/s through the pipe\n\n" + "\n".join(thr) + "\n\n")
-        f.write(f"{WRITERS} forked writers send acquire/release pairs for their own pid, timed from the first "
+        f.write(f"{WRITERS} forked writers send acquire/release pairs (for 4 sleeper workers), timed from the first "
                 "write until the server has registered every request. 1 line per write() is what clients do; "
                 "36 lines per write() (< PIPE_BUF) shows the server's own capacity. torch registers requests "
                 "only at the end of each max_interval read window, so at 10 s its figure is that window.\n")

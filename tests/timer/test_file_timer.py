@@ -240,3 +240,23 @@ def test_wire_line_is_one_json_object(fifo_path):
     line = r.to_json()
     assert json.loads(line) == {"version": 1, "pid": 123, "scope_id": "scope é", "expiration_time": 1732870000.25, "signal": 9}
     assert "\n" not in line
+
+
+def test_dump_stacks_via_faulthandler_before_the_kill(fifo_path, events, workers, tmp_path, monkeypatch):
+    import fastelastic.timer.stacks as stacks
+
+    monkeypatch.setattr(stacks.shutil, "which", lambda name: None)  # the no-py-spy path
+    srv = FileTimerServer(fifo_path, "r", max_interval=0.1, log_event=events, dump_stacks=True)
+    srv.start()
+    try:
+        with open(tmp_path / "worker.err", "w+") as err:
+            w = workers(fifo_path, [["stackdump"], ["acquire", "stuck", 0.3, KILL]], stderr=err)
+            w.wait_death()
+            assert w.proc.returncode == -signal.SIGKILL
+            assert events.wait("kill worker process", pid=w.pid).scope_id == "stuck"
+            err.seek(0)
+            log = err.read()
+        assert "Current thread" in log or "Thread 0x" in log, log  # faulthandler's all-threads dump
+        assert "timer_worker.py" in log, log
+    finally:
+        srv.stop()

@@ -61,11 +61,13 @@ class EventLog:
 class Worker:
     """A timer_worker.py subprocess; it runs its ops, says ready and waits for stdin to close."""
 
-    def __init__(self, path: str, ops: list[list[Any]], kind: str = "ours", timeout: float = 60.0) -> None:
+    def __init__(self, path: str, ops: list[list[Any]], kind: str = "ours", timeout: float = 60.0,
+                 stderr: Any = None) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, WORKER, path, kind, json.dumps(ops)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            stderr=stderr,
             text=True,
         )
         self.pid = self.proc.pid
@@ -130,8 +132,8 @@ def fifo_path():
 def workers():
     started: list[Worker] = []
 
-    def start(path: str, ops: list[list[Any]], kind: str = "ours") -> Worker:
-        w = Worker(path, ops, kind)
+    def start(path: str, ops: list[list[Any]], kind: str = "ours", stderr: Any = None) -> Worker:
+        w = Worker(path, ops, kind, stderr=stderr)
         started.append(w)
         return w
 

@@ -1,7 +1,7 @@
 """A worker process for the timer tests: runs timer ops, reports, then blocks until stdin closes.
 
 argv: <fifo path> <client: ours|torch> <json list of ops>
-ops:  ["acquire", scope, after_seconds, signal]   ["release", scope]
+ops:  ["acquire", scope, after_seconds, signal]   ["release", scope]   ["stackdump"]
 stdout: one line ``ready {"pid": P, "deadlines": {scope: monotonic deadline}}``, then
 ``signal N`` for every SIGUSR1/SIGURG received.
 """
@@ -37,6 +37,10 @@ def main() -> None:
             deadlines[scope] = mono + after
         elif op[0] == "release":
             next(iter(clients.values())).release(op[1])
+        elif op[0] == "stackdump":
+            from fastelastic.timer import enable_stack_dump
+
+            enable_stack_dump()
     sys.stdout.write("ready " + json.dumps({"pid": os.getpid(), "deadlines": deadlines}) + "\n")
     sys.stdout.flush()
     sys.stdin.read()

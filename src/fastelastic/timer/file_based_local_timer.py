@@ -240,7 +240,7 @@ class FileTimerServer:
             try:  # pid 0: the calling thread (scheduling policy is per thread on Linux)
                 os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(os.sched_get_priority_min(os.SCHED_FIFO)))
             except OSError as e:
-                logger.warning("FileTimerServer: SCHED_FIFO not permitted (%s); running at normal priority", e)
+                logger.info("FileTimerServer: SCHED_FIFO not permitted (%s); running at normal priority", e)
         self._wd.run(self._on_events)
 
     def stop(self) -> None:
