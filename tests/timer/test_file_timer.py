@@ -243,7 +243,7 @@ def test_wire_line_is_one_json_object(fifo_path):
 
 
 def test_dump_stacks_via_faulthandler_before_the_kill(fifo_path, events, workers, tmp_path, monkeypatch):
-    import fastelastic.timer.stacks as stacks
+    from fastelastic.timer import stacks
 
     monkeypatch.setattr(stacks.shutil, "which", lambda name: None)  # the no-py-spy path
     srv = FileTimerServer(fifo_path, "r", max_interval=0.1, log_event=events, dump_stacks=True)
