@@ -98,6 +98,20 @@ def main(argv: list[str]) -> int:
             return 0
         wait_for(os.path.join(argv[1], "never"), 30)
         return 8
+    if mode == "sigwait":  # sigwait DIR: write pid, record the first signal received, exit
+        import signal
+
+        def on_signal(signum, frame):
+            with open(os.path.join(argv[1], f"sig{os.environ['LOCAL_RANK']}"), "w") as f:
+                f.write(signal.Signals(signum).name)
+            os._exit(0)
+
+        for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
+            signal.signal(sig, on_signal)
+        with open(os.path.join(argv[1], f"pid{os.environ['LOCAL_RANK']}"), "w") as f:
+            f.write(str(os.getpid()))
+        wait_for(os.path.join(argv[1], "never"), 60)
+        return 9
     if mode == "gloo":
         _gloo()
         return 0

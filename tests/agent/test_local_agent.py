@@ -326,3 +326,20 @@ def test_new_node_triggers_restart_with_bigger_world(tmp_path):
     assert r1["state"] == r2["state"] == "SUCCEEDED", err1[-3000:] + err2[-3000:]
     assert r1["restart_count"] == 0  # a membership change does not use a retry
     assert {"0_2", "1_2"} <= {p.name for p in tmp_path.iterdir()}
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGINT])
+def test_handled_signal_is_forwarded_to_workers(tmp_path, sig):
+    p = run_agent_proc({"port": free_port(), "rank": 0, "world": 1, "nproc": 2,
+                        "args": ["sigwait", str(tmp_path)]})
+    try:
+        assert wait_until(lambda: all((tmp_path / f"pid{i}").exists() for i in range(2)))
+        p.send_signal(sig)
+        _, err = p.communicate(timeout=60)
+        assert p.returncode != 0  # the agent re-raises the signal as SignalException
+        for i in range(2):
+            assert (tmp_path / f"sig{i}").read_text() == sig.name, err[-2000:]
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
