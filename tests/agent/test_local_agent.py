@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import agent_workers
 import pytest
@@ -343,3 +344,24 @@ def test_handled_signal_is_forwarded_to_workers(tmp_path, sig):
         if p.poll() is None:
             p.kill()
             p.wait(10)
+
+
+def test_uninterruptible_state_policy(tmp_path, monkeypatch):
+    """D-state cannot be produced unprivileged, so the process context's report is stubbed."""
+    monkeypatch.setenv("TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT", "0.000001")
+    agent = make_agent(binary_spec("exit", "0", max_restarts=3), tmp_path)
+    wg = agent.get_worker_group()
+    states = {0: "disk-sleep", 1: "sleeping"}
+    agent._pcontext = types.SimpleNamespace(worker_states=lambda: dict(states),
+                                            pids=lambda: {0: 101, 1: 102})
+    assert agent._check_uninterruptible_state_timeout(wg, 0.000001) is None  # first sighting
+    states[0] = "sleeping"
+    assert agent._check_uninterruptible_state_timeout(wg, 0.000001) is None  # left D-state
+    assert agent._uninterruptible_state_first_seen == {}
+    states[0] = "disk-sleep"
+    assert agent._check_uninterruptible_state_timeout(wg, 0.000001) is None
+    result = agent._check_uninterruptible_state_timeout(wg, 0.000001)
+    assert result is not None and result.state == WorkerState.UNHEALTHY
+    assert agent._remaining_restarts == 0  # a wedged worker disables restarts
+    monkeypatch.setenv("TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT", "bogus")
+    assert make_agent(binary_spec("exit", "0"), tmp_path)._uninterruptible_state_timeout == 0.0
