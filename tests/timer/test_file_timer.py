@@ -260,3 +260,17 @@ def test_dump_stacks_via_faulthandler_before_the_kill(fifo_path, events, workers
         assert "timer_worker.py" in log, log
     finally:
         srv.stop()
+
+
+def test_last_progress_time_tracks_the_loop(fifo_path, events, workers):
+    srv = FileTimerServer(fifo_path, "r", max_interval=0.05, log_event=events)
+    before = time.time()
+    assert int(before) <= srv.get_last_progress_time() <= time.time()  # not started: now
+    srv.start()
+    try:
+        w = workers(fifo_path, [["acquire", "p", 0.2, KILL]])
+        w.wait_death()
+        events.wait("kill worker process", pid=w.pid)  # the loop iterated after the kill
+        assert srv.get_last_progress_time() >= int(w.deadlines["p"] - time.monotonic() + time.time())
+    finally:
+        srv.stop()

@@ -210,6 +210,7 @@ class FileTimerServer:
         self._watchdog_thread: threading.Thread | None = None
         self._is_client_started = False
         self._wd_closed = False
+        self._final_progress_ns = 0
         self._lock = threading.Lock()
         self._allowed: set[int] = set(allowed_pids or ())
         _make_fifo(file_path)
@@ -264,6 +265,7 @@ class FileTimerServer:
                 if thread.is_alive():
                     logger.error("FileTimerServer thread did not stop; leaving its fds open")
                     return
+            self._final_progress_ns = self._wd.last_progress_ns
             self._wd.close()
             self._wd_closed = True
         for path in (self._file_path,):
@@ -328,10 +330,15 @@ class FileTimerServer:
         return expired
 
     def get_last_progress_time(self) -> int:
-        """Wall-clock second of the watchdog loop's last iteration (now, before ``start``)."""
-        if not self._is_client_started or self._wd_closed:
+        """Wall-clock second of the watchdog loop's last iteration (now, before ``start``).
+
+        The loop iterates at least every ``min(max_interval, 1)`` seconds while it runs, so a
+        value older than that means the watchdog thread is stuck or gone.
+        """
+        if not self._is_client_started:
             return int(time.time())
-        age = (time.monotonic_ns() - self._wd.last_progress_ns) / 1e9
+        last = self._final_progress_ns if self._wd_closed else self._wd.last_progress_ns
+        age = (time.monotonic_ns() - last) / 1e9
         return int(time.time() - max(age, 0.0))
 
     @property
