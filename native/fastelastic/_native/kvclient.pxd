@@ -11,6 +11,7 @@ cdef class KVClient:
     cdef int _owner_pid
     cdef PyThread_type_lock _lock
     cdef string _out          # the request being built
+    cdef size_t _out_pos      # how much of it the kernel has taken
     cdef char *_in            # response bytes; [_in_pos, _in_len) not yet consumed
     cdef size_t _in_pos
     cdef size_t _in_len
@@ -28,6 +29,9 @@ cdef class KVClient:
     cdef object _read_blobs(self, uint64_t count, int64_t deadline)
     cdef int _send_all(self, int64_t deadline) except? -1 nogil
     cdef int _need(self, size_t n, int64_t deadline) except? -1 nogil
+    cdef void _apply_socket_timeouts(self) noexcept
+    cdef int _check_signals(self) except -1
+    cdef int _need_intr(self, size_t n, int64_t deadline) except -1
     cdef int _transact(self, size_t n, int64_t deadline) except -1
     cdef int _wait_reply(self, int64_t timeout_ms) except -1
     cdef object _fail(self, int rc, str what)

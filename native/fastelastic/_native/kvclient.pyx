@@ -24,9 +24,9 @@ from libc.string cimport memmove
 from libcpp.string cimport string
 
 from fastelastic._native.includes.linux cimport (
-    EAGAIN, EINTR, F_GETFL, F_SETFL, IPPROTO_TCP, MSG_NOSIGNAL, O_NONBLOCK, POLLIN, POLLOUT,
-    TCP_NODELAY, close, errno, fcntl, fe_monotonic_ns, getpid, poll, pollfd, recv, send,
-    setsockopt,
+    EAGAIN, EINTR, F_GETFL, F_SETFL, IPPROTO_TCP, MSG_DONTWAIT, MSG_NOSIGNAL, O_NONBLOCK, POLLIN,
+    SO_RCVTIMEO, SO_SNDTIMEO, SOL_SOCKET, TCP_NODELAY, close, errno, fcntl, fe_monotonic_ns,
+    getpid, poll, pollfd, recv, send, setsockopt, timeval,
 )
 from fastelastic._native.wire cimport *
 
@@ -42,8 +42,12 @@ cdef enum:
     IO_TIMEOUT = 1
     IO_CLOSED = 2
     IO_ERROR = 3
+    IO_INTR = 4
 
 cdef int64_t _NO_DEADLINE = -1
+# A reply's deadline: the socket is blocking with SO_RCVTIMEO set to the store timeout, so one
+# recv() both waits and reads (two syscalls per round trip instead of four).
+cdef int64_t REPLY = -2
 
 
 cdef inline int64_t _deadline(int64_t timeout_ms) noexcept nogil:
@@ -74,8 +78,9 @@ cdef inline int _poll_until(int fd, short events, int64_t deadline) noexcept nog
             if deadline == _NO_DEADLINE:
                 continue
             return 0
-        if errno != EINTR:
-            return -1
+        if errno == EINTR:
+            return -2
+        return -1
 
 
 cdef int64_t _timeout_arg(object timeout, int64_t default_ms) except? -2:
@@ -109,8 +114,9 @@ cdef class KVClient:
         self._owner_pid = getpid()
         self._peer = peer
         self._timeout_ms = <int64_t>(timeout * 1000.0)
-        fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK)
+        fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK)
         setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one))
+        self._apply_socket_timeouts()
         self._acquire()
         try:
             self._out.clear()
@@ -118,7 +124,7 @@ cdef class KVClient:
             put_u32(self._out, VALIDATE_MAGIC)
             put_u8(self._out, CMD_PING)
             put_u32(self._out, EXT_NONCE)
-            self._transact(4, _deadline(self._timeout_ms))
+            self._transact(4, REPLY)
             nonce = load_u32(self._in + self._in_pos)
             self._in_pos += 4
         finally:
@@ -162,6 +168,17 @@ cdef class KVClient:
     @timeout_ms.setter
     def timeout_ms(self, int64_t value):
         self._timeout_ms = value
+        self._apply_socket_timeouts()
+
+    cdef void _apply_socket_timeouts(self) noexcept:
+        cdef timeval tv
+        cdef int64_t ms = self._timeout_ms if self._timeout_ms > 0 else 1
+        if self._fd < 0:
+            return
+        tv.tv_sec = <long>(ms // 1000)
+        tv.tv_usec = <long>((ms % 1000) * 1000)
+        setsockopt(self._fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv))
+        setsockopt(self._fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv))
 
     # --------------------------------------------------------------------------- mechanics
 
@@ -171,23 +188,19 @@ cdef class KVClient:
                 PyThread_acquire_lock(self._lock, WAIT_LOCK)
 
     cdef int _send_all(self, int64_t deadline) except? -1 nogil:
-        cdef size_t off = 0
+        """Sends ``_out`` from ``_out_pos`` on; blocking, bounded by SO_SNDTIMEO."""
         cdef ssize_t n
-        cdef int rc
-        while off < self._out.size():
-            n = send(self._fd, self._out.data() + off, self._out.size() - off, MSG_NOSIGNAL)
+        while self._out_pos < self._out.size():
+            n = send(self._fd, self._out.data() + self._out_pos,
+                     self._out.size() - self._out_pos, MSG_NOSIGNAL)
             if n >= 0:
-                off += <size_t>n
+                self._out_pos += <size_t>n
                 continue
             if errno == EINTR:
-                continue
-            if errno != EAGAIN:
-                return IO_ERROR
-            rc = _poll_until(self._fd, POLLOUT, deadline)
-            if rc == 0:
+                return IO_INTR
+            if errno == EAGAIN:
                 return IO_TIMEOUT
-            if rc < 0:
-                return IO_ERROR
+            return IO_ERROR
         return IO_OK
 
     cdef int _need(self, size_t n, int64_t deadline) except? -1 nogil:
@@ -213,19 +226,24 @@ cdef class KVClient:
                         return IO_ERROR
                     self._in = grown
                     self._in_cap = cap
-            got = recv(self._fd, self._in + self._in_len, self._in_cap - self._in_len, 0)
+            got = recv(self._fd, self._in + self._in_len, self._in_cap - self._in_len,
+                       0 if deadline == REPLY else MSG_DONTWAIT)
             if got > 0:
                 self._in_len += <size_t>got
                 continue
             if got == 0:
                 return IO_CLOSED
             if errno == EINTR:
-                continue
+                return IO_INTR
             if errno != EAGAIN:
                 return IO_ERROR
+            if deadline == REPLY:
+                return IO_TIMEOUT
             rc = _poll_until(self._fd, POLLIN, deadline)
             if rc == 0:
                 return IO_TIMEOUT
+            if rc == -2:
+                return IO_INTR
             if rc < 0:
                 return IO_ERROR
         return IO_OK
@@ -235,13 +253,37 @@ cdef class KVClient:
         cdef int rc
         if self._broken or self._fd < 0:
             raise StoreConnectionError(f"the connection to the store at {self._peer} is closed")
-        with nogil:
-            rc = self._send_all(deadline)
-            if rc == IO_OK and n > 0:
-                rc = self._need(n, deadline)
+        self._out_pos = 0
+        while True:
+            with nogil:
+                rc = self._send_all(deadline)
+                if rc == IO_OK and n > 0:
+                    rc = self._need(n, deadline)
+            if rc != IO_INTR:
+                break
+            self._check_signals()
         if rc != IO_OK:
             raise self._fail(rc, "request")
         return 0
+
+    cdef int _check_signals(self) except -1:
+        # A signal arrived mid-request: run Python's handlers (Ctrl-C). If one raises, the
+        # request is half done and the stream out of step, so the connection is given up.
+        try:
+            PyErr_CheckSignals()
+        except BaseException:
+            self._broken = True
+            raise
+        return 0
+
+    cdef int _need_intr(self, size_t n, int64_t deadline) except -1:
+        cdef int rc
+        while True:
+            with nogil:
+                rc = self._need(n, deadline)
+            if rc != IO_INTR:
+                return rc
+            self._check_signals()
 
     cdef object _fail(self, int rc, str what):
         cdef int err = errno
@@ -262,8 +304,7 @@ cdef class KVClient:
         """After a WAIT or BARRIER: returns 0 when released, 1 on timeout (wait cancelled)."""
         cdef int rc
         cdef uint8_t b
-        with nogil:
-            rc = self._need(1, _deadline(timeout_ms))
+        rc = self._need_intr(1, _deadline(timeout_ms))
         if rc == IO_OK:
             b = <uint8_t>self._in[self._in_pos]
             self._in_pos += 1
@@ -274,12 +315,11 @@ cdef class KVClient:
             raise self._fail(rc, "wait")
         self._out.clear()
         put_u8(self._out, CMD_CANCEL_WAIT)
-        self._transact(1, _deadline(self._timeout_ms))
+        self._transact(1, REPLY)
         b = <uint8_t>self._in[self._in_pos]
         self._in_pos += 1
         if b == REPLY_STOP_WAITING:     # released just before the cancel arrived
-            with nogil:
-                rc = self._need(1, _deadline(self._timeout_ms))
+            rc = self._need_intr(1, REPLY)
             if rc != IO_OK:
                 raise self._fail(rc, "cancel_wait")
             b = <uint8_t>self._in[self._in_pos]
@@ -346,8 +386,12 @@ cdef class KVClient:
     cdef object _read_blobs(self, uint64_t count, int64_t deadline):
         cdef int rc
         cdef uint64_t i
-        with nogil:
-            rc = self._need_blobs(count, 0, deadline)
+        while True:
+            with nogil:
+                rc = self._need_blobs(count, 0, deadline)
+            if rc != IO_INTR:
+                break
+            self._check_signals()
         if rc != IO_OK:
             raise self._fail(rc, "read")
         return [self._take_blob() for i in range(count)]
@@ -375,7 +419,7 @@ cdef class KVClient:
         try:
             self._put_key(key)
             self._put_value(value)
-            self._transact(0, _deadline(self._timeout_ms))
+            self._transact(0, REPLY)
         finally:
             self._end()
 
@@ -385,7 +429,7 @@ cdef class KVClient:
         cdef uint8_t found
         self._begin(CMD_EXT_TRY_GET if self._ext else CMD_WAIT)
         try:
-            deadline = _deadline(self._timeout_ms)
+            deadline = REPLY
             if self._ext:
                 self._put_key(key)
                 self._transact(1, deadline)
@@ -404,7 +448,7 @@ cdef class KVClient:
             put_u8(self._out, CMD_GET)
             self._put_key(key)
             self._transact(0, deadline)
-            return self._read_blobs(1, _deadline(self._timeout_ms))[0]
+            return self._read_blobs(1, REPLY)[0]
         finally:
             self._end()
 
@@ -414,7 +458,7 @@ cdef class KVClient:
         try:
             self._put_key(key)
             put_u64(self._out, <uint64_t>value)
-            self._transact(8, _deadline(self._timeout_ms))
+            self._transact(8, REPLY)
             return self._take_i64()
         finally:
             self._end()
@@ -425,7 +469,7 @@ cdef class KVClient:
         try:
             put_blob(self._out, PyBytes_AS_STRING(key), <size_t>PyBytes_GET_SIZE(key))
             put_u64(self._out, <uint64_t>value)
-            self._transact(8, _deadline(self._timeout_ms))
+            self._transact(8, REPLY)
             return self._take_i64()
         finally:
             self._end()
@@ -437,8 +481,8 @@ cdef class KVClient:
             self._put_key(key)
             self._put_value(expected_value)
             self._put_value(desired_value)
-            self._transact(0, _deadline(self._timeout_ms))
-            return self._read_blobs(1, _deadline(self._timeout_ms))[0]
+            self._transact(0, REPLY)
+            return self._read_blobs(1, REPLY)[0]
         finally:
             self._end()
 
@@ -447,7 +491,7 @@ cdef class KVClient:
         self._begin(CMD_CHECK)
         try:
             self._put_keys(keys)
-            self._transact(1, _deadline(self._timeout_ms))
+            self._transact(1, REPLY)
             self._in_pos += 1
             return self._in[self._in_pos - 1] == REPLY_READY
         finally:
@@ -460,7 +504,7 @@ cdef class KVClient:
         self._begin(CMD_WAIT)
         try:
             self._put_keys(keys)
-            self._transact(0, _deadline(self._timeout_ms))
+            self._transact(0, REPLY)
             if self._wait_reply(ms):
                 raise StoreTimeoutError(
                     f"wait timeout after {ms}ms, keys: " + ", ".join("/" + k for k in keys))
@@ -471,7 +515,7 @@ cdef class KVClient:
         """Number of keys in the store (torch's internal ones included)."""
         self._begin(CMD_GETNUMKEYS)
         try:
-            self._transact(8, _deadline(self._timeout_ms))
+            self._transact(8, REPLY)
             return self._take_i64()
         finally:
             self._end()
@@ -481,7 +525,7 @@ cdef class KVClient:
         self._begin(CMD_DELETE_KEY)
         try:
             self._put_key(key)
-            self._transact(8, _deadline(self._timeout_ms))
+            self._transact(8, REPLY)
             return self._take_i64() == 1
         finally:
             self._end()
@@ -492,7 +536,7 @@ cdef class KVClient:
         try:
             self._put_key(key)
             self._put_value(value)
-            self._transact(0, _deadline(self._timeout_ms))
+            self._transact(0, REPLY)
         finally:
             self._end()
 
@@ -504,7 +548,7 @@ cdef class KVClient:
         n = <uint64_t>len(keys)
         self._begin(CMD_EXT_TRY_MULTI_GET if self._ext else CMD_WAIT)
         try:
-            deadline = _deadline(self._timeout_ms)
+            deadline = REPLY
             self._put_keys(keys)
             if self._ext:
                 self._transact(1, deadline)
@@ -519,7 +563,7 @@ cdef class KVClient:
                     + ", ".join("/" + k for k in keys))
             self._out[0] = <char>CMD_MULTI_GET
             self._transact(0, deadline)
-            return self._read_blobs(n, _deadline(self._timeout_ms))
+            return self._read_blobs(n, REPLY)
         finally:
             self._end()
 
@@ -535,7 +579,7 @@ cdef class KVClient:
             for k, v in zip(keys, values):
                 self._put_key(k)
                 self._put_value(v)
-            self._transact(0, _deadline(self._timeout_ms))
+            self._transact(0, REPLY)
         finally:
             self._end()
 
@@ -545,9 +589,9 @@ cdef class KVClient:
         cdef list raw
         self._begin(CMD_LIST_KEYS)
         try:
-            self._transact(8, _deadline(self._timeout_ms))
+            self._transact(8, REPLY)
             n = self._take_i64()
-            raw = self._read_blobs(<uint64_t>n, _deadline(self._timeout_ms))
+            raw = self._read_blobs(<uint64_t>n, REPLY)
         finally:
             self._end()
         return [k[1:].decode("utf-8", "surrogateescape") for k in raw if k.startswith(b"/")]
@@ -558,7 +602,7 @@ cdef class KVClient:
         try:
             self._put_key(key)
             self._put_value(value)
-            self._transact(0, _deadline(self._timeout_ms))
+            self._transact(0, REPLY)
         finally:
             self._end()
 
@@ -570,18 +614,18 @@ cdef class KVClient:
             if block:
                 put_u64(self._out, 1)
                 self._put_key(key)
-                self._transact(0, _deadline(self._timeout_ms))
+                self._transact(0, REPLY)
                 if self._wait_reply(self._timeout_ms):
                     raise StoreTimeoutError(
                         f"wait timeout after {self._timeout_ms}ms, keys: /{key}")
                 self._out.clear()
                 put_u8(self._out, CMD_QUEUE_POP)
             self._put_key(key)
-            self._transact(8, _deadline(self._timeout_ms))
+            self._transact(8, REPLY)
             n = self._take_i64()
             if n <= 0:
                 raise QueueEmptyError("queue is empty")
-            return self._read_blobs(1, _deadline(self._timeout_ms))[0]
+            return self._read_blobs(1, REPLY)[0]
         finally:
             self._end()
 
@@ -590,7 +634,7 @@ cdef class KVClient:
         self._begin(CMD_QUEUE_LEN)
         try:
             self._put_key(key)
-            self._transact(8, _deadline(self._timeout_ms))
+            self._transact(8, REPLY)
             return self._take_i64()
         finally:
             self._end()
@@ -602,7 +646,7 @@ cdef class KVClient:
         try:
             self._put_key(key)
             put_u64(self._out, <uint64_t>world_size)
-            self._transact(0, _deadline(self._timeout_ms))
+            self._transact(0, REPLY)
             if self._wait_reply(ms):
                 raise StoreTimeoutError(f"barrier timeout after {ms}ms, key: /{key}")
         finally:
@@ -620,7 +664,7 @@ cdef class KVClient:
         try:
             self._put_key(key)
             self._put_value(value)
-            self._transact(1, _deadline(self._timeout_ms))
+            self._transact(1, REPLY)
             self._in_pos += 1
         finally:
             self._end()

@@ -22,6 +22,8 @@ cdef cppclass Conn:
     uint64_t cid
     string rbuf             # unparsed input (only what one recv could not complete)
     size_t need             # rbuf must hold this many bytes before a parse can succeed
+    size_t scan_off         # a partial multi-key request in rbuf is measured up to here
+    uint64_t scan_i         # ... and this many of its blobs
     string wbuf             # replies not yet accepted by the kernel
     size_t wpos
     cbool validated
@@ -66,7 +68,8 @@ cdef class KVServer:
     cdef void _on_accept(self, int lfd) noexcept nogil
     cdef void _on_readable(self, Conn *c) noexcept nogil
     cdef int _consume(self, Conn *c, const char *p, size_t n, size_t *used) noexcept nogil
-    cdef ssize_t _measure(self, const char *p, size_t n, size_t *need) noexcept nogil
+    cdef ssize_t _measure(self, const char *p, size_t n, size_t *need, size_t *scan_off,
+                          uint64_t *scan_i) noexcept nogil
     cdef int _execute(self, Conn *c, const char *p) noexcept nogil
     cdef void _flush(self, Conn *c) noexcept nogil
     cdef void _close_conn(self, Conn *c, const char *why) noexcept nogil

@@ -249,6 +249,8 @@ cdef class KVServer:
             c.cid = self._next_cid
             self._next_cid += 1
             c.need = 0
+            c.scan_off = 0
+            c.scan_i = 0
             c.wpos = 0
             c.validated = False
             c.ext = False
@@ -305,12 +307,16 @@ cdef class KVServer:
         self._flush(c)
 
     cdef int _consume(self, Conn *c, const char *p, size_t n, size_t *used) noexcept nogil:
-        """Executes every complete request in p[0:n]; returns -1 if the connection was closed."""
+        """Executes every complete request in p[0:n]; returns -1 if the connection was closed.
+
+        ``c.scan_off``/``c.scan_i`` carry how far a partial multi-key request at p was already
+        measured, so a request that arrives in many reads is scanned once, not once per read.
+        """
         cdef size_t off = 0, need = 0
         cdef ssize_t m
         c.need = 0
         while off < n:
-            m = self._measure(p + off, n - off, &need)
+            m = self._measure(p + off, n - off, &need, &c.scan_off, &c.scan_i)
             if m == 0:
                 c.need = need
                 break
@@ -326,11 +332,12 @@ cdef class KVServer:
     # ----------------------------------------------------------------------------- parsing
 
     @cython.boundscheck(False)
-    cdef ssize_t _measure(self, const char *p, size_t n, size_t *need) noexcept nogil:
+    cdef ssize_t _measure(self, const char *p, size_t n, size_t *need, size_t *scan_off,
+                          uint64_t *scan_i) noexcept nogil:
         """Length of the request at p if all of it is in p[0:n]; 0 if not (need says how many
         bytes must be buffered before it can be); -1 if it is malformed or over a limit."""
         cdef size_t off = 1
-        cdef uint64_t count, i, ln
+        cdef uint64_t count, i, ln, start = 0
         cdef uint8_t cmd = <uint8_t>p[0]
         cdef int nblobs = 0
         cdef size_t lim0 = self._max_key, lim1 = self._max_value, lim2 = self._max_value
@@ -357,17 +364,26 @@ cdef class KVServer:
             if count > self._max_keys:
                 return -1
             off = 9
-            for i in range(count if cmd != CMD_MULTI_SET else count * 2):
+            if scan_off[0] > 0:
+                off = scan_off[0]
+                start = scan_i[0]
+            for i in range(start, count if cmd != CMD_MULTI_SET else count * 2):
                 if n - off < 8:
+                    scan_off[0] = off
+                    scan_i[0] = i
                     need[0] = off + 8
                     return 0
                 ln = load_u64(p + off)
                 if ln > (lim1 if (cmd == CMD_MULTI_SET and (i & 1)) else lim0):
                     return -1
                 if n - off - 8 < ln:
-                    need[0] = off + 8 + ln
+                    scan_off[0] = off
+                    scan_i[0] = i
+                    need[0] = off + 8 + <size_t>ln
                     return 0
                 off += 8 + <size_t>ln
+            scan_off[0] = 0
+            scan_i[0] = 0
             return <ssize_t>off
         else:
             return -1

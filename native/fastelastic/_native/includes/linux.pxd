@@ -236,3 +236,15 @@ cdef extern from "<pthread.h>" nogil:
     int pthread_mutex_destroy(pthread_mutex_t *mutex)
     int pthread_mutex_lock(pthread_mutex_t *mutex)
     int pthread_mutex_unlock(pthread_mutex_t *mutex)
+
+
+cdef extern from "<sys/time.h>" nogil:
+    cdef struct timeval:
+        long tv_sec
+        long tv_usec
+
+
+cdef extern from "<sys/socket.h>" nogil:
+    enum:
+        SO_RCVTIMEO
+        SO_SNDTIMEO
