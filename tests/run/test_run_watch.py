@@ -141,3 +141,17 @@ def test_watch_address_in_use_is_clear():
         port = s.getsockname()[1]
         with pytest.raises(OSError, match="address already in use"):
             watch(f"tcp://127.0.0.1:{port}", once=True, timeout=0.2)
+
+
+def test_status_changes_become_last_event_lines():
+    from fastelastic.watch.publisher import _status_change
+
+    base = {"state": "HEALTHY", "restarts": 0, "max_restarts": 2, "world_size": 4,
+            "workers_alive": 2, "local_world_size": 2}
+    assert _status_change({}, base) is None
+    assert _status_change(base, dict(base)) is None
+    assert _status_change(base, {**base, "restarts": 1, "state": "STOPPED"}) == "restart 1/2"
+    assert _status_change(base, {**base, "world_size": 6}) == (
+        "membership change: world size 4 -> 6")
+    assert _status_change(base, {**base, "state": "FAILED"}) == "group failed"
+    assert _status_change(base, {**base, "workers_alive": 1}) == "worker exited: 1/2 alive"

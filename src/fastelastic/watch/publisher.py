@@ -127,6 +127,7 @@ class EventPublisher:
         self._seq = 0
         self._last_event = "launcher started"
         self._final: dict[str, Any] = {}
+        self._prev: dict[str, Any] = {}
         self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._ctx = zmq.Context(io_threads=1)
         self._sock = self._ctx.socket(zmq.PUB)
@@ -164,6 +165,10 @@ class EventPublisher:
         except Exception:  # noqa: BLE001 - status is best effort, events still go out
             st = {}
         st.update(self._final)
+        change = _status_change(self._prev, st)
+        if change:
+            self._last_event = change
+        self._prev = st
         msg: dict[str, Any] = {
             "v": 1,
             "kind": kind,
@@ -189,7 +194,11 @@ class EventPublisher:
             event = payload
         if not isinstance(event, dict):
             event = {"name": str(event)}
-        self._last_event = _describe(event)
+        md = event.get("metadata")
+        # Phase timings (RENDEZVOUS, ASSIGN_WORKER_RANKS...) are published but would hide a
+        # restart or a failure in the one-line "last event".
+        if not (isinstance(md, dict) and md.get("duration_ms") is not None):
+            self._last_event = _describe(event)
         return self._message("event", event)
 
     def _loop(self) -> None:
@@ -215,6 +224,28 @@ class EventPublisher:
             logger.warning("events publisher to %s stopped: %s", self.endpoint, e)
         finally:
             self._sock.close()
+
+
+def _status_change(prev: dict[str, Any], cur: dict[str, Any]) -> str | None:
+    """A 'last event' line for what changed between two snapshots (restart, membership, state).
+
+    The agent records no event for a worker-group failure or a restart, so the publisher
+    derives them from its snapshots of the agent.
+    """
+    if not prev:
+        return None
+    if (cur.get("restarts") or 0) > (prev.get("restarts") or 0):
+        return f"restart {cur['restarts']}/{cur.get('max_restarts')}"
+    pw, cw = prev.get("world_size"), cur.get("world_size")
+    if pw is not None and cw is not None and pw != cw:
+        return f"membership change: world size {pw} -> {cw}"
+    ps, cs = prev.get("state"), cur.get("state")
+    pa, ca = prev.get("workers_alive") or 0, cur.get("workers_alive") or 0
+    if ps == cs == "HEALTHY" and ca < pa:
+        return f"worker exited: {ca}/{cur.get('local_world_size')} alive"
+    if ps != cs and cs in ("UNHEALTHY", "FAILED", "SUCCEEDED", "STOPPED"):
+        return f"group {cs.lower()}"
+    return None
 
 
 def _describe(event: dict[str, Any]) -> str:

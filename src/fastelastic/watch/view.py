@@ -158,13 +158,14 @@ def watch(
     sock = ctx.socket(zmq.SUB)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SUBSCRIBE, b"")
+    tty = out.isatty()
+    last_text = ""
     try:
         _bind(sock, endpoint)
         print(f"watching {endpoint}", file=sys.stderr, flush=True)
         if timeout is None and once:
             timeout = 60.0 if expect else 2.0
         deadline = None if timeout is None else time.monotonic() + timeout
-        tty = out.isatty()
         next_draw = 0.0
         dirty = False
         while True:
@@ -184,7 +185,10 @@ def watch(
                         break
                     dirty = True
             if not once and (dirty or tty) and time.monotonic() >= next_draw:
-                _draw(out, view, tty)
+                text = view.render()
+                if tty or text != last_text:  # a log (not a terminal) gets changes only
+                    _draw(out, text, tty)
+                    last_text = text
                 dirty = False
                 next_draw = time.monotonic() + refresh
     except KeyboardInterrupt:
@@ -195,12 +199,12 @@ def watch(
     if once:
         print(view.render(), file=out, flush=True)
         return 0 if view.rows and view.formed() >= expect else 1
-    _draw(out, view, tty=False)
+    if tty or view.render() != last_text:
+        _draw(out, view.render(), tty=False)
     return 0
 
 
-def _draw(out: TextIO, view: JobView, tty: bool) -> None:
-    text = view.render()
+def _draw(out: TextIO, text: str, tty: bool) -> None:
     if tty:
         out.write("\x1b[H\x1b[2J" + text + "\n")  # home + clear: redraw in place
     else:
