@@ -94,6 +94,7 @@ def test_no_fd_leak_and_unclosed_warning(fifo):
         wd.register(os.getpid(), "x", time.time() + 100, 9)  # refused: own pid
         wd.poll_once(None)
         wd.close()
+        wd.close()  # idempotent
     gc.collect()
     assert _fds() == before
     with pytest.warns(ResourceWarning):

@@ -208,6 +208,8 @@ cdef class FifoWatchdog:
         """Closes every fd. The loop must have returned (``stop()`` then join its thread)."""
         if self._running:
             raise RuntimeError("FifoWatchdog.close() while run() is active; stop() it first")
+        if self._epfd < 0:
+            return
         self._lock()
         self._close_fds()
         self._unlock()
