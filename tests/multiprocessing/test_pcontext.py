@@ -375,3 +375,21 @@ def test_wait_after_close_reports_the_stopped_workers():
     assert time.monotonic() - t0 < 1
     assert {r: f.exitcode for r, f in result.failures.items()} == {0: -15, 1: -15}
     pc.close()  # idempotent
+
+
+def test_close_from_another_thread_ends_a_blocked_wait():
+    pc = start_processes("t", "/bin/sleep", {0: ("60",)}, _envs(1), DefaultLogsSpecs(log_dir=os.devnull))
+    out: list = []
+    started = threading.Event()
+
+    def agent_loop():
+        started.set()
+        out.append(pc.wait_any(None))  # blocks until an exit or close()
+
+    t = threading.Thread(target=agent_loop)
+    t.start()
+    assert started.wait(5)
+    pc.close(timeout=5)
+    t.join(10)
+    assert not t.is_alive()
+    assert pc.exitcodes() == {0: -signal.SIGTERM}

@@ -236,3 +236,29 @@ def test_forked_child_does_not_close_parent_fds():
         os.close(gate)
         assert mon.wait(10) == [(proc.pid, 0)]
     proc.returncode = 0
+
+
+def test_close_from_another_thread_releases_a_blocked_wait():
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        mon = PidfdMonitor()
+        mon.add(proc.pid)
+        started = threading.Event()
+        out: list = []
+
+        def waiter():
+            started.set()
+            try:
+                out.append(mon.wait())  # no timeout: only close() can end it
+            except (OSError, ValueError) as e:
+                out.append(e)
+
+        t = threading.Thread(target=waiter)
+        t.start()
+        assert started.wait(5)
+        mon.close()
+        t.join(5)
+        assert not t.is_alive() and len(out) == 1
+    finally:
+        proc.kill()
+        proc.wait()

@@ -1,6 +1,6 @@
 # Declarations of the pidfd process monitor (procmon.pyx).
 
-from fastelastic._native.includes.linux cimport epoll_event, pid_t
+from fastelastic._native.includes.linux cimport pid_t
 
 
 cdef enum:
@@ -18,7 +18,8 @@ cdef class PidfdMonitor:
     cdef pid_t _owner_pid
     cdef dict _fds          # pid -> pidfd
     cdef set _noreap        # pids whose exit status is peeked (WNOWAIT), not reaped
-    cdef epoll_event _events[MON_MAX_EVENTS]
+    cdef int _waiters       # threads inside epoll_wait right now
+    cdef bint _closing      # close() was called while threads waited; the last one closes
 
     cdef int _check_open(self) except -1
     cdef object _collect(self, pid_t pid)

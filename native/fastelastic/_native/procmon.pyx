@@ -61,10 +61,13 @@ cdef class PidfdMonitor:
     never closes the parent's fds (``_owner_pid``).
 
     The GIL is released only around ``epoll_wait``; ``wakeup()`` may be called from any thread
-    and makes a blocked ``wait()`` return early.
+    and makes a blocked ``wait()`` return early. ``close()`` while other threads wait marks the
+    monitor closing and wakes them; the last one leaving ``epoll_wait`` closes the fds.
     """
 
     def __cinit__(self):
+        self._waiters = 0
+        self._closing = False
         self._epfd = -1
         self._evfd = -1
         self._owner_pid = getpid()
@@ -89,7 +92,7 @@ cdef class PidfdMonitor:
             warnings.warn("unclosed PidfdMonitor", ResourceWarning, stacklevel=1)
 
     cdef int _check_open(self) except -1:
-        if self._epfd < 0:
+        if self._epfd < 0 or self._closing:
             raise ValueError("I/O operation on a closed PidfdMonitor")
         return 0
 
@@ -117,12 +120,19 @@ cdef class PidfdMonitor:
             self._evfd = -1
             self._fds.clear()
             return
+        if self._waiters > 0:
+            # Threads blocked in wait() would sleep on: closing the eventfd drops its queued
+            # readiness from the epoll set. Wake them (the eventfd stays readable, so every
+            # waiter wakes) and let the last one out close the fds.
+            self._closing = True
+            self.wakeup()
+            return
         self._close_fds()
 
     @property
     def closed(self):
         """True once ``close()`` was called."""
-        return self._epfd < 0
+        return self._epfd < 0 or self._closing
 
     def fileno(self):
         """The epoll fd: readable while an exit is pending or a wake-up was requested."""
@@ -241,6 +251,8 @@ cdef class PidfdMonitor:
             OSError: epoll_wait or waitid failed.
             KeyboardInterrupt: or whatever a Python signal handler raises while waiting.
         """
+        # per call, not per object: two threads may wait at once (an agent loop and a close())
+        cdef epoll_event events[MON_MAX_EVENTS]
         cdef int64_t deadline = -1
         cdef int64_t now
         cdef int ms = -1
@@ -258,8 +270,14 @@ cdef class PidfdMonitor:
                 now = fe_monotonic_ns()
                 # round up so a sub-millisecond remainder does not spin with a 0 ms timeout
                 ms = <int>min((deadline - now + 999999) // 1000000, MON_MAX_WAIT_MS) if deadline > now else 0
+            self._waiters += 1
             with nogil:
-                n = epoll_wait(self._epfd, self._events, MON_MAX_EVENTS, ms)
+                n = epoll_wait(self._epfd, events, MON_MAX_EVENTS, ms)
+            self._waiters -= 1
+            if self._closing:
+                if self._waiters == 0:
+                    self._close_fds()
+                return result
             if n < 0:
                 if errno != EINTR:
                     _raise_errno()
@@ -267,7 +285,7 @@ cdef class PidfdMonitor:
                 continue
             woken = False
             for i in range(n):
-                tag = self._events[i].data.u64
+                tag = events[i].data.u64
                 if tag == MON_WAKE_TAG:
                     read(self._evfd, &drained, sizeof(drained))
                     woken = True

@@ -194,7 +194,12 @@ class PContext(abc.ABC):
         monitor = self._monitor
         if monitor is None or monitor.closed:
             return False
-        events = monitor.wait(timeout)
+        try:
+            events = monitor.wait(timeout)
+        except (OSError, ValueError):
+            if monitor.closed:  # close() from another thread while we waited
+                return False
+            raise
         with self._lock:
             for pid, status in events:
                 rank = self._rank_of[pid]
@@ -249,6 +254,8 @@ class PContext(abc.ABC):
         Returns:
             The result, or None if processes are still running at the timeout.
         """
+        if self._monitor is None:
+            raise RuntimeError("process context not started: call start() first")
         deadline = None if timeout < 0 else time.monotonic() + timeout
         while True:
             result = self._poll()
