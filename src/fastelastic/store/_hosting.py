@@ -8,7 +8,7 @@ import os
 import resource
 import socket
 import threading
-from typing import Optional
+from typing import Any, Optional
 
 from fastelastic._native.kvserver import KVServer
 from fastelastic.errors import StoreError
@@ -48,7 +48,7 @@ def listen_socket(host: str, port: int) -> socket.socket:
     The backlog is ``somaxconn``, so a storm of connecting clients is queued, not refused.
     """
     wildcard = host in ("", "*", "0.0.0.0", "::")
-    candidates: list[tuple[int, tuple]] = []
+    candidates: list[tuple[Any, Any]] = []
     if wildcard:
         if host != "0.0.0.0" and socket.has_ipv6:
             candidates.append((socket.AF_INET6, ("::", port)))
@@ -91,7 +91,7 @@ class ServerHandle:
         self.port: int = sock.getsockname()[1]
         self.server = KVServer([sock.fileno()], **limits)
         self._refs = 1
-        self._thread = threading.Thread(
+        self._thread: Optional[threading.Thread] = threading.Thread(
             target=self._serve, name=f"fastelastic-store:{self.port}", daemon=True
         )
         self._thread.start()
