@@ -8,7 +8,6 @@ import signal
 import socket
 import subprocess
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -137,7 +136,7 @@ def make_tls(tmp: Path) -> tuple[str, str, str, str, str]:
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
 
     def name(cn: str) -> x509.Name:
         return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])

@@ -6,7 +6,10 @@ import pytest
 
 from fastelastic import errors
 from fastelastic import rendezvous as rdzv
-from fastelastic.rendezvous.utils import _parse_rendezvous_config, parse_rendezvous_endpoint
+from fastelastic.rendezvous.utils import (
+    _parse_rendezvous_config,
+    parse_rendezvous_endpoint,
+)
 
 
 class _DictStore:

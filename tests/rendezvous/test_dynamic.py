@@ -13,7 +13,10 @@ from fastelastic.errors import (
     RendezvousTimeoutError,
 )
 from fastelastic.rendezvous import RendezvousParameters
-from fastelastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend, create_backend
+from fastelastic.rendezvous.c10d_rendezvous_backend import (
+    C10dRendezvousBackend,
+    create_backend,
+)
 from fastelastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousTimeout,

@@ -7,7 +7,6 @@ import time
 from datetime import timedelta
 
 import pytest
-
 from etcd_cluster import ETCD, Cluster, make_tls
 
 from fastelastic.errors import RendezvousClosedError
@@ -55,6 +54,7 @@ def test_etcd_rendezvous_forms_and_hands_out_tcpstore(etcd, nodes):
     infos[0].store.set("hello", b"world")
     assert infos[1].store.get("hello") == b"world"
     assert handlers[0].get_backend() == "etcd" and handlers[0].num_nodes_waiting() == 0
+    assert handlers[0].store._lease_id is not None  # liveness lease taken while joining
     handlers[0].set_closed()
     assert handlers[2].is_closed()
     with pytest.raises(RendezvousClosedError):
@@ -79,17 +79,20 @@ def test_etcd_dead_node_noticed_by_lease(etcd, nodes):
     assert a.store.get("fe.rdzv.job/0/res").startswith(b"D")
     get_rendezvous_handler(_params(etcd.endpoints, 2, 3)).set_closed()
     nodes.join(30)
+    a.shutdown()
 
 
 def test_etcd_https_with_client_certificates(tmp_path, nodes):
     ca, s_cert, s_key, c_cert, c_key = make_tls(tmp_path)
     cluster = Cluster(tmp_path, 1, tls=(ca, s_cert, s_key)).start()
     try:
-        conf = dict(protocol="https", ca_cert=ca, ssl_cert=c_cert, ssl_cert_key=c_key)
-        _form(nodes, [_params(cluster.endpoints, 2, 2, **conf) for _ in range(2)])
+        conf = {"protocol": "https", "ca_cert": ca, "ssl_cert": c_cert, "ssl_cert_key": c_key}
+        handlers = _form(nodes, [_params(cluster.endpoints, 2, 2, **conf) for _ in range(2)])
         nodes.join(30)
         assert not nodes.errors, nodes.errors
         assert sorted(nodes.results[i].rank for i in range(2)) == [0, 1]
+        for h in handlers:
+            assert h.shutdown()
         # Without the CA the server certificate is rejected: a clear connection error.
         from fastelastic.errors import RendezvousConnectionError, StoreError
 

@@ -39,7 +39,10 @@ def _free_port() -> int:
 
 
 def test_handler_generator_returns_torch_typed_handler():
-    from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+    from torch.distributed.elastic.rendezvous import (
+        RendezvousHandler,
+        RendezvousParameters,
+    )
 
     from fastelastic.rendezvous.torch_plugin import handler_generator
 

@@ -8,7 +8,11 @@ from base64 import b64decode, b64encode
 from datetime import timedelta
 from typing import Any
 
-from fastelastic.errors import RendezvousConnectionError, RendezvousStateError, StoreTimeoutError
+from fastelastic.errors import (
+    RendezvousConnectionError,
+    RendezvousStateError,
+    StoreTimeoutError,
+)
 
 from .api import RendezvousParameters
 from .dynamic_rendezvous import RendezvousBackend, Token

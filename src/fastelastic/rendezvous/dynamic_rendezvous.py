@@ -19,7 +19,7 @@ import time
 import weakref
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from enum import Enum
 from typing import Any
 
@@ -31,14 +31,19 @@ from fastelastic.errors import (
     RendezvousTimeoutError,
 )
 
-from .api import RendezvousHandler, RendezvousInfo, RendezvousParameters, RendezvousStoreInfo
+from .api import (
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+)
 from .timeouts import RendezvousTimeout, timeout_from_params
 
 __all__ = [
-    "RendezvousBackend",
-    "RendezvousTimeout",
-    "RendezvousSettings",
     "DynamicRendezvousHandler",
+    "RendezvousBackend",
+    "RendezvousSettings",
+    "RendezvousTimeout",
     "create_handler",
 ]
 
@@ -148,7 +153,7 @@ class _RendezvousState:
 def _now() -> datetime:
     # Heartbeats and the last-call deadline live in state shared between machines, so they
     # must be wall-clock (as torch's); local deadlines use time.monotonic().
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 class _StateHolder:
@@ -165,7 +170,7 @@ class _StateHolder:
             return
         try:
             state = pickle.loads(raw[0])
-        except Exception as e:  # noqa: BLE001 - any decode failure means corrupt state
+        except Exception as e:
             raise RendezvousStateError("The rendezvous state is corrupt.") from e
         if not isinstance(state, _RendezvousState):
             raise RendezvousStateError("The rendezvous state is corrupt.")

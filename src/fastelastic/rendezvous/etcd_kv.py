@@ -13,6 +13,7 @@ appends ``v`` to it. Several endpoints may be given; requests fail over between 
 from __future__ import annotations
 
 import base64
+import builtins
 import logging
 import queue
 import random
@@ -71,6 +72,7 @@ class EtcdKV:
         self._ttl = max(2, int(lease_ttl))
         self._lease_id: int | None = None
         self._lease_stop = threading.Event()
+        self._lease_thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ plumbing
@@ -163,6 +165,7 @@ class EtcdKV:
         exp = expected.encode() if isinstance(expected, str) else bytes(expected)
         des = desired.encode() if isinstance(desired, str) else bytes(desired)
         k = _b64(self._k(key))
+        guard: dict[str, Any]
         if exp:
             guard = {"key": k, "target": "VALUE", "value": _b64(exp)}
         else:
@@ -206,10 +209,10 @@ class EtcdKV:
         for f in full[1:]:
             while not f.startswith(common):
                 common = common[:-1]
-        events: queue.Queue[dict] = queue.Queue()
+        events: queue.Queue[Any] = queue.Queue()
 
         def watch(from_rev: int) -> Any:
-            return Watcher(self._clients[self._cur], common, events.put,
+            return Watcher(self._clients[self._cur], common, lambda ev: events.put(ev),
                            start_revision=from_rev + 1, prev_kv=True,
                            range_end=_unb64(_prefix_end(common)).decode())
 
@@ -232,14 +235,14 @@ class EtcdKV:
         finally:
             watcher.stop()
 
-    def _missing(self, keys: list[str]) -> tuple[set[str], int]:
+    def _missing(self, keys: list[str]) -> tuple[builtins.set[str], int]:
         resp = self._txn([], [{"request_range": {"key": _b64(self._k(k)), "count_only": True}}
                               for k in keys])
         missing = {k for k, r in zip(keys, resp["responses"])
                    if not int(r["response_range"].get("count", 0))}
         return missing, int(resp["header"]["revision"])
 
-    def _on_event(self, ev: dict, missing: set[str]) -> None:
+    def _on_event(self, ev: dict, missing: builtins.set[str]) -> None:
         key = ev["kv"]["key"]
         key = key.decode() if isinstance(key, bytes) else str(key)
         short = key[len(self._prefix):]
@@ -275,21 +278,33 @@ class EtcdKV:
             if self._lease_id is None:
                 resp = self._post("/lease/grant", {"TTL": self._ttl, "ID": 0})
                 self._lease_id = int(resp["ID"])
-                if not getattr(self, "_lease_thread", None):
+                if self._lease_thread is None:
                     self._lease_thread = threading.Thread(
                         target=self._keep_lease, name="fe-etcd-lease", daemon=True)
                     self._lease_thread.start()
             return self._lease_id
 
     def _keep_lease(self) -> None:
+        """Refreshes the lease every TTL/3; once it could not for a whole TTL the lease is
+        gone (etcd expired it), so the thread ends and the next hook takes a new lease."""
         interval = self._ttl / 3.0
+        last_ok = time.monotonic()
         while not self._lease_stop.wait(interval):
-            if self._lease_id is None:
-                continue
+            lease = self._lease_id
+            if lease is None:
+                break
             try:
-                self._post("/lease/keepalive", {"ID": self._lease_id})
-            except StoreError:
-                log.warning("etcd lease keep-alive failed", exc_info=True)
+                self._post("/lease/keepalive", {"ID": lease})
+                last_ok = time.monotonic()
+            except StoreError as e:
+                if time.monotonic() - last_ok > self._ttl:
+                    log.warning("etcd lease %d lost: %s", lease, e)
+                    with self._lock:
+                        if self._lease_id == lease:
+                            self._lease_id = None
+                    break
+        with self._lock:
+            self._lease_thread = None
 
     def close(self) -> None:
         """Stops the keep-alive and revokes the lease (markers vanish: peers see us leave)."""

@@ -116,12 +116,12 @@ class EtcdRendezvousBackend(RendezvousBackend):
         if timeout <= 0:
             return
         start = int(token) + 1 if token is not None else 1
-        events: queue.Queue[dict] = queue.Queue()
+        events: queue.Queue[Any] = queue.Queue()
         raw = self._key
         try:
-            watcher = Watcher(self._client, raw, events.put, start_revision=start,
+            watcher = Watcher(self._client, raw, lambda ev: events.put(ev), start_revision=start,
                               range_end=base64.b64decode(_prefix_end(raw)).decode())
-        except Exception as e:  # noqa: BLE001 - requests/etcd3gw errors on connect
+        except Exception as e:
             raise RendezvousConnectionError(f"etcd watch failed: {e}") from e
         try:
             events.get(timeout=timeout)

@@ -45,11 +45,16 @@ from fastelastic.errors import (
     StoreTimeoutError,
 )
 
-from .api import RendezvousHandler, RendezvousInfo, RendezvousParameters, RendezvousStoreInfo
+from .api import (
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+)
 from .timeouts import RendezvousTimeout, timeout_from_params
 from .utils import _matches_machine_hostname, parse_rendezvous_endpoint
 
-__all__ = ["FastRendezvousHandler", "create_fast_handler", "assign_ranks"]
+__all__ = ["FastRendezvousHandler", "assign_ranks", "create_fast_handler"]
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +164,7 @@ class FastRendezvousHandler(RendezvousHandler):
         self._node_rank = node_rank
         self._ka_interval = float(keep_alive_interval)
         self._ka_max = keep_alive_max_attempt
-        self._bootstrap_addr = bootstrap_addr or getattr(store, "host", "localhost")
+        self._bootstrap_addr = str(bootstrap_addr or getattr(store, "host", "localhost"))
         self._hooks = bool(getattr(store, "supports_extensions", False))
         self._key = f"fe.rdzv.{run_id}/"
         self._member: tuple[int, int, int] | None = None  # (round, rank, world)

@@ -6,7 +6,12 @@ import logging
 from datetime import timedelta
 from typing import Any
 
-from .api import RendezvousHandler, RendezvousInfo, RendezvousParameters, RendezvousStoreInfo
+from .api import (
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+)
 from .utils import parse_rendezvous_endpoint
 
 __all__ = ["StaticTCPRendezvous", "create_rdzv_handler"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import ClassVar
 
 from .api import RendezvousParameters
 
@@ -27,7 +28,7 @@ class RendezvousTimeout:
     """
 
     _ZERO = timedelta(0)
-    _DEFAULT_TIMEOUTS = {
+    _DEFAULT_TIMEOUTS: ClassVar[dict[str, timedelta]] = {
         "join": timedelta(seconds=600),
         "last_call": timedelta(seconds=30),
         "close": timedelta(seconds=30),

@@ -9,7 +9,8 @@ torch ``TCPStore`` client connected to fastelastic's store server (same wire pro
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["handler_generator"]
 
