@@ -82,7 +82,6 @@ CASES = {
     ),
     "pet-env": ([str(DUMP)], {"PET_NPROC_PER_NODE": "2", "PET_STANDALONE": "1",
                               "PET_MAX_RESTARTS": "1", "PET_ROLE": "envrole"}, False),
-    "nproc-cpu": (["--standalone", "--nproc-per-node", "cpu", str(DUMP)], {}, False),
 }
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from run_testlib import DUMP, base_env, free_port, launcher_cmd, read_dumps, run_launcher
+from run_testlib import DUMP, REPO, base_env, free_port, launcher_cmd, read_dumps, run_launcher
 
 
 def _two_nodes(which: str, tmp_path: Path, extra: list[str], env_extra: dict[str, str],
@@ -238,3 +238,40 @@ def test_sigterm_stops_the_job(tmp_path):
     for d in read_dumps(tmp_path).values():  # the workers are gone (or zombies awaiting reaping)
         stat = Path(f"/proc/{d['pid']}/stat")
         assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+@pytest.mark.timeout(60)
+def test_two_standalone_jobs_on_one_host_do_not_collide(tmp_path):
+    procs = []
+    for i in range(2):
+        d = tmp_path / f"job{i}"
+        d.mkdir()
+        procs.append(subprocess.Popen(
+            [*launcher_cmd("fastrun"), "--standalone", "--nproc-per-node", "2", str(DUMP)],
+            env=base_env(DUMP_DIR=str(d)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True,
+        ))
+    results = _finish(procs)
+    assert all(rc == 0 for rc, _ in results), results
+    ports = [{d["env"]["MASTER_PORT"] for d in read_dumps(tmp_path / f"job{i}").values()}
+             for i in range(2)]
+    assert all(len(p) == 1 for p in ports) and ports[0] != ports[1]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.torch
+def test_ddp_example_checkpoints_and_resumes_after_restart(tmp_path, need_torch):
+    out = tmp_path / "summary.json"
+    r = run_launcher(
+        "fastrun",
+        ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+         str(REPO / "examples" / "ddp_train.py"), "--steps", "20", "--ckpt-every", "5",
+         "--fail-at", "12", "--ckpt-dir", str(tmp_path / "ckpt"), "--out", str(out)],
+        base_env(), timeout=140,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    assert summary["world_size"] == 2 and summary["restart_count"] == 1
+    assert summary["resumed_from_step"] == 10  # last checkpoint before the injected failure
+    assert summary["steps"] == 20 and summary["final_loss"] < 1.0
+    assert "injected failure at step 12 on rank 1" in r.stderr
