@@ -94,5 +94,7 @@ def test_exit_to_wait_return(benchmark, impl, nproc, tmp_path):
     _RESULTS[(nproc, impl)] = stats
     if (nproc, "fastelastic") in _RESULTS and (nproc, "torch") in _RESULTS:
         ours, theirs = _RESULTS[(nproc, "fastelastic")], _RESULTS[(nproc, "torch")]
-        benchmark.extra_info["torch_over_fastelastic_p50"] = round(theirs["p50_ms"] / ours["p50_ms"], 1)
+        benchmark.extra_info["torch_over_fastelastic_p50"] = round(
+            theirs["p50_ms"] / ours["p50_ms"], 1
+        )
     print(f"\n[exit -> wait returns] {impl} nproc={nproc}: {stats}")

@@ -25,8 +25,12 @@ def main(log_dir: str, mode: str) -> None:
 
     def start():
         start_processes(
-            "orphan", entry, args, {r: {} for r in range(nprocs)},
-            DefaultLogsSpecs(log_dir=log_dir, tee=Std.OUT), start_method=method,
+            "orphan",
+            entry,
+            args,
+            {r: {} for r in range(nprocs)},
+            DefaultLogsSpecs(log_dir=log_dir, tee=Std.OUT),
+            start_method=method,
         )
 
     if mode == "fork-thread":  # not the main thread: no parent-death signal, only the guardian

@@ -14,7 +14,9 @@ from fastelastic.multiprocessing.errors import ErrorHandler, ProcessFailure, rec
 
 
 def _torch_mp():
-    pytest.importorskip("torch", reason="!!! torch 2.13 is not installed: compatibility test skipped")
+    pytest.importorskip(
+        "torch", reason="!!! torch 2.13 is not installed: compatibility test skipped"
+    )
     import torch.distributed.elastic.multiprocessing as tmp
     import torch.distributed.elastic.multiprocessing.errors as terr
 
@@ -82,9 +84,13 @@ def test_reify_layout_matches_torch(tmp_path, redirects, tee, filt):
     ours_dir, theirs_dir = tmp_path / "ours", tmp_path / "theirs"
     ours = DefaultLogsSpecs(str(ours_dir), redirects, tee, filt).reify(ours_env)
     theirs = tmp.DefaultLogsSpecs(
-        str(theirs_dir), {k: tmp.Std(int(v)) for k, v in redirects.items()}
-        if isinstance(redirects, dict) else tmp.Std(int(redirects)),
-        {k: tmp.Std(int(v)) for k, v in tee.items()} if isinstance(tee, dict) else tmp.Std(int(tee)),
+        str(theirs_dir),
+        {k: tmp.Std(int(v)) for k, v in redirects.items()}
+        if isinstance(redirects, dict)
+        else tmp.Std(int(redirects)),
+        {k: tmp.Std(int(v)) for k, v in tee.items()}
+        if isinstance(tee, dict)
+        else tmp.Std(int(tee)),
         filt,
     ).reify(theirs_env)
     # the run directory has a random suffix: compare paths relative to each one
@@ -142,7 +148,9 @@ def test_torch_record_is_read_by_us(tmp_path, monkeypatch):
     ours = ProcessFailure(local_rank=3, pid=42, exitcode=1, error_file=str(error_file))
     theirs = terr.ProcessFailure(local_rank=3, pid=42, exitcode=1, error_file=str(error_file))
     assert (ours.message, ours.timestamp, ours.error_file) == (
-        theirs.message, theirs.timestamp, theirs.error_file
+        theirs.message,
+        theirs.timestamp,
+        theirs.error_file,
     )
 
 
@@ -189,7 +197,11 @@ def test_record_semantics(tmp_path, monkeypatch):
     assert not (tmp_path / "mine.json").exists()
 
     child = tmp_path / "child.json"
-    child.write_text(json.dumps({"message": {"message": "E", "extraInfo": {"py_callstack": "tb", "timestamp": "5"}}}))
+    child.write_text(
+        json.dumps(
+            {"message": {"message": "E", "extraInfo": {"py_callstack": "tb", "timestamp": "5"}}}
+        )
+    )
 
     @record
     def agent():
@@ -198,7 +210,10 @@ def test_record_semantics(tmp_path, monkeypatch):
     with pytest.raises(ChildFailedError):
         agent()
     copied = json.loads((tmp_path / "mine.json").read_text())
-    assert copied["message"]["errorCode"] == 3 and copied["message"]["extraInfo"]["py_callstack"] == "tb"
+    assert (
+        copied["message"]["errorCode"] == 3
+        and copied["message"]["extraInfo"]["py_callstack"] == "tb"
+    )
 
 
 def test_process_failure_fallbacks(tmp_path):

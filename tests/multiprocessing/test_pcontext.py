@@ -43,8 +43,12 @@ def _fifo_gate(tmp_path, name="gate"):
 @pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
 def test_callable_return_values_by_local_rank(method, logs_dir):
     pc = start_processes(
-        "trainer", mpworkers.double, {0: (1,), 1: (5,)}, _envs(2, FOO="bar"),
-        DefaultLogsSpecs(log_dir=logs_dir, redirects=Std.ALL), start_method=method,
+        "trainer",
+        mpworkers.double,
+        {0: (1,), 1: (5,)},
+        _envs(2, FOO="bar"),
+        DefaultLogsSpecs(log_dir=logs_dir, redirects=Std.ALL),
+        start_method=method,
     )
     assert isinstance(pc, MultiprocessContext) and set(pc.pids()) == {0, 1}
     result = pc.wait(30)
@@ -61,8 +65,12 @@ def test_callable_return_values_by_local_rank(method, logs_dir):
 
 def test_callable_failure_is_recorded_and_formatted(logs_dir):
     pc = start_processes(
-        "trainer", mpworkers.fail, {0: ("r0",)}, _envs(1),
-        DefaultLogsSpecs(log_dir=logs_dir, redirects=Std.ALL), start_method="fork",
+        "trainer",
+        mpworkers.fail,
+        {0: ("r0",)},
+        _envs(1),
+        DefaultLogsSpecs(log_dir=logs_dir, redirects=Std.ALL),
+        start_method="fork",
     )
     result = pc.wait(30)
     assert result is not None and result.is_failed()
@@ -83,8 +91,12 @@ def test_fork_worker_gets_own_group_and_default_signal_handlers():
     r, w = os.pipe()
     try:
         pc = start_processes(
-            "g", mpworkers.report_pgid, {0: (w,)}, _envs(1),
-            DefaultLogsSpecs(log_dir=os.devnull), start_method="fork",
+            "g",
+            mpworkers.report_pgid,
+            {0: (w,)},
+            _envs(1),
+            DefaultLogsSpecs(log_dir=os.devnull),
+            start_method="fork",
         )
         pid, pgid, handler = read_line(r, 10).split()
         assert int(pid) == int(pgid) == pc.pids()[0]
@@ -97,14 +109,22 @@ def test_fork_worker_gets_own_group_and_default_signal_handlers():
 
 def test_sys_exit_code_and_signal_death():
     pc = start_processes(
-        "x", mpworkers.exit_code, {0: (0,), 1: (3,)}, _envs(2),
-        DefaultLogsSpecs(log_dir=os.devnull), start_method="fork",
+        "x",
+        mpworkers.exit_code,
+        {0: (0,), 1: (3,)},
+        _envs(2),
+        DefaultLogsSpecs(log_dir=os.devnull),
+        start_method="fork",
     )
     result = pc.wait(30)
     assert set(result.failures) == {1} and result.failures[1].exitcode == 3
     pc = start_processes(
-        "x", mpworkers.kill_self, {0: (signal.SIGSEGV,)}, _envs(1),
-        DefaultLogsSpecs(log_dir=os.devnull), start_method="fork",
+        "x",
+        mpworkers.kill_self,
+        {0: (signal.SIGSEGV,)},
+        _envs(1),
+        DefaultLogsSpecs(log_dir=os.devnull),
+        start_method="fork",
     )
     failure = pc.wait(30).failures[0]
     assert failure.exitcode == -signal.SIGSEGV and failure.signal_name() == "SIGSEGV"
@@ -116,7 +136,10 @@ def test_sys_exit_code_and_signal_death():
 
 def test_binary_success_and_args_stringified(logs_dir):
     pc = start_processes(
-        "echo", "/bin/echo", {0: (1, [2, 3]), 1: ("a",)}, _envs(2),
+        "echo",
+        "/bin/echo",
+        {0: (1, [2, 3]), 1: ("a",)},
+        _envs(2),
         DefaultLogsSpecs(log_dir=logs_dir, redirects=Std.OUT),
     )
     assert isinstance(pc, SubprocessContext)
@@ -133,7 +156,10 @@ def test_binary_traceback_without_record_reaches_the_user(capfd, logs_dir, tmp_p
     script = tmp_path / "plain.py"
     script.write_text("print('to stdout')\ndef f():\n    raise KeyError('no-record-here')\nf()\n")
     pc = start_processes(
-        "plain", PY, {0: (script,), 1: ("-c", "import time; time.sleep(60)")}, _envs(2),
+        "plain",
+        PY,
+        {0: (script,), 1: ("-c", "import time; time.sleep(60)")},
+        _envs(2),
         DefaultLogsSpecs(log_dir=logs_dir),
     )
     result = pc.wait(30)
@@ -155,7 +181,16 @@ def test_binary_traceback_without_record_reaches_the_user(capfd, logs_dir, tmp_p
 
 def test_binary_killed_by_signal():
     pc = start_processes(
-        "k", "/bin/sh", {0: ("-c", "kill -KILL $$",)}, _envs(1), DefaultLogsSpecs(log_dir=os.devnull)
+        "k",
+        "/bin/sh",
+        {
+            0: (
+                "-c",
+                "kill -KILL $$",
+            )
+        },
+        _envs(1),
+        DefaultLogsSpecs(log_dir=os.devnull),
     )
     failure = pc.wait(30).failures[0]
     assert failure.exitcode == -9 and "Signal 9 (SIGKILL)" in failure.message
@@ -181,8 +216,11 @@ def test_wait_returns_the_moment_a_worker_fails(tmp_path):
     path, gate = _fifo_gate(tmp_path)
     try:
         pc = start_processes(
-            "w", "/bin/sh", {0: ("-c", f"read x < {path}; exit 7"), 1: ("-c", "sleep 60")},
-            _envs(2), DefaultLogsSpecs(log_dir=os.devnull),
+            "w",
+            "/bin/sh",
+            {0: ("-c", f"read x < {path}; exit 7"), 1: ("-c", "sleep 60")},
+            _envs(2),
+            DefaultLogsSpecs(log_dir=os.devnull),
         )
         assert pc.wait(0) is None
         assert pc.wait(0.05, period=5) is None  # period is not a sleep
@@ -199,8 +237,12 @@ def test_wait_any_wakeup_and_fileno():
     r, w = os.pipe()
     try:
         pc = start_processes(
-            "a", mpworkers.block_on_fd, {0: (r,), 1: (r,)}, _envs(2),
-            DefaultLogsSpecs(log_dir=os.devnull), start_method="fork",
+            "a",
+            mpworkers.block_on_fd,
+            {0: (r,), 1: (r,)},
+            _envs(2),
+            DefaultLogsSpecs(log_dir=os.devnull),
+            start_method="fork",
         )
         assert pc.wait_any(0) is False
         woke = threading.Event()
@@ -237,8 +279,12 @@ def test_close_kills_grandchildren(ignore_term):
     r, w = os.pipe()
     try:
         pc = start_processes(
-            "gc", mpworkers.spawn_grandchild, {0: (w, ignore_term)}, _envs(1),
-            DefaultLogsSpecs(log_dir=os.devnull), start_method="fork",
+            "gc",
+            mpworkers.spawn_grandchild,
+            {0: (w, ignore_term)},
+            _envs(1),
+            DefaultLogsSpecs(log_dir=os.devnull),
+            start_method="fork",
         )
         worker, grandchild = (int(x) for x in read_line(r, 10).split())
         assert worker == pc.pids()[0] and is_alive(grandchild)
@@ -270,7 +316,9 @@ def test_close_escalates_to_sigkill(tmp_path):
 
 
 def test_worker_states_reports_stopped_worker_and_close_still_ends_it():
-    pc = start_processes("st", "/bin/sleep", {0: ("60",)}, _envs(1), DefaultLogsSpecs(log_dir=os.devnull))
+    pc = start_processes(
+        "st", "/bin/sleep", {0: ("60",)}, _envs(1), DefaultLogsSpecs(log_dir=os.devnull)
+    )
     pid = pc.pids()[0]
     os.kill(pid, signal.SIGSTOP)
     deadline = time.monotonic() + 5
@@ -291,9 +339,13 @@ def test_worker_in_uninterruptible_sleep_is_reported(tmp_path):
     if cc is None:
         pytest.skip("!!! no C compiler: cannot build the D-state worker")
     src = tmp_path / "dstate.c"
-    src.write_text("#include <unistd.h>\nint main(void){if(vfork()==0){pause();_exit(0);}return 0;}\n")
+    src.write_text(
+        "#include <unistd.h>\nint main(void){if(vfork()==0){pause();_exit(0);}return 0;}\n"
+    )
     subprocess.run([cc, "-o", str(tmp_path / "dstate"), str(src)], check=True)
-    pc = start_processes("d", str(tmp_path / "dstate"), {0: ()}, _envs(1), DefaultLogsSpecs(log_dir=os.devnull))
+    pc = start_processes(
+        "d", str(tmp_path / "dstate"), {0: ()}, _envs(1), DefaultLogsSpecs(log_dir=os.devnull)
+    )
     deadline = time.monotonic() + 5
     states = pc.worker_states()
     while states.get(0) != "disk-sleep" and time.monotonic() < deadline:
@@ -306,16 +358,27 @@ def test_worker_in_uninterruptible_sleep_is_reported(tmp_path):
 
 def test_validation_errors():
     with pytest.raises(RuntimeError, match="envs"):
-        start_processes("v", "/bin/true", {0: (), 1: ()}, {0: {}}, DefaultLogsSpecs(log_dir=os.devnull))
+        start_processes(
+            "v", "/bin/true", {0: (), 1: ()}, {0: {}}, DefaultLogsSpecs(log_dir=os.devnull)
+        )
     with pytest.raises(ValueError, match="start_method"):
-        start_processes("v", mpworkers.double, {0: (1,)}, {0: {}}, DefaultLogsSpecs(log_dir=os.devnull),
-                        start_method="thread")
+        start_processes(
+            "v",
+            mpworkers.double,
+            {0: (1,)},
+            {0: {}},
+            DefaultLogsSpecs(log_dir=os.devnull),
+            start_method="thread",
+        )
 
 
 def test_no_fd_leaks_across_runs(logs_dir):
     def run():
         pc = start_processes(
-            "f", "/bin/sh", {0: ("-c", "echo x; echo y >&2"), 1: ("-c", "exit 2")}, _envs(2),
+            "f",
+            "/bin/sh",
+            {0: ("-c", "echo x; echo y >&2"), 1: ("-c", "exit 2")},
+            _envs(2),
             DefaultLogsSpecs(log_dir=logs_dir, tee=Std.ALL),
             duplicate_stdout_filters=["x"],
         )
@@ -334,7 +397,10 @@ def test_no_fd_leaks_across_runs(logs_dir):
 def test_redirect_tee_prefix_and_filters(capfd, logs_dir):
     script = "echo keep-1; echo drop-2; echo err-3 >&2; printf tail-no-newline"
     pc = start_processes(
-        "tee", "/bin/sh", {0: ("-c", script), 1: ("-c", script)}, _envs(2),
+        "tee",
+        "/bin/sh",
+        {0: ("-c", script), 1: ("-c", script)},
+        _envs(2),
         DefaultLogsSpecs(log_dir=logs_dir, redirects={1: Std.ALL}, tee={0: Std.ALL}),
         log_line_prefixes={0: "[pfx0]:"},
         duplicate_stdout_filters=["keep"],
@@ -357,7 +423,10 @@ def test_redirect_tee_prefix_and_filters(capfd, logs_dir):
 
 def test_default_tee_header_and_local_ranks_filter(capfd, logs_dir):
     pc = start_processes(
-        "hdr", "/bin/sh", {0: ("-c", "echo a"), 1: ("-c", "echo b; echo c >&2")}, _envs(2),
+        "hdr",
+        "/bin/sh",
+        {0: ("-c", "echo a"), 1: ("-c", "echo b; echo c >&2")},
+        _envs(2),
         DefaultLogsSpecs(log_dir=logs_dir, tee=Std.ALL, local_ranks_filter={0}),
     )
     assert not pc.wait(30).is_failed()
@@ -378,7 +447,9 @@ def test_wait_after_close_reports_the_stopped_workers():
 
 
 def test_close_from_another_thread_ends_a_blocked_wait():
-    pc = start_processes("t", "/bin/sleep", {0: ("60",)}, _envs(1), DefaultLogsSpecs(log_dir=os.devnull))
+    pc = start_processes(
+        "t", "/bin/sleep", {0: ("60",)}, _envs(1), DefaultLogsSpecs(log_dir=os.devnull)
+    )
     out: list = []
     started = threading.Event()
 

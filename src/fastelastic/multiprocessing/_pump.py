@@ -201,6 +201,16 @@ class OutputPump:
             thread.join(5)
 
 
+class _ContainsAny:
+    """Line filter of the duplicated logs: the line contains any of the words."""
+
+    def __init__(self, words: list[str]) -> None:
+        self._words = list(words)
+
+    def __call__(self, line: str) -> bool:
+        return any(word in line for word in self._words)
+
+
 class StdioRouter:
     """Decides each worker's stdout/stderr from the log destinations and wires the pipes.
 
@@ -236,7 +246,9 @@ class StdioRouter:
         out_fd: int | None = None
         out_path = self._dest.stdouts[rank]
         if out_path and rank in self._dest.tee_stdouts:
-            out_fd = self._pipe(rank, out_path, sys.stdout, self._header(rank), self._filtered_out, False)
+            out_fd = self._pipe(
+                rank, out_path, sys.stdout, self._header(rank), self._filtered_out, False
+            )
         elif out_path:
             out_fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         err_path = self._dest.stderrs[rank]
@@ -245,8 +257,12 @@ class StdioRouter:
             err_fd = self._pipe(rank, self._capture_path(rank), sys.stderr, "", (None, None), True)
         else:
             err_fd = self._pipe(
-                rank, err_path, sys.stderr if tee else None, self._header(rank) if tee else "",
-                self._filtered_err if tee else (None, None), True,
+                rank,
+                err_path,
+                sys.stderr if tee else None,
+                self._header(rank) if tee else "",
+                self._filtered_err if tee else (None, None),
+                True,
             )
         return out_fd, err_fd
 
@@ -257,16 +273,20 @@ class StdioRouter:
         return None
 
     def _pipe(
-        self, rank: int, path: str | None, console: TextIO | None, header: str,
-        filtered: tuple[TextIO | None, list[str] | None], keep_tail: bool,
+        self,
+        rank: int,
+        path: str | None,
+        console: TextIO | None,
+        header: str,
+        filtered: tuple[TextIO | None, list[str] | None],
+        keep_tail: bool,
     ) -> int:
         r, w = os.pipe()
         file = open(path, "wb") if path and path != os.devnull else None  # noqa: SIM115
         out, needles = filtered
         line_filter: Callable[[str], bool] | None = None
         if out is not None and needles:
-            words = list(needles)
-            line_filter = lambda line: any(word in line for word in words)
+            line_filter = _ContainsAny(needles)
         else:
             out = None
         sink = StreamSink(rank, file, console, header, out, line_filter, keep_tail)

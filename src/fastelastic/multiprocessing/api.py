@@ -30,13 +30,19 @@ from fastelastic.multiprocessing._guardian import guardian
 from fastelastic.multiprocessing._pump import OutputPump, StdioRouter
 from fastelastic.multiprocessing._worker import FdArg, worker_main
 from fastelastic.multiprocessing.errors import ProcessFailure
-from fastelastic.multiprocessing.logs import LogsSpecs
+from fastelastic.multiprocessing.logs import DefaultLogsSpecs, LogsDest, LogsSpecs, Std, to_map
 from fastelastic.multiprocessing.subprocess_handler import (
     SubprocessHandler,
     get_subprocess_handler,
 )
 
-__all__ = [
+__all__ = [  # torch's api module also exports the log specs and ProcessFailure; so do we
+    "DefaultLogsSpecs",
+    "LogsDest",
+    "LogsSpecs",
+    "ProcessFailure",
+    "Std",
+    "to_map",
     "MultiprocessContext",
     "PContext",
     "RunProcsResult",
@@ -59,6 +65,8 @@ def _kill_grace() -> float:
     except ValueError:
         return _KILL_GRACE_S
     return value if value > 0 else _KILL_GRACE_S
+
+
 # How long a failure report waits for the failed worker's stderr to reach EOF.
 _DRAIN_S = 2.0
 
@@ -71,8 +79,7 @@ def _terminate_process_handler(signum: int, frame: FrameType | None) -> None:
 def _validate_full_rank(d: dict[int, Any], nprocs: int, what: str) -> None:
     if set(d) != set(range(nprocs)):
         raise RuntimeError(
-            f"{what}, local rank mapping mismatch, expected: {set(range(nprocs))}, "
-            f"actual: {set(d)}"
+            f"{what}, local rank mapping mismatch, expected: {set(range(nprocs))}, actual: {set(d)}"
         )
 
 
@@ -140,7 +147,10 @@ class PContext(abc.ABC):
             self.filtered_stderr = open(dest.filtered_stderr, "w", errors="replace", buffering=1)  # noqa: SIM115
         self._pump = OutputPump(name)
         self._router = StdioRouter(
-            self._pump, dest, log_line_prefixes or {}, name,
+            self._pump,
+            dest,
+            log_line_prefixes or {},
+            name,
             (self.filtered_stdout, duplicate_stdout_filters),
             (self.filtered_stderr, duplicate_stderr_filters),
         )
@@ -289,7 +299,10 @@ class PContext(abc.ABC):
             first = failures[failed[0]]
             logger.error(
                 "failed (exitcode: %s) local_rank: %s (pid: %s) of %s",
-                first.exitcode, first.local_rank, first.pid, self._entrypoint_name(),
+                first.exitcode,
+                first.local_rank,
+                first.pid,
+                self._entrypoint_name(),
             )
             return RunProcsResult(failures=failures, stdouts=self.stdouts, stderrs=self.stderrs)
         if done:
@@ -382,13 +395,16 @@ class PContext(abc.ABC):
         self._collect(0)
         alive = {r for r in self._pids if r not in self._exitcodes}
         for rank in sorted(alive):
-            logger.info("Sending process %s closing signal %s", self._pids[rank], signal.Signals(sig).name)
+            logger.info(
+                "Sending process %s closing signal %s", self._pids[rank], signal.Signals(sig).name
+            )
             self._signal_group(rank, sig)
         alive = self._wait_ranks(alive, time.monotonic() + max(timeout, 0))
         for rank in sorted(alive):
             logger.warning(
                 "Unable to shutdown process %s via %s, forcefully exiting via SIGKILL",
-                self._pids[rank], signal.Signals(sig).name,
+                self._pids[rank],
+                signal.Signals(sig).name,
             )
         # SIGKILL every group: the stragglers, and grandchildren left behind by exited workers
         for rank in self._pids:
@@ -403,7 +419,10 @@ class PContext(abc.ABC):
                 logger.error(
                     "Process %s (local_rank %s) did not exit after SIGKILL within %ss (state: %s);"
                     " abandoning it. It may be in uninterruptible kernel sleep.",
-                    self._pids[rank], rank, grace, state,
+                    self._pids[rank],
+                    rank,
+                    grace,
+                    state,
                 )
         self._reap()
 
@@ -444,10 +463,18 @@ class MultiprocessContext(PContext):
         duplicate_stderr_filters: list[str] | None = None,
     ) -> None:
         if start_method not in ("spawn", "fork", "forkserver"):
-            raise ValueError(f"start_method must be spawn, fork or forkserver, got {start_method!r}")
+            raise ValueError(
+                f"start_method must be spawn, fork or forkserver, got {start_method!r}"
+            )
         super().__init__(
-            name, entrypoint, args, envs, logs_specs, log_line_prefixes,
-            duplicate_stdout_filters, duplicate_stderr_filters,
+            name,
+            entrypoint,
+            args,
+            envs,
+            logs_specs,
+            log_line_prefixes,
+            duplicate_stdout_filters,
+            duplicate_stderr_filters,
         )
         self.start_method = start_method
         self._numa_options = numa_options
@@ -470,11 +497,15 @@ class MultiprocessContext(PContext):
                 proc = ctx.Process(  # type: ignore[attr-defined]
                     target=worker_main,
                     args=(
-                        self.entrypoint, self.args[rank], self.envs[rank],
+                        self.entrypoint,
+                        self.args[rank],
+                        self.envs[rank],
                         FdArg(out_fd) if out_fd is not None else None,
                         FdArg(err_fd) if err_fd is not None else None,
                         os.path.join(self._ret_dir, f"{rank}.pkl"),
-                        os.getpid(), on_main and self.start_method != "forkserver", reset,
+                        os.getpid(),
+                        on_main and self.start_method != "forkserver",
+                        reset,
                     ),
                     name=f"{self.name}-{rank}",
                     daemon=False,
@@ -539,8 +570,14 @@ class SubprocessContext(PContext):
         duplicate_stderr_filters: list[str] | None = None,
     ) -> None:
         super().__init__(
-            name, entrypoint, args, envs, logs_specs, log_line_prefixes,
-            duplicate_stdout_filters, duplicate_stderr_filters,
+            name,
+            entrypoint,
+            args,
+            envs,
+            logs_specs,
+            log_line_prefixes,
+            duplicate_stdout_filters,
+            duplicate_stderr_filters,
         )
         self._numa_options = numa_options
         self.subprocess_handlers: dict[int, SubprocessHandler] = {}

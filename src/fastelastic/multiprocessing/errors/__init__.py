@@ -91,7 +91,9 @@ class ProcessFailure:
     def _synthesize_message(self) -> str:
         parts = []
         if self.exitcode < 0:
-            parts.append(f"Signal {-self.exitcode} ({self.signal_name()}) received by PID {self.pid}")
+            parts.append(
+                f"Signal {-self.exitcode} ({self.signal_name()}) received by PID {self.pid}"
+            )
         elif not self.stderr_tail:
             self.error_file_data["errorTraits"] = {
                 "category": "system_terminated_error",
@@ -101,7 +103,9 @@ class ProcessFailure:
                 "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
             )
         if self.stderr_tail:
-            parts.append("(no error file; last lines of the worker's stderr follow)\n" + self.stderr_tail)
+            parts.append(
+                "(no error file; last lines of the worker's stderr follow)\n" + self.stderr_tail
+            )
         return "\n".join(parts)
 
     @staticmethod
