@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from run_testlib import torch_available
 
 

@@ -8,10 +8,10 @@ import subprocess
 import sys
 
 import pytest
+from run_testlib import REPO, base_env
 
 from fastelastic.launcher.api import LaunchConfig, _get_entrypoint_name, elastic_launch
 from fastelastic.multiprocessing.errors import ChildFailedError
-from run_testlib import REPO, base_env
 
 
 def square_rank(offset: int) -> tuple[int, int, str]:

@@ -6,7 +6,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from run_testlib import DUMP, HERE, base_env, free_port, read_dumps, run_launcher
 
 pytestmark = [pytest.mark.torch, pytest.mark.usefixtures("need_torch")]

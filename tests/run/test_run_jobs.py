@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from run_testlib import DUMP, REPO, base_env, free_port, launcher_cmd, read_dumps, run_launcher
 
 

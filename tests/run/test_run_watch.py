@@ -8,11 +8,12 @@ import time
 
 import pytest
 
-zmq = pytest.importorskip("zmq", reason="!!! pyzmq is a fastelastic dependency and must be installed")
+zmq = pytest.importorskip("zmq", reason="!!! pyzmq (a fastelastic dependency) is not installed")
+
+from run_testlib import free_port  # noqa: E402
 
 from fastelastic.watch.publisher import EventPublisher, PublishingHandler, _describe  # noqa: E402
 from fastelastic.watch.view import JobView, watch  # noqa: E402
-from run_testlib import free_port  # noqa: E402
 
 
 def _msg(agent="h:1", **kw) -> bytes:

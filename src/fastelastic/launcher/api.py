@@ -130,7 +130,10 @@ class elastic_launch:  # noqa: N801 - torch's spelling
 
     def __call__(self, *args: Any) -> dict[int, Any]:
         return launch_agent(
-            self._config, self._entrypoint, list(args), health_check_server=self._health_check_server
+            self._config,
+            self._entrypoint,
+            list(args),
+            health_check_server=self._health_check_server,
         )
 
 
@@ -151,7 +154,9 @@ def _get_addr_and_port(params: RendezvousParameters) -> tuple[str | None, int | 
         return None, None
     endpoint = params.endpoint.strip()
     if not endpoint:
-        raise ValueError("Endpoint is missing in endpoint. Try to add --master-addr and --master-port")
+        raise ValueError(
+            "Endpoint is missing in endpoint. Try to add --master-addr and --master-port"
+        )
     addr, port = parse_rendezvous_endpoint(endpoint, default_port=-1)
     if port == -1:
         raise ValueError(f"port is missing in endpoint: {endpoint}. Try to specify --master-port")
@@ -174,7 +179,8 @@ class _Events:
         # The user's destination keeps getting every event; ours is a tap in front of it.
         user = spec.event_log_handler
         self._name = f"fastelastic-publish-{id(self)}"
-        register_handler(self._name, PublishingHandler(self.publisher, events.get_logging_handler(user)))
+        inner = events.get_logging_handler(user)
+        register_handler(self._name, PublishingHandler(self.publisher, inner))
         spec.event_log_handler = self._name
         # Rendezvous events (membership) go to the fixed "dynamic_rendezvous" destination.
         self._rdzv_prev = events.get_logging_handler("dynamic_rendezvous")

@@ -206,7 +206,8 @@ def run_and_report(fn: Callable[[], Any], parser: ArgumentParser) -> int:
         fn()
     except ChildFailedError as e:
         _write_launcher_error_file(e)
-        print(format_failure_report(e, getattr(e, "run_log_dir", None)), file=sys.stderr, flush=True)
+        report = format_failure_report(e, getattr(e, "run_log_dir", None))
+        print(report, file=sys.stderr, flush=True)
         return 1
     except SignalException as e:
         sig = getattr(e, "sigval", None)

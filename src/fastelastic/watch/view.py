@@ -104,8 +104,12 @@ class JobView:
 
         body = [r.cells(now, self.stale_after) for r in sorted(self.rows.values(), key=key)]
         widths = [max(len(c[i]) for c in [_COLUMNS, *body]) for i in range(len(_COLUMNS))]
-        out = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [_COLUMNS, *body]]
-        out.append(f"{len(body)} agent(s)" + (f", {self.bad_messages} bad message(s)" if self.bad_messages else ""))
+        out = [
+            "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+            for row in [_COLUMNS, *body]
+        ]
+        bad = f", {self.bad_messages} bad message(s)" if self.bad_messages else ""
+        out.append(f"{len(body)} agent(s){bad}")
         return "\n".join(out)
 
 
