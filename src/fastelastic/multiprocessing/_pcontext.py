@@ -1,0 +1,421 @@
+"""Owns PContext, the base of the process contexts, and RunProcsResult.
+
+Every worker runs in its own process group and is watched through a pidfd by one
+:class:`~fastelastic._native.procmon.PidfdMonitor`, so ``wait`` returns the moment a worker
+exits instead of sleeping ``period``. Stopping signals whole groups (grandchildren too) and ends
+with SIGKILL; a guardian process kills the groups if the agent itself dies. Each worker's
+stderr always passes through the output pump, which keeps its tail for the failure report.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any, TextIO
+
+from fastelastic._native.procmon import PidfdMonitor
+from fastelastic.errors import SignalException
+from fastelastic.multiprocessing._guardian import guardian
+from fastelastic.multiprocessing._pump import OutputPump, StdioRouter
+from fastelastic.multiprocessing.errors import ProcessFailure
+from fastelastic.multiprocessing.logs import LogsSpecs
+
+__all__ = ["PContext", "RunProcsResult"]
+
+logger = logging.getLogger(__name__)
+
+SIGNALS_TO_HANDLE_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
+# After SIGKILL a process exits at once unless it is in uninterruptible sleep; wait this long
+# (TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT when set and positive) before reporting it.
+UNINTERRUPTIBLE_STATE_TIMEOUT_ENV = "TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT"
+_KILL_GRACE_S = 5.0
+
+
+def _kill_grace() -> float:
+    try:
+        value = float(os.environ.get(UNINTERRUPTIBLE_STATE_TIMEOUT_ENV, ""))
+    except ValueError:
+        return _KILL_GRACE_S
+    return value if value > 0 else _KILL_GRACE_S
+
+
+# How long a failure report waits for the failed worker's stderr to reach EOF.
+_DRAIN_S = 2.0
+
+
+def _terminate_process_handler(signum: int, frame: FrameType | None) -> None:
+    sigval = signal.Signals(signum)
+    raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
+
+
+def _validate_full_rank(d: dict[int, Any], nprocs: int, what: str) -> None:
+    if set(d) != set(range(nprocs)):
+        raise RuntimeError(
+            f"{what}, local rank mapping mismatch, expected: {set(range(nprocs))}, actual: {set(d)}"
+        )
+
+
+@dataclass
+class RunProcsResult:
+    """Results of a finished run of processes, every field keyed by local rank.
+
+    ``return_values`` is filled for functions (None per rank for binaries); ``stdouts`` and
+    ``stderrs`` are the log file paths ("" when not redirected).
+    """
+
+    return_values: dict[int, Any] = field(default_factory=dict)
+    failures: dict[int, ProcessFailure] = field(default_factory=dict)
+    stdouts: dict[int, str] = field(default_factory=dict)
+    stderrs: dict[int, str] = field(default_factory=dict)
+
+    def is_failed(self) -> bool:
+        """True if any process failed."""
+        return len(self.failures) > 0
+
+
+class PContext(abc.ABC):
+    """A set of worker processes started together, one per local rank.
+
+    Args:
+        name: short name of the processes (used as the tee'd lines' header).
+        entrypoint: a callable or a binary path.
+        args: arguments by local rank.
+        envs: extra environment variables by local rank.
+        logs_specs: where output goes (see :class:`~fastelastic.multiprocessing.DefaultLogsSpecs`).
+        log_line_prefixes: header of each tee'd line by local rank (default ``[{name}{rank}]:``).
+        duplicate_stdout_filters: copy tee'd stdout lines containing any of these strings into
+            the attempt's ``filtered_stdout.log``.
+        duplicate_stderr_filters: the same for stderr.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        entrypoint: Callable | str,
+        args: dict[int, tuple],
+        envs: dict[int, dict[str, str]],
+        logs_specs: LogsSpecs,
+        log_line_prefixes: dict[int, str] | None = None,
+        duplicate_stdout_filters: list[str] | None = None,
+        duplicate_stderr_filters: list[str] | None = None,
+    ) -> None:
+        self.name = name
+        nprocs = len(args)
+        dest = logs_specs.reify(envs)
+        _validate_full_rank(dest.stdouts, nprocs, "stdouts")
+        _validate_full_rank(dest.stderrs, nprocs, "stderrs")
+        self.entrypoint = entrypoint
+        self.args = args
+        self.envs = envs
+        self.stdouts = dest.stdouts
+        self.stderrs = dest.stderrs
+        self.error_files = dest.error_files
+        self.nprocs = nprocs
+        self.filtered_stdout: TextIO | None = None
+        self.filtered_stderr: TextIO | None = None
+        if duplicate_stdout_filters:
+            self.filtered_stdout = open(dest.filtered_stdout, "w", errors="replace", buffering=1)  # noqa: SIM115
+        if duplicate_stderr_filters:
+            self.filtered_stderr = open(dest.filtered_stderr, "w", errors="replace", buffering=1)  # noqa: SIM115
+        self._pump = OutputPump(name)
+        self._router = StdioRouter(
+            self._pump,
+            dest,
+            log_line_prefixes or {},
+            name,
+            (self.filtered_stdout, duplicate_stdout_filters),
+            (self.filtered_stderr, duplicate_stderr_filters),
+        )
+        self._monitor: PidfdMonitor | None = None
+        self._pids: dict[int, int] = {}  # local rank -> pid (== its process group id)
+        self._rank_of: dict[int, int] = {}
+        self._exitcodes: dict[int, int | None] = {}
+        self._failed_ranks: list[int] = []  # in the order their failures were observed
+        self._exit_seq = 0
+        self._seen_seq = 0
+        self._lock = threading.RLock()
+        self._closed = False
+        self.stuck_pids: dict[int, str] = {}  # local rank -> psutil status after close
+
+    # ------------------------------------------------------------------ start
+
+    def start(self) -> None:
+        """Starts the processes (and, on the main thread, installs torch's signal handlers)."""
+        if threading.current_thread() is threading.main_thread():
+            names = os.environ.get(SIGNALS_TO_HANDLE_ENV, "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
+            for sig_name in names.split(","):
+                try:
+                    signal.signal(getattr(signal, sig_name.strip()), _terminate_process_handler)
+                except (AttributeError, ValueError, RuntimeError):
+                    logger.warning("Failed to register signal handler for %s", sig_name)
+        else:
+            logger.info("not on the main thread: signal handlers not installed")
+        self._monitor = PidfdMonitor()
+        self._start()
+        self._pump.start()
+
+    @abc.abstractmethod
+    def _start(self) -> None:
+        """Starts the processes (context specific)."""
+
+    def _child_stdio(self, rank: int) -> tuple[int | None, int | None]:
+        """Returns the fds to install as the child's stdout/stderr (None = inherit ours)."""
+        return self._router.child_fds(rank)
+
+    def _track(self, rank: int, pid: int) -> None:
+        assert self._monitor is not None
+        self._pids[rank] = pid
+        self._rank_of[pid] = rank
+        guardian.register(pid)
+        self._monitor.add(pid, reap=False)
+
+    # ------------------------------------------------------------------ waiting
+
+    def _collect(self, timeout: float | None) -> bool:
+        """Records exits reported by the monitor within ``timeout``; True if any."""
+        monitor = self._monitor
+        if monitor is None or monitor.closed:
+            return False
+        try:
+            events = monitor.wait(timeout)
+        except (OSError, ValueError):
+            if monitor.closed:  # close() from another thread while we waited
+                return False
+            raise
+        with self._lock:
+            for pid, status in events:
+                rank = self._rank_of[pid]
+                code = self._exitcode(rank, status)
+                self._exitcodes[rank] = code
+                self._exit_seq += 1
+                if code != 0 and not self._closed:
+                    self._failed_ranks.append(rank)
+        return bool(events)
+
+    @abc.abstractmethod
+    def _exitcode(self, rank: int, status: int | None) -> int | None:
+        """The exit code of ``rank`` given the status the monitor peeked (None: ask the owner)."""
+
+    def wait_any(self, timeout: float | None = None) -> bool:
+        """Blocks until a worker exits, ``wakeup()`` is called or ``timeout`` seconds pass.
+
+        An exit counts once: after this returned True for it, the next call blocks again.
+        Follow a True with ``wait(0)`` to get the result (None while others still run).
+
+        Returns:
+            True if at least one worker exited since the previous ``wait_any``.
+        """
+        if self._exit_seq == self._seen_seq:
+            self._collect(timeout)
+        with self._lock:
+            fresh = self._exit_seq != self._seen_seq
+            self._seen_seq = self._exit_seq
+        return fresh
+
+    def wakeup(self) -> None:
+        """Makes a ``wait``/``wait_any`` blocked in another thread return now."""
+        if self._monitor is not None:
+            self._monitor.wakeup()
+
+    def fileno(self) -> int:
+        """An fd that is readable when a worker exit is pending (for select/epoll loops)."""
+        if self._monitor is None:
+            raise RuntimeError("process context not started")
+        return self._monitor.fileno()
+
+    def wait(self, timeout: float = -1, period: float = 1) -> RunProcsResult | None:
+        """Waits up to ``timeout`` s for all processes to finish or any to fail.
+
+        Returns the moment the outcome is known (``period`` is accepted for torch
+        compatibility and ignored: nothing is polled).
+
+        Args:
+            timeout: seconds; negative waits forever, 0 only checks.
+            period: ignored.
+
+        Returns:
+            The result, or None if processes are still running at the timeout.
+        """
+        if self._monitor is None:
+            raise RuntimeError("process context not started: call start() first")
+        deadline = None if timeout < 0 else time.monotonic() + timeout
+        while True:
+            result = self._poll()
+            if result is not None or self._closed:
+                return result
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return None
+            self._collect(remaining)
+
+    def _poll(self) -> RunProcsResult | None:
+        self._collect(0)
+        with self._lock:
+            failed = list(self._failed_ranks)
+            done = len(self._exitcodes) == self.nprocs
+            if not failed and done and self._closed:
+                # stopped by close(): the processes we killed are the failures, as in torch
+                failed = [r for r, code in sorted(self._exitcodes.items()) if code != 0]
+        if failed:
+            self.close()
+            failures = {}
+            for rank in failed:
+                sink = self._router.stderr_sinks.get(rank)
+                failures[rank] = ProcessFailure(
+                    local_rank=rank,
+                    pid=self._pids[rank],
+                    exitcode=self._exitcodes[rank] or 1,
+                    error_file=self.error_files.get(rank, ""),
+                    stderr_tail=sink.tail_text() if sink is not None else None,
+                )
+            first = failures[failed[0]]
+            logger.error(
+                "failed (exitcode: %s) local_rank: %s (pid: %s) of %s",
+                first.exitcode,
+                first.local_rank,
+                first.pid,
+                self._entrypoint_name(),
+            )
+            return RunProcsResult(failures=failures, stdouts=self.stdouts, stderrs=self.stderrs)
+        if done:
+            values = self._return_values()
+            self.close()
+            return RunProcsResult(return_values=values, stdouts=self.stdouts, stderrs=self.stderrs)
+        return None
+
+    def _return_values(self) -> dict[int, Any]:
+        return dict.fromkeys(range(self.nprocs))
+
+    def _entrypoint_name(self) -> str:
+        ep = self.entrypoint
+        return ep if isinstance(ep, str) else getattr(ep, "__qualname__", repr(ep))
+
+    def pids(self) -> dict[int, int]:
+        """The pids of the processes by local rank."""
+        return dict(self._pids)
+
+    def exitcodes(self) -> dict[int, int | None]:
+        """Exit codes (``-signal`` if killed) of the processes that have exited, by local rank."""
+        with self._lock:
+            return dict(self._exitcodes)
+
+    def worker_states(self) -> dict[int, str]:
+        """psutil status of each live process by local rank (``disk-sleep`` = uninterruptible)."""
+        import psutil  # type: ignore[import-untyped]
+
+        states = {}
+        for rank, pid in self._pids.items():
+            if rank in self._exitcodes:
+                continue
+            try:
+                states[rank] = psutil.Process(pid).status()
+            except psutil.Error:
+                continue
+        return states
+
+    # ------------------------------------------------------------------ stopping
+
+    def _signal_group(self, rank: int, sig: int) -> None:
+        pid = self._pids[rank]
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            # not a group leader yet (spawned child before its setpgid): signal it directly
+            if self._monitor is not None and pid in self._monitor:
+                try:
+                    self._monitor.send_signal(pid, sig)
+                except ProcessLookupError:
+                    pass
+        except PermissionError:
+            logger.warning("no permission to signal process group %s", pid)
+
+    def _wait_ranks(self, ranks: set[int], deadline: float) -> set[int]:
+        """Waits (event driven) until ``ranks`` exited or ``deadline``; returns the alive ones."""
+        while True:
+            with self._lock:
+                alive = {r for r in ranks if r not in self._exitcodes}
+            remaining = deadline - time.monotonic()
+            if not alive or remaining <= 0:
+                return alive
+            self._collect(remaining)
+
+    def close(self, death_sig: signal.Signals | None = None, timeout: int = 30) -> None:
+        """Stops every process group: ``death_sig``, then SIGKILL after ``timeout`` seconds.
+
+        Each worker's whole process group is signalled, so grandchildren stop too; once the
+        workers are gone, any group member still alive is SIGKILLed. A worker that survives
+        SIGKILL (uninterruptible sleep) is logged and listed in ``stuck_pids`` instead of
+        hanging the caller. Safe to call more than once.
+
+        Args:
+            death_sig: the first signal (SIGTERM by default).
+            timeout: seconds to wait for the processes before SIGKILL.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        sig = death_sig if death_sig else signal.SIGTERM
+        try:
+            self._stop_processes(sig, timeout)
+        finally:
+            self._release()
+
+    def _stop_processes(self, sig: int, timeout: float) -> None:
+        if self._monitor is None:
+            return
+        self._collect(0)
+        alive = {r for r in self._pids if r not in self._exitcodes}
+        for rank in sorted(alive):
+            logger.info(
+                "Sending process %s closing signal %s", self._pids[rank], signal.Signals(sig).name
+            )
+            self._signal_group(rank, sig)
+        alive = self._wait_ranks(alive, time.monotonic() + max(timeout, 0))
+        for rank in sorted(alive):
+            logger.warning(
+                "Unable to shutdown process %s via %s, forcefully exiting via SIGKILL",
+                self._pids[rank],
+                signal.Signals(sig).name,
+            )
+        # SIGKILL every group: the stragglers, and grandchildren left behind by exited workers
+        for rank in self._pids:
+            self._signal_group(rank, signal.SIGKILL)
+        grace = _kill_grace()
+        alive = self._wait_ranks(alive, time.monotonic() + grace)
+        if alive:
+            states = self.worker_states()
+            for rank in alive:
+                state = states.get(rank, "unknown")
+                self.stuck_pids[rank] = state
+                logger.error(
+                    "Process %s (local_rank %s) did not exit after SIGKILL within %ss (state: %s);"
+                    " abandoning it. It may be in uninterruptible kernel sleep.",
+                    self._pids[rank],
+                    rank,
+                    grace,
+                    state,
+                )
+        self._reap()
+
+    @abc.abstractmethod
+    def _reap(self) -> None:
+        """Reaps the exited processes (context specific)."""
+
+    def _release(self) -> None:
+        for pid in self._pids.values():
+            guardian.unregister(pid)
+        if not self._pump.drain(_DRAIN_S):
+            self._pump.stop()
+        if self._monitor is not None:
+            self._monitor.close()
+        for f in (self.filtered_stdout, self.filtered_stderr):
+            if f is not None:
+                f.close()
