@@ -33,14 +33,28 @@ from fastelastic._native.watchdog import EV_KILLED
 from fastelastic.timer import FileTimerServer
 
 SLEEP = shutil.which("sleep") or "/bin/sleep"
-AFTER = 0.2                 # victim's timer: expires this long after it is sent
-HOLDERS = 63                # + the victim = 64 workers
-BACKGROUND_TIMERS = 999     # + the victim's = 1,000 concurrent timers
+AFTER = 0.2  # victim's timer: expires this long after it is sent
+HOLDERS = 63  # + the victim = 64 workers
+BACKGROUND_TIMERS = 999  # + the victim's = 1,000 concurrent timers
 CASES = [("fastelastic", 0.1), ("fastelastic-rt", 0.1), ("torch", 0.1), ("torch", 10.0)]
 ROUNDS = {CASES[0]: 100, CASES[1]: 100, CASES[2]: 20, CASES[3]: 3}
 THROUGHPUT_CASES = [c for c in CASES if c[0] != "fastelastic-rt"]
 WRITERS = 4
 RESULTS: dict[tuple, dict] = {}
+LATENCY_NOTE = """\
+Each kill: a worker's timer of {after} s expires. *sent* = the server's kill call returned,
+*seen* = the harness saw the worker gone (pidfd readable); both minus the deadline, on
+CLOCK_MONOTONIC. 1,000 timers = {holders} holder workers with {background} far timers + the
+victim (64 workers). fastelastic-rt = same server with `realtime=True` (SCHED_FIFO watchdog
+thread). torch at max_interval=10 is bounded to 3 kills per case.
+
+"""
+THROUGHPUT_NOTE = """\
+{writers} forked writers send acquire/release pairs (for {writers} sleeper workers), timed from
+the first write until the server has registered every request. 1 line per write() is what
+clients do; 36 lines per write() (< PIPE_BUF) shows the server's own capacity. torch registers
+requests only at the end of each max_interval read window, so at 10 s its figure is that window.
+"""
 RESULTS_MD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "timer.md")
 
 
@@ -69,7 +83,13 @@ def _torch_server_class():
 
 
 def _line(pid: int, scope: str, expiration: float, sig: int = 9) -> bytes:
-    body = {"version": 1, "pid": pid, "scope_id": scope, "expiration_time": expiration, "signal": sig}
+    body = {
+        "version": 1,
+        "pid": pid,
+        "scope_id": scope,
+        "expiration_time": expiration,
+        "signal": sig,
+    }
     return (json.dumps(body) + "\n").encode()
 
 
@@ -128,8 +148,9 @@ class _Server:
         self.sent: dict[int, float] = {}
         self.sent_cv = threading.Condition()
         if impl.startswith("fastelastic"):
-            self.server = FileTimerServer(self.path, "bench", max_interval=max_interval,
-                                          realtime=impl.endswith("-rt"))
+            self.server = FileTimerServer(
+                self.path, "bench", max_interval=max_interval, realtime=impl.endswith("-rt")
+            )
             forward = self.server._on_events
 
             def on_events(batch):
@@ -159,7 +180,9 @@ class _Server:
 
     def sent_at(self, pid: int, timeout: float = 10.0) -> float:
         with self.sent_cv:
-            assert self.sent_cv.wait_for(lambda: pid in self.sent, timeout), f"no kill recorded for {pid}"
+            assert self.sent_cv.wait_for(lambda: pid in self.sent, timeout), (
+                f"no kill recorded for {pid}"
+            )
             return self.sent.pop(pid)
 
     def close(self) -> None:
@@ -168,8 +191,14 @@ class _Server:
 
 
 def _skip_slow_torch_in_smoke(request, impl: str, max_interval: float) -> None:
-    if impl == "torch" and max_interval > 1 and request.config.getoption("benchmark_disable", False):
-        pytest.skip("!!! smoke run (--benchmark-disable): torch at max_interval=10 takes ~10 s per kill")
+    if (
+        impl == "torch"
+        and max_interval > 1
+        and request.config.getoption("benchmark_disable", False)
+    ):
+        pytest.skip(
+            "!!! smoke run (--benchmark-disable): torch at max_interval=10 takes ~10 s per kill"
+        )
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -177,38 +206,48 @@ def _write_results(request):
     yield
     if request.config.getoption("benchmark_disable", False) or not RESULTS:
         return
-    header = ("| timers | impl | max_interval | kills | sent p50 | sent p99 | seen p50 | seen p99 | seen max "
-              "| seen p50 ratio vs fastelastic |")
+    header = (
+        "| timers | impl | max_interval | kills | sent p50 | sent p99 | seen p50 | seen p99 "
+        "| seen max | seen p50 ratio vs fastelastic |"
+    )
     lat = [header, "|---|---|---|---|---|---|---|---|---|---|"]
-    thr = ["| lines per write() | impl | max_interval | requests | requests/s | ratio vs fastelastic |",
-           "|---|---|---|---|---|---|"]
-    for (bench, impl, mi, size), r in sorted(RESULTS.items(), key=lambda kv: (kv[0][0], kv[0][3], CASES.index(kv[0][1:3]))):
+    thr = [
+        "| lines per write() | impl | max_interval | requests | requests/s "
+        "| ratio vs fastelastic |",
+        "|---|---|---|---|---|---|",
+    ]
+    for (bench, impl, mi, size), r in sorted(
+        RESULTS.items(), key=lambda kv: (kv[0][0], kv[0][3], CASES.index(kv[0][1:3]))
+    ):
         base = RESULTS.get((bench, "fastelastic", 0.1, size))
         if bench == "kill":
-            ratio = f"{r['seen_p50'] / base['seen_p50']:,.0f}x slower" if base and impl == "torch" else ""
+            ratio = (
+                f"{r['seen_p50'] / base['seen_p50']:,.0f}x slower"
+                if base and impl == "torch"
+                else ""
+            )
             ms = {k: f"{v * 1e3:,.2f} ms" for k, v in r.items() if k != "n"}
-            lat.append(f"| {size} | {impl} | {mi} | {r['n']} | {ms['sent_p50']} | {ms['sent_p99']} | "
-                       f"{ms['seen_p50']} | {ms['seen_p99']} | {ms['seen_max']} | {ratio} |")
+            lat.append(
+                f"| {size} | {impl} | {mi} | {r['n']} | {ms['sent_p50']} | {ms['sent_p99']} | "
+                f"{ms['seen_p50']} | {ms['seen_p99']} | {ms['seen_max']} | {ratio} |"
+            )
         else:
             ratio = f"{base['rate'] / r['rate']:.1f}x fewer" if base and impl == "torch" else ""
             thr.append(f"| {size} | {impl} | {mi} | {r['n']:,} | {r['rate']:,.0f} | {ratio} |")
     with open(RESULTS_MD, "w") as f:
         f.write("# Watchdog timer: fastelastic vs torch 2.13 FileTimerServer (same run)\n\n")
-        f.write(f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, Linux {platform.release()}, "
-                f"Python {platform.python_version()}; shared with other jobs (noisy: p99 reflects "
-                "scheduling of the harness and server threads on 2 busy cores).\n")
-        f.write("Command: `python3 -m pytest benchmarks/bench_timer.py --benchmark-enable -q -s`\n\n")
+        f.write(
+            f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, Linux {platform.release()}, "
+            f"Python {platform.python_version()}; shared with other jobs (noisy: p99 reflects "
+            "scheduling of the harness and server threads on 2 busy cores).\n"
+        )
+        f.write(
+            "Command: `python3 -m pytest benchmarks/bench_timer.py --benchmark-enable -q -s`\n\n"
+        )
         f.write("## Missed deadline -> SIGKILL\n\n" + "\n".join(lat) + "\n\n")
-        f.write(f"Each kill: a worker's timer of {AFTER} s expires. *sent* = the server's kill call returned, "
-                "*seen* = the harness saw the worker gone (pidfd readable); both minus the deadline, on "
-                f"CLOCK_MONOTONIC. 1,000 timers = {HOLDERS} holder workers with {BACKGROUND_TIMERS} far "
-                "timers + the victim (64 workers). fastelastic-rt = same server with `realtime=True` "
-                "(SCHED_FIFO watchdog thread). torch at max_interval=10 is bounded to 3 kills per case.\n\n")
+        f.write(LATENCY_NOTE.format(after=AFTER, holders=HOLDERS, background=BACKGROUND_TIMERS))
         f.write("## Requests/s through the pipe\n\n" + "\n".join(thr) + "\n\n")
-        f.write(f"{WRITERS} forked writers send acquire/release pairs (for 4 sleeper workers), timed from the first "
-                "write until the server has registered every request. 1 line per write() is what clients do; "
-                "36 lines per write() (< PIPE_BUF) shows the server's own capacity. torch registers requests "
-                "only at the end of each max_interval read window, so at 10 s its figure is that window.\n")
+        f.write(THROUGHPUT_NOTE.format(writers=WRITERS))
 
 
 @pytest.mark.timeout(600)
@@ -250,22 +289,37 @@ def test_kill_latency(benchmark, request, impl, max_interval, timers):
     finally:
         _reap(holders)
         srv.close()
-    r = {"n": len(seen), "sent_p50": _pct(sent, 0.5), "sent_p99": _pct(sent, 0.99),
-         "seen_p50": _pct(seen, 0.5), "seen_p99": _pct(seen, 0.99), "seen_max": max(seen)}
+    r = {
+        "n": len(seen),
+        "sent_p50": _pct(sent, 0.5),
+        "sent_p99": _pct(sent, 0.99),
+        "seen_p50": _pct(seen, 0.5),
+        "seen_p99": _pct(seen, 0.99),
+        "seen_max": max(seen),
+    }
     RESULTS[("kill", impl, max_interval, timers)] = r
-    benchmark.extra_info.update(impl=impl, max_interval=max_interval, timers=timers,
-                                workers=64 if timers > 1 else 1,
-                                **{f"{k}_ms": v * 1e3 for k, v in r.items() if k != "n"})
+    benchmark.extra_info.update(
+        impl=impl,
+        max_interval=max_interval,
+        timers=timers,
+        workers=64 if timers > 1 else 1,
+        **{f"{k}_ms": v * 1e3 for k, v in r.items() if k != "n"},
+    )
     base = RESULTS.get(("kill", "fastelastic", 0.1, timers))
     if base and impl == "torch":
         benchmark.extra_info["seen_p50_ratio_vs_fastelastic"] = r["seen_p50"] / base["seen_p50"]
-    print(f"\n[kill] {impl} max_interval={max_interval} timers={timers}: "
-          + " ".join(f"{k}={v * 1e3:.2f}ms" for k, v in r.items() if k != "n") + f" (n={r['n']})")
+    print(
+        f"\n[kill] {impl} max_interval={max_interval} timers={timers}: "
+        + " ".join(f"{k}={v * 1e3:.2f}ms" for k, v in r.items() if k != "n")
+        + f" (n={r['n']})"
+    )
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("batch", [1, 36])
-@pytest.mark.parametrize("impl,max_interval", THROUGHPUT_CASES, ids=[f"{i}-{m}" for i, m in THROUGHPUT_CASES])
+@pytest.mark.parametrize(
+    "impl,max_interval", THROUGHPUT_CASES, ids=[f"{i}-{m}" for i, m in THROUGHPUT_CASES]
+)
 def test_pipe_throughput(benchmark, request, impl, max_interval, batch):
     _skip_slow_torch_in_smoke(request, impl, max_interval)
     pairs = 10_000 if batch == 1 else 50_000
@@ -277,8 +331,12 @@ def test_pipe_throughput(benchmark, request, impl, max_interval, batch):
     far = time.time() + 3600
     payloads = []
     for owner in owners:
-        lines = [b for j in range(pairs) for b in (_line(owner, f"s{j % 16}", far), _line(owner, f"s{j % 16}", -1, 0))]
-        payloads.append([b"".join(lines[i:i + batch]) for i in range(0, len(lines), batch)])
+        lines = [
+            b
+            for j in range(pairs)
+            for b in (_line(owner, f"s{j % 16}", far), _line(owner, f"s{j % 16}", -1, 0))
+        ]
+        payloads.append([b"".join(lines[i : i + batch]) for i in range(0, len(lines), batch)])
 
     def run() -> None:
         start_count = srv.request_count()
@@ -297,6 +355,13 @@ def test_pipe_throughput(benchmark, request, impl, max_interval, batch):
         srv.close()
     rate = sorted(rates)[len(rates) // 2]
     RESULTS[("throughput", impl, max_interval, batch)] = {"n": total, "rate": rate}
-    benchmark.extra_info.update(impl=impl, max_interval=max_interval, lines_per_write=batch,
-                                requests=total, requests_per_s=rate)
-    print(f"\n[throughput] {impl} max_interval={max_interval} batch={batch}: {rate:,.0f} requests/s")
+    benchmark.extra_info.update(
+        impl=impl,
+        max_interval=max_interval,
+        lines_per_write=batch,
+        requests=total,
+        requests_per_s=rate,
+    )
+    print(
+        f"\n[throughput] {impl} max_interval={max_interval} batch={batch}: {rate:,.0f} requests/s"
+    )

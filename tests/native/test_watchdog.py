@@ -48,7 +48,10 @@ def _reference(line: bytes):
     scope=st.text(max_size=60),
     exp=st.one_of(st.floats(-1e12, 1e12, allow_nan=False), st.integers(-(10**12), 10**12)),
     sig=st.integers(-64, 64),
-    extra=st.dictionaries(st.sampled_from(["version", "x", "note"]), st.one_of(st.integers(), st.text(max_size=5), st.none(), st.booleans())),
+    extra=st.dictionaries(
+        st.sampled_from(["version", "x", "note"]),
+        st.one_of(st.integers(), st.text(max_size=5), st.none(), st.booleans()),
+    ),
     ensure_ascii=st.booleans(),
 )
 def test_parser_agrees_with_json(pid, scope, exp, sig, extra, ensure_ascii):
@@ -107,7 +110,9 @@ def test_admission_results(fifo):
     try:
         assert wd.register(os.getpid(), "s", time.time() + 100, 9) == ADMIT_BAD_PID
         assert wd.register(0, "s", time.time() + 100, 9) == ADMIT_BAD_PID
-        child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+        child = subprocess.Popen(
+            [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+        )
         try:
             assert wd.register(child.pid, "s", time.time() + 100, 9) == ADMIT_REFUSED
             wd.set_allowed([child.pid])
@@ -156,7 +161,9 @@ def test_close_while_running_is_refused_and_stop_is_prompt(fifo):
     t = threading.Thread(target=lambda: (started.set(), wd.run(cb)))
     t.start()
     started.wait(5)
-    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    )
     try:
         assert wd.register(child.pid, "k", time.time() + 0.1, 9) == ADMIT_OK
         assert child.wait(10) == -9
@@ -168,7 +175,9 @@ def test_close_while_running_is_refused_and_stop_is_prompt(fifo):
     t0 = time.monotonic()
     wd.stop()
     t.join(5)
-    assert not t.is_alive() and time.monotonic() - t0 < 1.0  # heartbeat is 1 s: woken, not timed out
+    assert (
+        not t.is_alive() and time.monotonic() - t0 < 1.0
+    )  # heartbeat is 1 s: woken, not timed out
     wd.close()
     kinds = [b[0] for b in batches]
     assert EV_EXPIRED in kinds and EV_KILLED in kinds

@@ -40,22 +40,44 @@ def test_agent_restarts_group_after_watchdog_kill(tmp_path, monkeypatch):
         from fastelastic.multiprocessing import DefaultLogsSpecs
         from fastelastic.rendezvous import RendezvousParameters, get_rendezvous_handler
     except ImportError as e:
-        pytest.skip(f"!!! LocalElasticAgent is not importable ({e}); agent restart test did not run")
-    for name in ("TORCH_ELASTIC_WORKER_IDENTICAL", "FASTELASTIC_WORKER_IDENTICAL",
-                 "TORCHELASTIC_HEALTH_CHECK_PORT", "TORCHELASTIC_TIMER_FILE"):
+        pytest.skip(
+            f"!!! LocalElasticAgent is not importable ({e}); agent restart test did not run"
+        )
+    for name in (
+        "TORCH_ELASTIC_WORKER_IDENTICAL",
+        "FASTELASTIC_WORKER_IDENTICAL",
+        "TORCHELASTIC_HEALTH_CHECK_PORT",
+        "TORCHELASTIC_TIMER_FILE",
+    ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("TORCHELASTIC_ENABLE_FILE_TIMER", "1")
     marker = tmp_path / "first-attempt-pid"
     sink = _Collect()
     events.register_handler("timer-test-watchdog", sink, replace=True)
     try:
-        rdzv = get_rendezvous_handler(RendezvousParameters(
-            backend="static", endpoint=f"127.0.0.1:{_free_port()}", run_id="timer-agent-test",
-            min_nodes=1, max_nodes=1, rank=0, timeout=60))
-        spec = WorkerSpec(role="trainer", local_world_size=1, rdzv_handler=rdzv, entrypoint=sys.executable,
-                          args=(os.path.join(HERE, "timer_agent_worker.py"), str(marker)), max_restarts=1,
-                          event_log_handler="timer-test-watchdog")
-        agent = LocalElasticAgent(spec, DefaultLogsSpecs(log_dir=str(tmp_path / "logs")), exit_barrier_timeout=10)
+        rdzv = get_rendezvous_handler(
+            RendezvousParameters(
+                backend="static",
+                endpoint=f"127.0.0.1:{_free_port()}",
+                run_id="timer-agent-test",
+                min_nodes=1,
+                max_nodes=1,
+                rank=0,
+                timeout=60,
+            )
+        )
+        spec = WorkerSpec(
+            role="trainer",
+            local_world_size=1,
+            rdzv_handler=rdzv,
+            entrypoint=sys.executable,
+            args=(os.path.join(HERE, "timer_agent_worker.py"), str(marker)),
+            max_restarts=1,
+            event_log_handler="timer-test-watchdog",
+        )
+        agent = LocalElasticAgent(
+            spec, DefaultLogsSpecs(log_dir=str(tmp_path / "logs")), exit_barrier_timeout=10
+        )
         start = time.monotonic()
         result = agent.run()
         elapsed = time.monotonic() - start
@@ -65,6 +87,11 @@ def test_agent_restarts_group_after_watchdog_kill(tmp_path, monkeypatch):
     assert agent.restart_count == 1
     assert elapsed < 30, f"took {elapsed:.1f}s"
     hung_pid = marker.read_text()
-    kills = [json.loads(r["metadata"]["metadata"]) for r in sink.records if r["name"] == "kill worker process"]
+    kills = [
+        json.loads(r["metadata"]["metadata"])
+        for r in sink.records
+        if r["name"] == "kill worker process"
+    ]
     assert [(k["worker_pid"], k["scope_id"], k["signal"]) for k in kills] == [
-        (hung_pid, "hung-collective", str(int(signal.SIGKILL)))]
+        (hung_pid, "hung-collective", str(int(signal.SIGKILL)))
+    ]

@@ -9,7 +9,7 @@ import stat
 import time
 
 import pytest
-from timer_testlib import EventLog
+from timer_testlib import EventLog, fifo_barrier
 
 from fastelastic.timer import (
     FileTimerClient,
@@ -62,7 +62,10 @@ def test_expiry_kills_holder_at_its_deadline(server, fifo_path, events, workers)
 
 def test_release_prevents_kill(server, fifo_path, events, workers):
     # "late" only reports (signal 0): once it expired, the released "step" deadline is long past
-    w = workers(fifo_path, [["acquire", "step", 0.2, KILL], ["release", "step"], ["acquire", "late", 0.6, 0]])
+    w = workers(
+        fifo_path,
+        [["acquire", "step", 0.2, KILL], ["release", "step"], ["acquire", "late", 0.6, 0]],
+    )
     events.wait("timer expired", pid=w.pid, scope="late")
     assert w.alive()
     assert [r.scope_id for r in events.of("timer expired")] == ["late"]
@@ -72,7 +75,11 @@ def test_release_prevents_kill(server, fifo_path, events, workers):
 def test_many_scopes_per_worker(server, fifo_path, events, workers):
     ops = [["acquire", f"s{i}", 30.0, KILL] for i in range(50)]
     ops += [["release", f"s{i}"] for i in range(50)]
-    ops += [["acquire", "b", 0.5, KILL], ["acquire", "a", 0.3, KILL], ["acquire", "keep", 30.0, KILL]]
+    ops += [
+        ["acquire", "b", 0.5, KILL],
+        ["acquire", "a", 0.3, KILL],
+        ["acquire", "keep", 30.0, KILL],
+    ]
     w = workers(fifo_path, ops)
     died = w.wait_death()
     assert died >= w.deadlines["a"] - 0.005
@@ -93,7 +100,9 @@ def test_two_workers_each_killed_at_own_deadline(server, fifo_path, events, work
 
 
 def test_foreign_pid_is_refused_and_not_signalled(fifo_path, events, workers):
-    srv = FileTimerServer(fifo_path, "r", max_interval=0.1, log_event=events, allow_descendants=False)
+    srv = FileTimerServer(
+        fifo_path, "r", max_interval=0.1, log_event=events, allow_descendants=False
+    )
     srv.start()
     try:
         foreign = workers(fifo_path, [["acquire", "f", 0.2, int(signal.SIGUSR1)]])
@@ -138,7 +147,10 @@ def test_garbage_partial_and_oversized_lines_are_skipped(server, fifo_path, even
     _raw_write(fifo_path, b"garbage\n")
     _raw_write(fifo_path, b'{"version": 1, "pid": 12, "scope_id": "x"\n')
     _raw_write(fifo_path, b"\x00\xff\xfe{]]]\n\n")
-    _raw_write(fifo_path, b'{"version": 1, "pid": "12", "scope_id": "x", "expiration_time": 1, "signal": 9}\n')
+    _raw_write(
+        fifo_path,
+        b'{"version": 1, "pid": "12", "scope_id": "x", "expiration_time": 1, "signal": 9}\n',
+    )
     _raw_write(fifo_path, b"x" * 3000)  # one oversized line in two non-atomic writes
     _raw_write(fifo_path, b"y" * 3000 + b"\n")
     _raw_write(fifo_path, b'{"version": 1, "pid": ')  # a writer that stops mid-line
@@ -175,6 +187,8 @@ def test_writers_opening_and_closing_and_a_stalled_writer(server, fifo_path, eve
 
 def test_exited_worker_clears_its_timers(server, fifo_path, events, workers):
     w = workers(fifo_path, [["acquire", "a", 60.0, KILL], ["acquire", "b", 60.0, KILL]])
+    fifo_barrier(fifo_path, events)  # both timers are registered before the worker exits
+    assert len(server.get_expired_timers(time.time() + 1e6)[w.pid]) == 2
     w.close()
     events.wait("worker exited")
     assert server.get_expired_timers(time.time() + 1e6) == {}
@@ -183,7 +197,9 @@ def test_exited_worker_clears_its_timers(server, fifo_path, events, workers):
 def test_table_api(server, fifo_path, workers):
     w = workers(fifo_path, [])
     far = time.time() + 1000
-    server.register_timers([FileTimerRequest(w.pid, "t1", far, KILL), FileTimerRequest(w.pid, "t2", far + 1, KILL)])
+    server.register_timers(
+        [FileTimerRequest(w.pid, "t1", far, KILL), FileTimerRequest(w.pid, "t2", far + 1, KILL)]
+    )
     expired = server.get_expired_timers(far + 0.5)
     assert list(expired) == [w.pid] and [r.scope_id for r in expired[w.pid]] == ["t1"]
     assert len(server.get_expired_timers(far + 2)[w.pid]) == 2
@@ -238,11 +254,19 @@ def test_log_event_failure_does_not_stop_the_server(fifo_path, workers):
 def test_wire_line_is_one_json_object(fifo_path):
     r = FileTimerRequest(123, "scope é", 1732870000.25, KILL)
     line = r.to_json()
-    assert json.loads(line) == {"version": 1, "pid": 123, "scope_id": "scope é", "expiration_time": 1732870000.25, "signal": 9}
+    assert json.loads(line) == {
+        "version": 1,
+        "pid": 123,
+        "scope_id": "scope é",
+        "expiration_time": 1732870000.25,
+        "signal": 9,
+    }
     assert "\n" not in line
 
 
-def test_dump_stacks_via_faulthandler_before_the_kill(fifo_path, events, workers, tmp_path, monkeypatch):
+def test_dump_stacks_via_faulthandler_before_the_kill(
+    fifo_path, events, workers, tmp_path, monkeypatch
+):
     from fastelastic.timer import stacks
 
     monkeypatch.setattr(stacks.shutil, "which", lambda name: None)  # the no-py-spy path
@@ -271,6 +295,8 @@ def test_last_progress_time_tracks_the_loop(fifo_path, events, workers):
         w = workers(fifo_path, [["acquire", "p", 0.2, KILL]])
         w.wait_death()
         events.wait("kill worker process", pid=w.pid)  # the loop iterated after the kill
-        assert srv.get_last_progress_time() >= int(w.deadlines["p"] - time.monotonic() + time.time())
+        assert srv.get_last_progress_time() >= int(
+            w.deadlines["p"] - time.monotonic() + time.time()
+        )
     finally:
         srv.stop()

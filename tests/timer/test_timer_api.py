@@ -97,9 +97,19 @@ def test_local_timer_server_kills_at_deadline():
 def test_local_timer_server_table_api():
     server = LocalTimerServer(mp.get_context("fork").Queue(), max_interval=1)
     now = time.time()
-    server.register_timers([timer.TimerRequest(1, "a", now + 10), timer.TimerRequest(1, "b", now + 20),
-                            timer.TimerRequest(2, "a", now + 5)])
-    assert {k: [r.scope_id for r in v] for k, v in server.get_expired_timers(now + 15).items()} == {1: ["a"], 2: ["a"]}
+    server.register_timers(
+        [
+            timer.TimerRequest(1, "a", now + 10),
+            timer.TimerRequest(1, "b", now + 20),
+            timer.TimerRequest(2, "a", now + 5),
+        ]
+    )
+    assert {k: [r.scope_id for r in v] for k, v in server.get_expired_timers(now + 15).items()} == {
+        1: ["a"],
+        2: ["a"],
+    }
     server.register_timers([timer.TimerRequest(1, "a", -1)])
     server.clear_timers({2})
-    assert {k: [r.scope_id for r in v] for k, v in server.get_expired_timers(now + 30).items()} == {1: ["b"]}
+    assert {k: [r.scope_id for r in v] for k, v in server.get_expired_timers(now + 30).items()} == {
+        1: ["b"]
+    }

@@ -22,7 +22,7 @@ TORCH_SERVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_t
 
 CASES = [
     (1234, "train.py#42", 1732870000.123456, KILL),
-    (99, "scope with \"quotes\", \\ and é / 日本", 1.5e9, 15),
+    (99, 'scope with "quotes", \\ and é / 日本', 1.5e9, 15),
     (4194304, "", -1, 0),
     (7, "x" * 3000, 0.0, 9),
 ]
@@ -87,7 +87,7 @@ class _TorchServer:
         while True:
             line = self.readline(max(deadline - time.monotonic(), 0.0))
             if line.startswith(prefix):
-                body = json.loads(line[len(prefix):])
+                body = json.loads(line[len(prefix) :])
                 if body and body["scope_id"] == scope:
                     return body
 

@@ -29,7 +29,9 @@ class EventLog:
             self.events.append((name, request))
             self._cv.notify_all()
 
-    def wait(self, name: str, pid: int | None = None, scope: str | None = None, timeout: float = 10.0) -> Any:
+    def wait(
+        self, name: str, pid: int | None = None, scope: str | None = None, timeout: float = 10.0
+    ) -> Any:
         def match() -> Any:
             for n, r in self.events:
                 if n != name:
@@ -43,7 +45,9 @@ class EventLog:
 
         with self._cv:
             found = self._cv.wait_for(match, timeout)
-        assert found, f"no {name!r} event (pid={pid}, scope={scope}) within {timeout}s: {self.events}"
+        assert found, (
+            f"no {name!r} event (pid={pid}, scope={scope}) within {timeout}s: {self.events}"
+        )
         return found[1]
 
     def wait_count(self, name: str, count: int, timeout: float = 10.0) -> None:
@@ -58,11 +62,41 @@ class EventLog:
         return [r for n, r in self.events if n == name]
 
 
+def fifo_barrier(path: str, events: EventLog, timeout: float = 10.0) -> None:
+    """Returns once the server has processed every line written to ``path`` before this call.
+
+    The FIFO keeps order, so a sentinel request naming our parent process (never ours to signal;
+    signal 0 anyway) is refused only after all earlier lines were read.
+    """
+    scope = f"barrier-{time.monotonic_ns()}"
+    line = json.dumps(
+        {
+            "version": 1,
+            "pid": os.getppid(),
+            "scope_id": scope,
+            "expiration_time": time.time() + 3600,
+            "signal": 0,
+        }
+    )
+    fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)
+    events.wait("request refused", scope=scope, timeout=timeout)
+
+
 class Worker:
     """A timer_worker.py subprocess; it runs its ops, says ready and waits for stdin to close."""
 
-    def __init__(self, path: str, ops: list[list[Any]], kind: str = "ours", timeout: float = 60.0,
-                 stderr: Any = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        ops: list[list[Any]],
+        kind: str = "ours",
+        timeout: float = 60.0,
+        stderr: Any = None,
+    ) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, WORKER, path, kind, json.dumps(ops)],
             stdin=subprocess.PIPE,
@@ -146,5 +180,7 @@ def require_torch() -> Any:
     try:
         import torch.distributed.elastic.timer as torch_timer
     except ImportError as e:
-        pytest.skip(f"!!! torch 2.13 is not importable ({e}); the torch wire-compatibility test did not run")
+        pytest.skip(
+            f"!!! torch 2.13 is not importable ({e}); the torch wire-compatibility test did not run"
+        )
     return torch_timer

@@ -16,7 +16,9 @@ def _log_event(name, request):
 
 
 def main() -> None:
-    server = FileTimerServer(sys.argv[1], "torch-run", max_interval=float(sys.argv[2]), log_event=_log_event)
+    server = FileTimerServer(
+        sys.argv[1], "torch-run", max_interval=float(sys.argv[2]), log_event=_log_event
+    )
     server.start()
     sys.stdout.write("ready\n")
     sys.stdout.flush()

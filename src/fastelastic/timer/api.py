@@ -98,7 +98,9 @@ class TimerServer(abc.ABC):
         daemon: run the watchdog thread as a daemon.
     """
 
-    def __init__(self, request_queue: RequestQueue, max_interval: float, daemon: bool = True) -> None:
+    def __init__(
+        self, request_queue: RequestQueue, max_interval: float, daemon: bool = True
+    ) -> None:
         super().__init__()
         self._request_queue = request_queue
         self._max_interval = max_interval
@@ -135,7 +137,9 @@ class TimerServer(abc.ABC):
         try:
             return self._reap_worker(worker_id)
         except Exception:
-            logger.exception("Uncaught exception from _reap_worker(); treating the worker as reaped")
+            logger.exception(
+                "Uncaught exception from _reap_worker(); treating the worker as reaped"
+            )
             return True
 
     def _watchdog_loop(self) -> None:
@@ -201,7 +205,9 @@ def configure(timer_client: TimerClient) -> None:
 
 
 @contextmanager
-def expires(after: float, scope: str | None = None, client: TimerClient | None = None) -> Iterator[None]:
+def expires(
+    after: float, scope: str | None = None, client: TimerClient | None = None
+) -> Iterator[None]:
     """Acquires a countdown timer that expires ``after`` seconds from now for the wrapped block.
 
     If the block does not finish in time the worker becomes eligible to be reaped (usually

@@ -1,4 +1,4 @@
-"""Named-pipe timers: ``FileTimerClient`` and the native-backed ``FileTimerServer`` (torch's wire format)."""
+"""Named-pipe timers (torch's wire format): ``FileTimerClient`` and native ``FileTimerServer``."""
 
 from __future__ import annotations
 
@@ -31,9 +31,9 @@ __all__ = ["FileTimerClient", "FileTimerRequest", "FileTimerServer", "default_ti
 
 logger = logging.getLogger(__name__)
 
-_OPEN_RETRIES = 10          # as torch's client: the server may not be up yet
+_OPEN_RETRIES = 10  # as torch's client: the server may not be up yet
 _OPEN_RETRY_DELAY = 0.1
-_WRITE_TIMEOUT = 5.0        # a full pipe (server stalled) fails the request after this long
+_WRITE_TIMEOUT = 5.0  # a full pipe (server stalled) fails the request after this long
 _REFUSAL_REASONS = {1: "not a worker of this agent", 2: "no such process", 3: "invalid pid"}
 _private_dirs: set[str] = set()
 
@@ -53,7 +53,9 @@ class FileTimerRequest(TimerRequest):
 
     __slots__ = ["signal", "version"]
 
-    def __init__(self, worker_pid: int, scope_id: str, expiration_time: float, signal: int = 0) -> None:
+    def __init__(
+        self, worker_pid: int, scope_id: str, expiration_time: float, signal: int = 0
+    ) -> None:
         super().__init__(worker_id=worker_pid, scope_id=scope_id, expiration_time=expiration_time)
         self.version = 1
         self.signal = signal
@@ -65,7 +67,11 @@ class FileTimerRequest(TimerRequest):
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, FileTimerRequest):
-            return super().__eq__(other) and self.version == other.version and self.signal == other.signal
+            return (
+                super().__eq__(other)
+                and self.version == other.version
+                and self.signal == other.signal
+            )
         return False
 
     def to_json(self) -> str:
@@ -114,7 +120,8 @@ class FileTimerClient(TimerClient):
         line = (request.to_json() + "\n").encode()
         if len(line) > select.PIPE_BUF:
             raise RuntimeError(
-                f"FileTimerRequest larger than {select.PIPE_BUF} bytes is not supported: {line[:200]!r}"
+                f"FileTimerRequest larger than {select.PIPE_BUF} bytes is not supported: "
+                f"{line[:200]!r}"
             )
         fd = self._open()
         try:
@@ -239,9 +246,13 @@ class FileTimerServer:
     def _run(self) -> None:
         if self._realtime:
             try:  # pid 0: the calling thread (scheduling policy is per thread on Linux)
-                os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(os.sched_get_priority_min(os.SCHED_FIFO)))
+                os.sched_setscheduler(
+                    0, os.SCHED_FIFO, os.sched_param(os.sched_get_priority_min(os.SCHED_FIFO))
+                )
             except OSError as e:
-                logger.info("FileTimerServer: SCHED_FIFO not permitted (%s); running at normal priority", e)
+                logger.info(
+                    "FileTimerServer: SCHED_FIFO not permitted (%s); running at normal priority", e
+                )
         self._wd.run(self._on_events)
 
     def stop(self) -> None:
@@ -312,7 +323,10 @@ class FileTimerServer:
         """Registers acquires and applies releases (negative expiration), as if from the pipe."""
         for request in timer_requests:
             r = self._wd.register(
-                int(request.worker_pid), request.scope_id, float(request.expiration_time), int(request.signal)
+                int(request.worker_pid),
+                request.scope_id,
+                float(request.expiration_time),
+                int(request.signal),
             )
             if r != ADMIT_OK:
                 self._refused(request, r)
@@ -387,12 +401,18 @@ class FileTimerServer:
                 late_ms = (fired_ns - deadline_ns) / 1e6
                 if err in (0, errno.ESRCH):
                     logger.info(
-                        "Reaped worker pid=%s (scope=%r) with signal=%s, %.3f ms after its deadline%s",
-                        pid, scope, sig, late_ms, " (it had already exited)" if err else "",
+                        "Reaped worker pid=%s (scope=%r) with signal=%s, %.3f ms after deadline%s",
+                        pid,
+                        scope,
+                        sig,
+                        late_ms,
+                        " (it had already exited)" if err else "",
                     )
                     self._emit("kill worker process", request)
                 else:
-                    logger.error("Error reaping worker pid=%s with signal=%s: %s", pid, sig, os.strerror(err))
+                    logger.error(
+                        "Error reaping worker pid=%s with signal=%s: %s", pid, sig, os.strerror(err)
+                    )
             elif kind == EV_DEFERRED:
                 threading.Thread(target=self._dump_then_reap, args=(request,), daemon=True).start()
             elif kind == EV_REFUSED:
@@ -414,7 +434,9 @@ class FileTimerServer:
             logger.exception("Stack dump of pid=%s failed; killing it anyway", pid)
         err = self._wd.reap(pid, request.signal)
         if err in (0, errno.ESRCH):
-            logger.info("Reaped worker pid=%s with signal=%s after dumping its stacks", pid, request.signal)
+            logger.info(
+                "Reaped worker pid=%s with signal=%s after dumping its stacks", pid, request.signal
+            )
             self._emit("kill worker process", request)
         else:
             logger.error("Error reaping worker pid=%s: %s", pid, os.strerror(err))

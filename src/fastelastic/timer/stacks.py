@@ -68,7 +68,9 @@ def dump_stacks(
                 timeout=timeout,
                 check=False,
             )
-            logger.error("Python stacks of stuck worker pid=%s (py-spy):\n%s%s", pid, out.stdout, out.stderr)
+            logger.error(
+                "Python stacks of stuck worker pid=%s (py-spy):\n%s%s", pid, out.stdout, out.stderr
+            )
             return "py-spy"
         except (OSError, subprocess.TimeoutExpired) as e:
             logger.warning("py-spy dump of pid=%s failed: %s", pid, e)
@@ -76,5 +78,7 @@ def dump_stacks(
         logger.error("Asked stuck worker pid=%s to write its Python stacks into its log", pid)
         time.sleep(grace)  # faulthandler gives no completion signal: a bounded policy grace
         return "faulthandler"
-    logger.warning("Cannot dump stacks of pid=%s: no py-spy and no faulthandler signal registered", pid)
+    logger.warning(
+        "Cannot dump stacks of pid=%s: no py-spy and no faulthandler signal registered", pid
+    )
     return "none"
