@@ -269,7 +269,9 @@ cdef class PidfdMonitor:
             if deadline >= 0:
                 now = fe_monotonic_ns()
                 # round up so a sub-millisecond remainder does not spin with a 0 ms timeout
-                ms = <int>min((deadline - now + 999999) // 1000000, MON_MAX_WAIT_MS) if deadline > now else 0
+                ms = 0
+                if deadline > now:
+                    ms = <int>min((deadline - now + 999999) // 1000000, MON_MAX_WAIT_MS)
             self._waiters += 1
             with nogil:
                 n = epoll_wait(self._epfd, events, MON_MAX_EVENTS, ms)
