@@ -183,3 +183,4 @@ def test_close_while_running_is_refused_and_stop_is_prompt(fifo):
     assert EV_EXPIRED in kinds and EV_KILLED in kinds
     killed = next(b for b in batches if b[0] == EV_KILLED)
     assert killed[5] == 0 and killed[7] >= killed[6]  # err 0, fired at or after the deadline
+    assert killed[7] - killed[6] < 250_000_000, "fired at a sweep, not at the deadline"

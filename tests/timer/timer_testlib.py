@@ -30,7 +30,7 @@ class EventLog:
             self._cv.notify_all()
 
     def wait(
-        self, name: str, pid: int | None = None, scope: str | None = None, timeout: float = 10.0
+        self, name: str, pid: int | None = None, scope: str | None = None, timeout: float = 30.0
     ) -> Any:
         def match() -> Any:
             for n, r in self.events:
@@ -50,7 +50,7 @@ class EventLog:
         )
         return found[1]
 
-    def wait_count(self, name: str, count: int, timeout: float = 10.0) -> None:
+    def wait_count(self, name: str, count: int, timeout: float = 30.0) -> None:
         with self._cv:
             ok = self._cv.wait_for(lambda: self.count(name) >= count, timeout)
         assert ok, f"expected {count} {name!r} events within {timeout}s: {self.events}"
@@ -62,7 +62,7 @@ class EventLog:
         return [r for n, r in self.events if n == name]
 
 
-def fifo_barrier(path: str, events: EventLog, timeout: float = 10.0) -> None:
+def fifo_barrier(path: str, events: EventLog, timeout: float = 30.0) -> None:
     """Returns once the server has processed every line written to ``path`` before this call.
 
     The FIFO keeps order, so a sentinel request naming our parent process (never ours to signal;
@@ -115,7 +115,7 @@ class Worker:
         assert ready, f"worker {self.pid} said nothing within {timeout}s"
         return self.proc.stdout.readline()
 
-    def wait_death(self, timeout: float = 10.0) -> float:
+    def wait_death(self, timeout: float = 30.0) -> float:
         """Waits for the process to die; returns the monotonic time its death was seen."""
         ready, _, _ = select.select([self.pidfd], [], [], timeout)
         assert ready, f"worker {self.pid} still alive after {timeout}s"
