@@ -464,3 +464,24 @@ def test_close_from_another_thread_ends_a_blocked_wait():
     t.join(10)
     assert not t.is_alive()
     assert pc.exitcodes() == {0: -signal.SIGTERM}
+
+
+def test_start_installs_torch_signal_handlers(monkeypatch):
+    from fastelastic.errors import SignalException
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR2)}
+    monkeypatch.setenv("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGUSR2,SIGNOPE")
+    try:
+        pc = start_processes(
+            "h", "/bin/true", {0: ()}, _envs(1), DefaultLogsSpecs(log_dir=os.devnull)
+        )
+        with pytest.raises(SignalException) as info:
+            os.kill(os.getpid(), signal.SIGUSR2)
+            for _ in range(1000):  # the handler runs at the next bytecode boundary
+                pass
+        assert info.value.sigval == signal.SIGUSR2
+        assert signal.getsignal(signal.SIGTERM) == saved[signal.SIGTERM]  # not in the list
+        assert not pc.wait(10).is_failed()
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
