@@ -65,9 +65,14 @@ def pct(values: list[float], q: float) -> float:
 
 
 def summary(values_ms: list[float]) -> dict:
-    return {"n": len(values_ms), "p50_ms": round(pct(values_ms, 50), 3),
-            "p90_ms": round(pct(values_ms, 90), 3), "p99_ms": round(pct(values_ms, 99), 3),
-            "max_ms": round(max(values_ms), 3), "mean_ms": round(statistics.fmean(values_ms), 3)}
+    return {
+        "n": len(values_ms),
+        "p50_ms": round(pct(values_ms, 50), 3),
+        "p90_ms": round(pct(values_ms, 90), 3),
+        "p99_ms": round(pct(values_ms, 99), 3),
+        "max_ms": round(max(values_ms), 3),
+        "mean_ms": round(statistics.fmean(values_ms), 3),
+    }
 
 
 _RESULTS: dict[tuple[str, str], dict] = {}
@@ -88,8 +93,18 @@ def record(benchmark, op: str, impl: str, stats: dict) -> None:
 # ----------------------------------------------------------------------------- agent factories
 
 
-def make_agent(impl: str, *, entrypoint: str, args: tuple, nproc: int, max_restarts: int,
-               backend: str, port: int, log_dir: str, on_monitor=None):
+def make_agent(
+    impl: str,
+    *,
+    entrypoint: str,
+    args: tuple,
+    nproc: int,
+    max_restarts: int,
+    backend: str,
+    port: int,
+    log_dir: str,
+    on_monitor=None,
+):
     """Builds a LocalElasticAgent of ``impl`` on a single-node rendezvous."""
     if impl == "fastelastic":
         from fastelastic.agent.server import WorkerSpec
@@ -105,12 +120,25 @@ def make_agent(impl: str, *, entrypoint: str, args: tuple, nproc: int, max_resta
         from torch.distributed.elastic.rendezvous import RendezvousParameters
         from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
     conf = {"rank": 0} if backend == "static" else {"is_host": True, "last_call_timeout": 1}
-    handler = get_rendezvous_handler(RendezvousParameters(
-        backend=backend, endpoint=f"127.0.0.1:{port}", run_id=f"bench{port}",
-        min_nodes=1, max_nodes=1, **conf))
-    spec = WorkerSpec(role="bench", local_world_size=nproc, rdzv_handler=handler,
-                      entrypoint=entrypoint, args=args, max_restarts=max_restarts,
-                      monitor_interval=0.1)
+    handler = get_rendezvous_handler(
+        RendezvousParameters(
+            backend=backend,
+            endpoint=f"127.0.0.1:{port}",
+            run_id=f"bench{port}",
+            min_nodes=1,
+            max_nodes=1,
+            **conf,
+        )
+    )
+    spec = WorkerSpec(
+        role="bench",
+        local_world_size=nproc,
+        rdzv_handler=handler,
+        entrypoint=entrypoint,
+        args=args,
+        max_restarts=max_restarts,
+        monitor_interval=0.1,
+    )
 
     class Timed(LocalElasticAgent):  # type: ignore[misc, valid-type]
         def _monitor_workers(self, worker_group):
@@ -125,9 +153,16 @@ def make_agent(impl: str, *, entrypoint: str, args: tuple, nproc: int, max_resta
 
 def _agent_process(impl: str, cfg: dict) -> None:
     """Body of ``--agent``: one agent with ``cfg['nproc']`` sleeping python workers."""
-    agent, handler = make_agent(impl, entrypoint=cfg.get("entrypoint", sys.executable),
-                                args=tuple(cfg["args"]), nproc=cfg["nproc"], max_restarts=0,
-                                backend="static", port=cfg["port"], log_dir=cfg["log_dir"])
+    agent, handler = make_agent(
+        impl,
+        entrypoint=cfg.get("entrypoint", sys.executable),
+        args=tuple(cfg["args"]),
+        nproc=cfg["nproc"],
+        max_restarts=0,
+        backend="static",
+        port=cfg["port"],
+        log_dir=cfg["log_dir"],
+    )
     try:
         agent.run()
     finally:
@@ -139,8 +174,12 @@ def _agent_process(impl: str, cfg: dict) -> None:
 
 @pytest.fixture(autouse=True)
 def _quiet_env(monkeypatch):
-    for name in ("TORCH_ELASTIC_WORKER_IDENTICAL", "FASTELASTIC_WORKER_IDENTICAL",
-                 "TORCHELASTIC_HEALTH_CHECK_PORT", "TORCHELASTIC_ENABLE_FILE_TIMER"):
+    for name in (
+        "TORCH_ELASTIC_WORKER_IDENTICAL",
+        "FASTELASTIC_WORKER_IDENTICAL",
+        "TORCHELASTIC_HEALTH_CHECK_PORT",
+        "TORCHELASTIC_ENABLE_FILE_TIMER",
+    ):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -158,9 +197,16 @@ def test_worker_exit_detection_and_replacement(benchmark, impl, tmp_path):
 
     def run():
         agent, handler = make_agent(
-            impl, entrypoint=sys.executable, args=("-I", "-S", str(script), str(log)), nproc=1,
-            max_restarts=restarts, backend="c10d", port=free_port(), log_dir=str(tmp_path / "logs"),
-            on_monitor=lambda t, state: detected.append(t))
+            impl,
+            entrypoint=sys.executable,
+            args=("-I", "-S", str(script), str(log)),
+            nproc=1,
+            max_restarts=restarts,
+            backend="c10d",
+            port=free_port(),
+            log_dir=str(tmp_path / "logs"),
+            on_monitor=lambda t, state: detected.append(t),
+        )
         try:
             result = agent.run()
         finally:
@@ -193,10 +239,17 @@ def _start_agent_proc(impl: str, tmp, nproc: int, sleep_s: float, entry=None):
     piddir.mkdir()
     script = tmp / "sleep_worker.py"
     script.write_text(SLEEP_WORKER)
-    cfg = {"port": free_port(), "nproc": nproc, "log_dir": str(tmp / "logs"),
-           "args": ["-I", "-S", str(script), str(piddir), str(sleep_s)]}
-    proc = subprocess.Popen([sys.executable, __file__, "--agent", impl, json.dumps(cfg)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cfg = {
+        "port": free_port(),
+        "nproc": nproc,
+        "log_dir": str(tmp / "logs"),
+        "args": ["-I", "-S", str(script), str(piddir), str(sleep_s)],
+    }
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--agent", impl, json.dumps(cfg)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 120
     while len(os.listdir(piddir)) < nproc and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -275,8 +328,9 @@ def _store_pair(impl: str):
         from torch.distributed import PrefixStore, TCPStore
     from datetime import timedelta
 
-    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                      timeout=timedelta(seconds=120))
+    server = TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120)
+    )
     return server, TCPStore, PrefixStore
 
 
@@ -293,13 +347,26 @@ def _rank_sim_process(impl, port, first, count, nodes, prefix, ready, go, out):
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     threading.stack_size(256 * 1024)
-    stores = [PrefixStore(prefix, TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
-                                           timeout=timedelta(seconds=120))) for _ in range(count)]
+    stores = [
+        PrefixStore(
+            prefix,
+            TCPStore(
+                "127.0.0.1",
+                port,
+                is_master=False,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=120),
+            ),
+        )
+        for _ in range(count)
+    ]
     results: list = [None] * count
 
     def agent(j):
         i = first + j
-        spec = types.SimpleNamespace(role=("trainer", "ps", "eval")[i % 3], local_world_size=1 + i % 4)
+        spec = types.SimpleNamespace(
+            role=("trainer", "ps", "eval")[i % 3], local_world_size=1 + i % 4
+        )
         go.wait(120)
         results[j] = SimpleElasticAgent._assign_worker_ranks(None, stores[j], i, nodes, spec)
 
@@ -334,9 +401,13 @@ def test_slow_path_rank_assignment(benchmark, impl, nodes):
     def setup():
         prefix = f"round{time.monotonic_ns()}"
         ready, go, out = ctx.Semaphore(0), ctx.Event(), ctx.Queue()
-        procs = [ctx.Process(target=_rank_sim_process,
-                             args=(impl, server.port, h * per_host, per_host, nodes, prefix, ready, go, out))
-                 for h in range(hosts)]
+        procs = [
+            ctx.Process(
+                target=_rank_sim_process,
+                args=(impl, server.port, h * per_host, per_host, nodes, prefix, ready, go, out),
+            )
+            for h in range(hosts)
+        ]
         for p in procs:
             p.start()
         for _ in procs:

@@ -22,25 +22,36 @@ def main() -> None:
     cfg = json.loads(sys.argv[1])
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     conf = {"rank": cfg["rank"], "timeout": 60, **cfg.get("rdzv_conf", {})}
-    handler = get_rendezvous_handler(RendezvousParameters(
-        backend=cfg.get("backend", "static"), endpoint=f"127.0.0.1:{cfg['port']}",
-        run_id=cfg.get("run_id", "t"), min_nodes=cfg.get("min", cfg["world"]),
-        max_nodes=cfg["world"], **conf,
-    ))
+    handler = get_rendezvous_handler(
+        RendezvousParameters(
+            backend=cfg.get("backend", "static"),
+            endpoint=f"127.0.0.1:{cfg['port']}",
+            run_id=cfg.get("run_id", "t"),
+            min_nodes=cfg.get("min", cfg["world"]),
+            max_nodes=cfg["world"],
+            **conf,
+        )
+    )
     spec = WorkerSpec(
-        role=cfg.get("role", "trainer"), local_world_size=cfg.get("nproc", 1),
-        rdzv_handler=handler, entrypoint=sys.executable,
+        role=cfg.get("role", "trainer"),
+        local_world_size=cfg.get("nproc", 1),
+        rdzv_handler=handler,
+        entrypoint=sys.executable,
         args=(os.path.join(HERE, "agent_workers.py"), *cfg["args"]),
         max_restarts=cfg.get("max_restarts", 0),
     )
     agent = LocalElasticAgent(
-        spec, DefaultLogsSpecs(log_dir=cfg.get("log_dir"), tee=Std(cfg.get("tee", 0))),
+        spec,
+        DefaultLogsSpecs(log_dir=cfg.get("log_dir"), tee=Std(cfg.get("tee", 0))),
         exit_barrier_timeout=cfg.get("exit_barrier_timeout", 30),
         log_line_prefix_template=cfg.get("prefix"),
     )
     result = agent.run()
-    out = {"state": result.state.value, "failures": sorted(result.failures),
-           "restart_count": agent.restart_count}
+    out = {
+        "state": result.state.value,
+        "failures": sorted(result.failures),
+        "restart_count": agent.restart_count,
+    }
     handler.shutdown()
     print("RESULT " + json.dumps(out), flush=True)
 

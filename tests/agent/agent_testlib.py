@@ -35,14 +35,20 @@ def _store_classes() -> Any:
 def store_server():
     """A store server on loopback (fastelastic's when present, else torch's)."""
     cls = _store_classes()
-    server = cls("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                 timeout=timedelta(seconds=30))
+    server = cls(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
+    )
     yield server
 
 
 def store_client(server: Any) -> Any:
-    return type(server)("127.0.0.1", server.port, is_master=False, wait_for_workers=False,
-                        timeout=timedelta(seconds=30))
+    return type(server)(
+        "127.0.0.1",
+        server.port,
+        is_master=False,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=30),
+    )
 
 
 class CountingStore:
@@ -72,8 +78,14 @@ class StoreRendezvous(RendezvousHandler):
     ``waiting`` is what ``num_nodes_waiting`` reports (tests raise it to fake a new node).
     """
 
-    def __init__(self, server: Any, rank: int, world_size: int, run_id: str = "test",
-                 use_agent_store: bool = True):
+    def __init__(
+        self,
+        server: Any,
+        rank: int,
+        world_size: int,
+        run_id: str = "test",
+        use_agent_store: bool = True,
+    ):
         self._server = server
         self._rank = rank
         self._world_size = world_size
@@ -96,7 +108,9 @@ class StoreRendezvous(RendezvousHandler):
         if self.store is None:
             self.store = store_client(self._server)
         return RendezvousInfo(
-            self.store, self._rank, self._world_size,
+            self.store,
+            self._rank,
+            self._world_size,
             RendezvousStoreInfo("127.0.0.1", self._server.port),
         )
 

@@ -11,11 +11,25 @@ import sys
 import time
 
 ENV_KEYS = [
-    "RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-    "WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
-    "TORCHELASTIC_USE_AGENT_STORE", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCHELASTIC_ERROR_FILE",
-    "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES",
+    "RANK",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "WORLD_SIZE",
+    "GROUP_WORLD_SIZE",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "TORCHELASTIC_ERROR_FILE",
+    "OMP_NUM_THREADS",
+    "CUDA_VISIBLE_DEVICES",
 ]
 
 
@@ -68,7 +82,9 @@ def main(argv: list[str]) -> int:
         if count >= n:
             return 0
         # Fail only once every worker of this attempt has logged, so none is stopped first.
-        peers = [os.path.join(logdir, f"r{r}_{count}") for r in range(int(os.environ["WORLD_SIZE"]))]
+        peers = [
+            os.path.join(logdir, f"r{r}_{count}") for r in range(int(os.environ["WORLD_SIZE"]))
+        ]
         deadline = time.monotonic() + 20
         while not all(os.path.exists(p) for p in peers) and time.monotonic() < deadline:
             time.sleep(0.005)
@@ -92,7 +108,9 @@ def main(argv: list[str]) -> int:
             wait_for(argv[1], 30)
         return 0
     if mode == "elastic":  # elastic DIR WORLD: log the round, hang until the world has WORLD nodes
-        with open(os.path.join(argv[1], f"{os.environ['RANK']}_{os.environ['GROUP_WORLD_SIZE']}"), "w"):
+        with open(
+            os.path.join(argv[1], f"{os.environ['RANK']}_{os.environ['GROUP_WORLD_SIZE']}"), "w"
+        ):
             pass
         if int(os.environ["GROUP_WORLD_SIZE"]) >= int(argv[2]):
             return 0

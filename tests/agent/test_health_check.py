@@ -34,8 +34,9 @@ def test_alive_then_dead_then_stopped():
     progress = {"t": int(time.time())}
     state = {"state": "HEALTHY", "restart_count": 2, "workers": [{"pid": 1, "local_rank": 0}]}
     before = fds()
-    srv = HealthCheckServer(lambda: progress["t"], 0, 30, status_callback=lambda: dict(state),
-                            host="127.0.0.1")
+    srv = HealthCheckServer(
+        lambda: progress["t"], 0, 30, status_callback=lambda: dict(state), host="127.0.0.1"
+    )
     srv.start()
     try:
         code, body = get(srv.port)

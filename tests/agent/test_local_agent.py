@@ -36,15 +36,29 @@ def free_port() -> int:
 
 
 def static(rank: int = 0, world: int = 1, port: int | None = None, run_id: str = "agent-test"):
-    return get_rendezvous_handler(RendezvousParameters(
-        backend="static", endpoint=f"127.0.0.1:{port or free_port()}", run_id=run_id,
-        min_nodes=world, max_nodes=world, rank=rank, timeout=60,
-    ))
+    return get_rendezvous_handler(
+        RendezvousParameters(
+            backend="static",
+            endpoint=f"127.0.0.1:{port or free_port()}",
+            run_id=run_id,
+            min_nodes=world,
+            max_nodes=world,
+            rank=rank,
+            timeout=60,
+        )
+    )
 
 
 def binary_spec(*args, nproc=2, max_restarts=0, role="trainer", **kw):
-    return WorkerSpec(role=role, local_world_size=nproc, rdzv_handler=static(), entrypoint=sys.executable,
-                      args=(WORKERS, *args), max_restarts=max_restarts, **kw)
+    return WorkerSpec(
+        role=role,
+        local_world_size=nproc,
+        rdzv_handler=static(),
+        entrypoint=sys.executable,
+        args=(WORKERS, *args),
+        max_restarts=max_restarts,
+        **kw,
+    )
 
 
 def make_agent(spec, tmp_path, **kw):
@@ -63,17 +77,26 @@ def wait_until(cond, limit=30.0):
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
-    for name in ("TORCH_ELASTIC_WORKER_IDENTICAL", "FASTELASTIC_WORKER_IDENTICAL",
-                 "TORCHELASTIC_HEALTH_CHECK_PORT", "TORCHELASTIC_ENABLE_FILE_TIMER",
-                 "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"):
+    for name in (
+        "TORCH_ELASTIC_WORKER_IDENTICAL",
+        "FASTELASTIC_WORKER_IDENTICAL",
+        "TORCHELASTIC_HEALTH_CHECK_PORT",
+        "TORCHELASTIC_ENABLE_FILE_TIMER",
+        "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE",
+    ):
         monkeypatch.delenv(name, raising=False)
 
 
 def test_callable_entrypoint_env_and_return_values(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
-    spec = WorkerSpec(role="trainer", local_world_size=2, rdzv_handler=static(run_id="cb"),
-                      entrypoint=agent_workers.env_worker, args=("tag${local_rank}",))
+    spec = WorkerSpec(
+        role="trainer",
+        local_world_size=2,
+        rdzv_handler=static(run_id="cb"),
+        entrypoint=agent_workers.env_worker,
+        args=("tag${local_rank}",),
+    )
     result = make_agent(spec, tmp_path, start_method="spawn").run()
     assert result.state == WorkerState.SUCCEEDED and not result.is_failed()
     assert sorted(result.return_values) == [0, 1]
@@ -106,8 +129,13 @@ def test_binary_entrypoint_and_virtual_local_rank(tmp_path, monkeypatch):
 
 
 def test_callable_failure_shows_traceback_without_record(tmp_path):
-    spec = WorkerSpec(role="trainer", local_world_size=2, rdzv_handler=static(),
-                      entrypoint=agent_workers.failing_worker, max_restarts=0)
+    spec = WorkerSpec(
+        role="trainer",
+        local_world_size=2,
+        rdzv_handler=static(),
+        entrypoint=agent_workers.failing_worker,
+        max_restarts=0,
+    )
     result = make_agent(spec, tmp_path).run()
     assert result.is_failed() and list(result.failures) == [1]
     failure = result.failures[1]
@@ -131,7 +159,13 @@ def test_restarts_increase_restart_count(tmp_path):
     result = agent.run()
     assert result.state == WorkerState.SUCCEEDED and agent.restart_count == 2
     assert sorted(p.name for p in logdir.iterdir()) == [
-        "r0_0", "r0_1", "r0_2", "r1_0", "r1_1", "r1_2"]
+        "r0_0",
+        "r0_1",
+        "r0_2",
+        "r1_0",
+        "r1_1",
+        "r1_2",
+    ]
     pids = {p.read_text() for p in logdir.iterdir()}
     assert len(pids) == 6  # every attempt ran fresh processes
 
@@ -179,8 +213,14 @@ def test_health_endpoint_reports_workers(tmp_path, monkeypatch):
 
 
 def run_agent_proc(cfg, **kw):
-    return subprocess.Popen([sys.executable, AGENT_MAIN, json.dumps(cfg)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=HERE, **kw)
+    return subprocess.Popen(
+        [sys.executable, AGENT_MAIN, json.dumps(cfg)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=HERE,
+        **kw,
+    )
 
 
 def result_of(out: str) -> dict:
@@ -194,30 +234,58 @@ def test_heterogeneous_roles_three_agents(tmp_path):
     out.mkdir()
     port = free_port()
     layout = [("trainer", 2), ("ps", 1), ("trainer", 3)]
-    procs = [run_agent_proc({"port": port, "rank": i, "world": 3, "role": role, "nproc": n,
-                             "args": ["env", str(out), "${local_rank}"],
-                             "log_dir": str(tmp_path / f"logs{i}")})
-             for i, (role, n) in enumerate(layout)]
+    procs = [
+        run_agent_proc(
+            {
+                "port": port,
+                "rank": i,
+                "world": 3,
+                "role": role,
+                "nproc": n,
+                "args": ["env", str(out), "${local_rank}"],
+                "log_dir": str(tmp_path / f"logs{i}"),
+            }
+        )
+        for i, (role, n) in enumerate(layout)
+    ]
     outs = [p.communicate(timeout=90) for p in procs]
-    for (stdout, stderr), p in zip(outs, procs):
+    for (stdout, stderr), p in zip(outs, procs, strict=True):
         assert p.returncode == 0, stderr[-3000:]
         assert result_of(stdout)["state"] == "SUCCEEDED"
     envs = {int(p.stem): json.loads(p.read_text()) for p in out.iterdir()}
     assert sorted(envs) == list(range(6))
     expected = {  # rank: (group rank, role, role rank, role world size, local rank)
-        0: (0, "trainer", 0, 5, 0), 1: (0, "trainer", 1, 5, 1), 2: (1, "ps", 0, 1, 0),
-        3: (2, "trainer", 2, 5, 0), 4: (2, "trainer", 3, 5, 1), 5: (2, "trainer", 4, 5, 2),
+        0: (0, "trainer", 0, 5, 0),
+        1: (0, "trainer", 1, 5, 1),
+        2: (1, "ps", 0, 1, 0),
+        3: (2, "trainer", 2, 5, 0),
+        4: (2, "trainer", 3, 5, 1),
+        5: (2, "trainer", 4, 5, 2),
     }
     for rank, (group, role, role_rank, role_ws, local) in expected.items():
         env = envs[rank]
-        assert (int(env["GROUP_RANK"]), env["ROLE_NAME"], int(env["ROLE_RANK"]),
-                int(env["ROLE_WORLD_SIZE"]), int(env["LOCAL_RANK"])) == (group, role, role_rank, role_ws, local)
+        assert (
+            int(env["GROUP_RANK"]),
+            env["ROLE_NAME"],
+            int(env["ROLE_RANK"]),
+            int(env["ROLE_WORLD_SIZE"]),
+            int(env["LOCAL_RANK"]),
+        ) == (group, role, role_rank, role_ws, local)
         assert env["WORLD_SIZE"] == "6" and env["GROUP_WORLD_SIZE"] == "3"
 
 
 def test_log_line_prefix_with_hostname(tmp_path):
-    p = run_agent_proc({"port": free_port(), "rank": 0, "world": 1, "nproc": 1, "args": ["raise"], "tee": 3,
-                        "prefix": "[${role_name}|${rank}|${local_rank}|${hostname}]:"})
+    p = run_agent_proc(
+        {
+            "port": free_port(),
+            "rank": 0,
+            "world": 1,
+            "nproc": 1,
+            "args": ["raise"],
+            "tee": 3,
+            "prefix": "[${role_name}|${rank}|${local_rank}|${hostname}]:",
+        }
+    )
     stdout, stderr = p.communicate(timeout=60)
     assert result_of(stdout)["state"] == "FAILED"
     assert f"[trainer|0|0|{socket.gethostname()}]:about to fail" in stdout + stderr, stdout + stderr
@@ -234,8 +302,15 @@ def pid_alive(pid: int) -> bool:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_signal_to_agent_leaves_no_worker(tmp_path, sig):
     flag = tmp_path / "never"
-    p = run_agent_proc({"port": free_port(), "rank": 0, "world": 1, "nproc": 2,
-                        "args": ["pidwait", str(tmp_path), str(flag)]})
+    p = run_agent_proc(
+        {
+            "port": free_port(),
+            "rank": 0,
+            "world": 1,
+            "nproc": 2,
+            "args": ["pidwait", str(tmp_path), str(flag)],
+        }
+    )
     try:
         assert wait_until(lambda: all((tmp_path / f"pid{i}").exists() for i in range(2)))
         pids = [int((tmp_path / f"pid{i}").read_text()) for i in range(2)]
@@ -272,8 +347,9 @@ def test_watchdog_kill_is_recorded_and_fails_the_group(tmp_path, monkeypatch):
     sink = _Collect()
     events.register_handler("agent-test-watchdog", sink, replace=True)
     try:
-        spec = binary_spec("timer", str(tmp_path / "never"), nproc=1,
-                           event_log_handler="agent-test-watchdog")
+        spec = binary_spec(
+            "timer", str(tmp_path / "never"), nproc=1, event_log_handler="agent-test-watchdog"
+        )
         agent = make_agent(spec, tmp_path)
         start = time.monotonic()
         result = agent.run()
@@ -286,16 +362,20 @@ def test_watchdog_kill_is_recorded_and_fails_the_group(tmp_path, monkeypatch):
     assert "kill worker process" in names, names
     kill = next(r for r in sink.records if r["name"] == "kill worker process")
     assert json.loads(kill["metadata"]["metadata"])["worker_pid"] == str(result.failures[0].pid)
-    states = [r["metadata"]["state"] for r in sink.records if r["name"].startswith("torchelastic.worker")]
+    states = [
+        r["metadata"]["state"] for r in sink.records if r["name"].startswith("torchelastic.worker")
+    ]
     assert "START" in states and "FAILED" in states
 
 
 def test_failed_node_releases_healthy_node_from_exit_barrier(tmp_path):
     port = free_port()
-    ok = run_agent_proc({"port": port, "rank": 0, "world": 2, "args": ["exit", "0"],
-                         "exit_barrier_timeout": 120})
-    bad = run_agent_proc({"port": port, "rank": 1, "world": 2, "args": ["exit", "4"],
-                          "exit_barrier_timeout": 120})
+    ok = run_agent_proc(
+        {"port": port, "rank": 0, "world": 2, "args": ["exit", "0"], "exit_barrier_timeout": 120}
+    )
+    bad = run_agent_proc(
+        {"port": port, "rank": 1, "world": 2, "args": ["exit", "4"], "exit_barrier_timeout": 120}
+    )
     start = time.monotonic()
     ok_out, ok_err = ok.communicate(timeout=60)
     elapsed = time.monotonic() - start
@@ -309,13 +389,24 @@ def test_failed_node_releases_healthy_node_from_exit_barrier(tmp_path):
 def test_new_node_triggers_restart_with_bigger_world(tmp_path):
     """c10d rendezvous: a second node joining makes the running agent restart (not a retry)."""
     port = free_port()
-    base = {"port": port, "world": 2, "min": 1, "backend": "c10d", "run_id": "grow",
-            "args": ["elastic", str(tmp_path), "2"], "max_restarts": 1}
-    first = run_agent_proc({**base, "rank": 0, "rdzv_conf": {"is_host": True, "last_call_timeout": 1}})
+    base = {
+        "port": port,
+        "world": 2,
+        "min": 1,
+        "backend": "c10d",
+        "run_id": "grow",
+        "args": ["elastic", str(tmp_path), "2"],
+        "max_restarts": 1,
+    }
+    first = run_agent_proc(
+        {**base, "rank": 0, "rdzv_conf": {"is_host": True, "last_call_timeout": 1}}
+    )
     second = None
     try:
         assert wait_until(lambda: (tmp_path / "0_1").exists(), 40), "first round never started"
-        second = run_agent_proc({**base, "rank": 1, "rdzv_conf": {"is_host": False, "last_call_timeout": 1}})
+        second = run_agent_proc(
+            {**base, "rank": 1, "rdzv_conf": {"is_host": False, "last_call_timeout": 1}}
+        )
         out1, err1 = first.communicate(timeout=60)
         out2, err2 = second.communicate(timeout=60)
     finally:
@@ -331,8 +422,9 @@ def test_new_node_triggers_restart_with_bigger_world(tmp_path):
 
 @pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGINT])
 def test_handled_signal_is_forwarded_to_workers(tmp_path, sig):
-    p = run_agent_proc({"port": free_port(), "rank": 0, "world": 1, "nproc": 2,
-                        "args": ["sigwait", str(tmp_path)]})
+    p = run_agent_proc(
+        {"port": free_port(), "rank": 0, "world": 1, "nproc": 2, "args": ["sigwait", str(tmp_path)]}
+    )
     try:
         assert wait_until(lambda: all((tmp_path / f"pid{i}").exists() for i in range(2)))
         p.send_signal(sig)
@@ -352,8 +444,9 @@ def test_uninterruptible_state_policy(tmp_path, monkeypatch):
     agent = make_agent(binary_spec("exit", "0", max_restarts=3), tmp_path)
     wg = agent.get_worker_group()
     states = {0: "disk-sleep", 1: "sleeping"}
-    agent._pcontext = types.SimpleNamespace(worker_states=lambda: dict(states),
-                                            pids=lambda: {0: 101, 1: 102})
+    agent._pcontext = types.SimpleNamespace(
+        worker_states=lambda: dict(states), pids=lambda: {0: 101, 1: 102}
+    )
     assert agent._check_uninterruptible_state_timeout(wg, 0.000001) is None  # first sighting
     states[0] = "sleeping"
     assert agent._check_uninterruptible_state_timeout(wg, 0.000001) is None  # left D-state

@@ -39,7 +39,8 @@ class PopenAgent(SimpleElasticAgent):
             env = {"RANK": str(w.global_rank), "TORCHELASTIC_RESTART_COUNT": restart}
             self.started_envs.append(env)
             self.procs[w.local_rank] = subprocess.Popen(
-                [sys.executable, "-c", wg.spec.entrypoint], env=env)
+                [sys.executable, "-c", wg.spec.entrypoint], env=env
+            )
         return {lr: p.pid for lr, p in self.procs.items()}
 
     def _stop_workers(self, wg):
@@ -47,14 +48,20 @@ class PopenAgent(SimpleElasticAgent):
 
     def _monitor_workers(self, wg):
         codes = {lr: p.poll() for lr, p in self.procs.items()}
-        failed = {wg.workers[lr].global_rank: types.SimpleNamespace(exitcode=c, pid=self.procs[lr].pid,
-                                                                 error_file_data={})
-                  for lr, c in codes.items() if c not in (None, 0)}
+        failed = {
+            wg.workers[lr].global_rank: types.SimpleNamespace(
+                exitcode=c, pid=self.procs[lr].pid, error_file_data={}
+            )
+            for lr, c in codes.items()
+            if c not in (None, 0)
+        }
         if failed:
             return RunResult(WorkerState.FAILED, failures=failed)
         if all(c == 0 for c in codes.values()):
-            return RunResult(WorkerState.SUCCEEDED,
-                             return_values={wg.workers[lr].global_rank: None for lr in codes})
+            return RunResult(
+                WorkerState.SUCCEEDED,
+                return_values={wg.workers[lr].global_rank: None for lr in codes},
+            )
         return RunResult(WorkerState.HEALTHY)
 
     def _shutdown(self, death_sig=signal.SIGTERM, timeout=30):
@@ -66,8 +73,14 @@ class PopenAgent(SimpleElasticAgent):
 
 
 def make_spec(rdzv, code, role="trainer", nproc=2, max_restarts=3, interval=0.02):
-    return WorkerSpec(role=role, local_world_size=nproc, rdzv_handler=rdzv, entrypoint=code,
-                      max_restarts=max_restarts, monitor_interval=interval)
+    return WorkerSpec(
+        role=role,
+        local_world_size=nproc,
+        rdzv_handler=rdzv,
+        entrypoint=code,
+        max_restarts=max_restarts,
+        monitor_interval=interval,
+    )
 
 
 def run_agents(specs_by_rank, **kw):
@@ -95,22 +108,35 @@ def test_spec_validation_and_entrypoint_name():
     with pytest.raises(ValueError, match="local_world_size"):
         WorkerSpec(role="r", local_world_size=0, rdzv_handler=rdzv, entrypoint="x")
     with pytest.raises(ValueError, match="monitor_interval"):
-        WorkerSpec(role="r", local_world_size=1, rdzv_handler=rdzv, entrypoint="x", monitor_interval=0)
+        WorkerSpec(
+            role="r", local_world_size=1, rdzv_handler=rdzv, entrypoint="x", monitor_interval=0
+        )
     with pytest.raises(ValueError, match="entrypoint"):
         WorkerSpec(role="r", local_world_size=1, rdzv_handler=rdzv)
-    assert WorkerSpec(role="r", local_world_size=1, rdzv_handler=rdzv,
-                      entrypoint="/usr/bin/python3").get_entrypoint_name() == "python3"
+    assert (
+        WorkerSpec(
+            role="r", local_world_size=1, rdzv_handler=rdzv, entrypoint="/usr/bin/python3"
+        ).get_entrypoint_name()
+        == "python3"
+    )
     with pytest.warns(DeprecationWarning):
         spec = WorkerSpec(role="r", local_world_size=1, rdzv_handler=rdzv, fn=make_spec)
     assert spec.entrypoint is make_spec and spec.get_entrypoint_name() == "make_spec"
-    assert WorkerState.is_running(WorkerState.HEALTHY) and WorkerState.is_running(WorkerState.UNHEALTHY)
+    assert WorkerState.is_running(WorkerState.HEALTHY) and WorkerState.is_running(
+        WorkerState.UNHEALTHY
+    )
     assert not WorkerState.is_running(WorkerState.SUCCEEDED)
-    assert str(Worker(1, 2, 3, 4, 5)) == "local_rank=1,global_rank=2,role_rank=3,world_size=4,role_world_size=5"
+    assert (
+        str(Worker(1, 2, 3, 4, 5))
+        == "local_rank=1,global_rank=2,role_rank=3,world_size=4,role_world_size=5"
+    )
 
 
 def test_spec_has_every_torch_field():
-    torch_api = pytest.importorskip("torch.distributed.elastic.agent.server.api",
-                                    reason="torch 2.13 needed to compare WorkerSpec fields")
+    torch_api = pytest.importorskip(
+        "torch.distributed.elastic.agent.server.api",
+        reason="torch 2.13 needed to compare WorkerSpec fields",
+    )
     import dataclasses
 
     ours = [(f.name, f.default) for f in dataclasses.fields(WorkerSpec)]
@@ -157,7 +183,7 @@ def test_fast_path_uses_no_store(monkeypatch, no_identical_env, env):
 @pytest.mark.usefixtures("no_identical_env")
 def test_restarts_until_success(store_server, tmp_path):
     # Each worker fails while fewer than 2 restarts happened, then succeeds.
-    code = ("import os,sys; sys.exit(0 if int(os.environ['TORCHELASTIC_RESTART_COUNT']) >= 2 else 3)")
+    code = "import os,sys; sys.exit(0 if int(os.environ['TORCHELASTIC_RESTART_COUNT']) >= 2 else 3)"
     rdzv = StoreRendezvous(store_server, 0, 1)
     agent = PopenAgent(make_spec(rdzv, code), exit_barrier_timeout=10)
     result = agent.run()
@@ -171,7 +197,9 @@ def test_restarts_until_success(store_server, tmp_path):
 @pytest.mark.usefixtures("no_identical_env")
 def test_failure_after_max_restarts(store_server):
     rdzv = StoreRendezvous(store_server, 0, 1)
-    agent = PopenAgent(make_spec(rdzv, "import sys; sys.exit(7)", max_restarts=1), exit_barrier_timeout=5)
+    agent = PopenAgent(
+        make_spec(rdzv, "import sys; sys.exit(7)", max_restarts=1), exit_barrier_timeout=5
+    )
     result = agent.run()
     assert result.is_failed() and result.state == WorkerState.FAILED
     assert result.failures and set(result.failures) <= {0, 1}
@@ -183,9 +211,11 @@ def test_failure_after_max_restarts(store_server):
 def test_membership_change_restarts_without_using_a_retry(store_server, tmp_path):
     flag = tmp_path / "go"
     # Workers wait for the flag file, bounded at 20 s.
-    code = (f"import os,time,sys\nd=time.monotonic()+20\n"
-            f"while not os.path.exists({str(flag)!r}) and time.monotonic()<d: time.sleep(0.01)\n"
-            f"sys.exit(0 if os.path.exists({str(flag)!r}) else 9)")
+    code = (
+        f"import os,time,sys\nd=time.monotonic()+20\n"
+        f"while not os.path.exists({str(flag)!r}) and time.monotonic()<d: time.sleep(0.01)\n"
+        f"sys.exit(0 if os.path.exists({str(flag)!r}) else 9)"
+    )
     rdzv = StoreRendezvous(store_server, 0, 1)
     agent = PopenAgent(make_spec(rdzv, code, nproc=1), exit_barrier_timeout=5)
     box = {}
@@ -206,8 +236,9 @@ def test_membership_change_restarts_without_using_a_retry(store_server, tmp_path
 @pytest.mark.usefixtures("no_identical_env")
 def test_failed_node_releases_exit_barrier_at_once(store_server):
     ok = make_spec(StoreRendezvous(store_server, 0, 2), "pass", nproc=1, max_restarts=0)
-    bad = make_spec(StoreRendezvous(store_server, 1, 2), "import sys; sys.exit(1)", nproc=1,
-                    max_restarts=0)
+    bad = make_spec(
+        StoreRendezvous(store_server, 1, 2), "import sys; sys.exit(1)", nproc=1, max_restarts=0
+    )
     start = time.monotonic()
     out = run_agents({0: ok, 1: bad}, exit_barrier_timeout=120)
     elapsed = time.monotonic() - start
@@ -219,12 +250,21 @@ def test_failed_node_releases_exit_barrier_at_once(store_server):
 @pytest.mark.usefixtures("no_identical_env")
 def test_exit_barrier_waits_for_slow_peer(store_server, tmp_path):
     flag = tmp_path / "release"
-    slow_code = (f"import os,time\nd=time.monotonic()+20\n"
-                 f"while not os.path.exists({str(flag)!r}) and time.monotonic()<d: time.sleep(0.01)")
-    fast = PopenAgent(make_spec(StoreRendezvous(store_server, 0, 2), "pass", nproc=1), exit_barrier_timeout=60)
-    slow = PopenAgent(make_spec(StoreRendezvous(store_server, 1, 2), slow_code, nproc=1), exit_barrier_timeout=60)
+    slow_code = (
+        f"import os,time\nd=time.monotonic()+20\n"
+        f"while not os.path.exists({str(flag)!r}) and time.monotonic()<d: time.sleep(0.01)"
+    )
+    fast = PopenAgent(
+        make_spec(StoreRendezvous(store_server, 0, 2), "pass", nproc=1), exit_barrier_timeout=60
+    )
+    slow = PopenAgent(
+        make_spec(StoreRendezvous(store_server, 1, 2), slow_code, nproc=1), exit_barrier_timeout=60
+    )
     box = {}
-    ts = [threading.Thread(target=lambda a=a, k=k: box.setdefault(k, a.run())) for k, a in (("f", fast), ("s", slow))]
+    ts = [
+        threading.Thread(target=lambda a=a, k=k: box.setdefault(k, a.run()))
+        for k, a in (("f", fast), ("s", slow))
+    ]
     for t in ts:
         t.start()
     deadline = time.monotonic() + 20

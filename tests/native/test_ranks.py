@@ -62,7 +62,7 @@ LAYOUTS = [
     [("trainer", 2), ("trainer", 2), ("trainer", 2)],
     [("trainer", 2), ("ps", 1), ("trainer", 3), ("ps", 2), ("eval", 1)],
     [("b", 1), ("a", 5), ("b", 2), ("a", 1)],
-    [("é\"role", 2), ("plain", 1), ("é\"role", 3)],  # forces the json fallback
+    [('é"role', 2), ("plain", 1), ('é"role', 3)],  # forces the json fallback
 ]
 
 
@@ -107,8 +107,14 @@ def test_fallback_parser_accepts_other_json_layouts():
 
 @pytest.mark.parametrize(
     "bad",
-    [b"", b"{", b'{"role": "r", "rank": 0}', b'{"role": 1, "rank": 0, "local_world_size": 1}',
-     b'{"role": "r", "rank": 0, "local_world_size": 0}', b"[1, 2]"],
+    [
+        b"",
+        b"{",
+        b'{"role": "r", "rank": 0}',
+        b'{"role": 1, "rank": 0, "local_world_size": 1}',
+        b'{"role": "r", "rank": 0, "local_world_size": 0}',
+        b"[1, 2]",
+    ],
 )
 def test_malformed_role_info_raises_clear_error(bad):
     with pytest.raises(ValueError, match="role info"):

@@ -61,9 +61,7 @@ def _get_or_create_logger(destination: str = "null") -> logging.Logger:
         return logger
 
 
-def _rebind_logger(
-    name: str, old: logging.Handler | None, new: logging.Handler | None
-) -> None:
+def _rebind_logger(name: str, old: logging.Handler | None, new: logging.Handler | None) -> None:
     """Swaps the handler of an already-built destination logger (after register/unregister)."""
     with _loggers_lock:
         logger = _events_loggers.get(name)

@@ -1,4 +1,4 @@
-"""Named logging handlers that events are sent to (``null``, ``console``, ``dynamic_rendezvous``)."""
+"""Named logging handlers events go to (``null``, ``console``, ``dynamic_rendezvous``, yours)."""
 
 from __future__ import annotations
 

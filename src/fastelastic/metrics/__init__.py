@@ -33,8 +33,8 @@ __all__ = [
     "MetricsConfig",
     "NullMetricHandler",
     "configure",
-    "get_elapsed_time_ms",
     "getStream",
+    "get_elapsed_time_ms",
     "initialize_metrics",
     "prof",
     "profile",
@@ -45,4 +45,4 @@ __all__ = [
 
 def initialize_metrics(cfg: MetricsConfig | None = None) -> None:
     """Hook for metric backends that need set-up; the built-in handlers need none."""
-    return None
+    return

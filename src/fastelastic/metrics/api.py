@@ -12,19 +12,19 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 __all__ = [
-    "MetricsConfig",
-    "MetricHandler",
     "ConsoleMetricHandler",
-    "NullMetricHandler",
+    "MetricData",
+    "MetricHandler",
     "MetricStream",
+    "MetricsConfig",
+    "NullMetricHandler",
     "configure",
     "getStream",
+    "get_elapsed_time_ms",
     "prof",
     "profile",
-    "put_metric",
     "publish_metric",
-    "get_elapsed_time_ms",
-    "MetricData",
+    "put_metric",
 ]
 
 MetricData = namedtuple("MetricData", ["timestamp", "group_name", "name", "value"])
@@ -99,7 +99,7 @@ def configure(handler: MetricHandler, group: str | None = None) -> None:
             _metrics_map[group] = handler
 
 
-def getStream(group: str) -> MetricStream:  # noqa: N802 - torch's name
+def getStream(group: str) -> MetricStream:
     """Returns the stream of ``group``, bound to its handler (or the default one)."""
     with _lock:
         handler = _metrics_map.get(group, _default_metrics_handler)

@@ -46,9 +46,7 @@ def exchange_ranks(
     if group_rank == 0:
         infos = store.multi_get([f"{ROLE_INFO_PREFIX}{i}" for i in range(group_world_size)])
         values = _ranks.assign_from_role_infos(list(infos))
-        store.multi_set(
-            [f"{ASSIGNED_RANKS_PREFIX}{i}" for i in range(group_world_size)], values
-        )
+        store.multi_set([f"{ASSIGNED_RANKS_PREFIX}{i}" for i in range(group_world_size)], values)
     return _ranks.decode_assignment(store.get(f"{ASSIGNED_RANKS_PREFIX}{group_rank}"))
 
 

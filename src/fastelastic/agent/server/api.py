@@ -1,26 +1,22 @@
-"""Agent contract (WorkerSpec, Worker, WorkerGroup, WorkerState, RunResult) and SimpleElasticAgent."""
+"""Agent contract (WorkerSpec, Worker, WorkerGroup, WorkerState, RunResult), SimpleElasticAgent."""
 
 from __future__ import annotations
 
 import abc
-import functools
-import json
 import logging
 import os
 import signal
-import socket
 import time
-import traceback
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from fastelastic.agent.server import _coord
+from fastelastic.agent.server._telemetry import _AgentTelemetry
 from fastelastic.errors import RendezvousGracefulExitError, SignalException
-from fastelastic.events import Event, EventSource, get_logging_handler, record
+from fastelastic.events import EventSource
 from fastelastic.metrics import prof, put_metric
 
 if TYPE_CHECKING:
@@ -87,7 +83,9 @@ class WorkerSpec:
 
     def __post_init__(self) -> None:
         if not isinstance(self.local_world_size, int) or self.local_world_size <= 0:
-            raise ValueError(f"local_world_size must be a positive int, got {self.local_world_size!r}")
+            raise ValueError(
+                f"local_world_size must be a positive int, got {self.local_world_size!r}"
+            )
         if self.monitor_interval <= 0:
             raise ValueError(f"monitor_interval must be positive, got {self.monitor_interval!r}")
         if self.max_restarts < 0:
@@ -212,12 +210,6 @@ class RunResult:
         return self.state == WorkerState.FAILED
 
 
-@functools.lru_cache(maxsize=1)
-def _get_fq_hostname() -> str:
-    # Resolved once, and only when an event is actually recorded somewhere.
-    return socket.getfqdn(socket.gethostname())
-
-
 class ElasticAgent(abc.ABC):
     """A process that manages one or more local worker processes.
 
@@ -243,7 +235,7 @@ class ElasticAgent(abc.ABC):
         """Returns the (mutable) ``WorkerGroup`` of ``role``."""
 
 
-class SimpleElasticAgent(ElasticAgent):
+class SimpleElasticAgent(_AgentTelemetry, ElasticAgent):
     """An ``ElasticAgent`` managing the ``WorkerGroup`` of a single ``WorkerSpec``.
 
     Subclasses provide ``_start_workers``, ``_stop_workers``, ``_monitor_workers`` and
@@ -251,7 +243,9 @@ class SimpleElasticAgent(ElasticAgent):
     (the default sleeps ``monitor_interval`` as torch does).
     """
 
-    def __init__(self, spec: WorkerSpec, exit_barrier_timeout: float = 300, shutdown_timeout: int = 30):
+    def __init__(
+        self, spec: WorkerSpec, exit_barrier_timeout: float = 300, shutdown_timeout: int = 30
+    ):
         self._worker_group = WorkerGroup(spec)
         self._remaining_restarts = spec.max_restarts
         self._store: Any = None
@@ -262,11 +256,6 @@ class SimpleElasticAgent(ElasticAgent):
 
     def get_worker_group(self, role: str = DEFAULT_ROLE) -> WorkerGroup:
         return self._worker_group
-
-    @property
-    def restart_count(self) -> int:
-        """How many times the worker group has been restarted after a failure."""
-        return self._worker_group.spec.max_restarts - self._remaining_restarts
 
     @abc.abstractmethod
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
@@ -284,9 +273,20 @@ class SimpleElasticAgent(ElasticAgent):
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
         """Releases everything the agent allocated; workers get ``death_sig``, then SIGKILL."""
 
-    def _wait_for_workers(self, worker_group: WorkerGroup, timeout: float) -> None:
-        """Blocks up to ``timeout`` seconds or until a worker may have changed state."""
-        time.sleep(timeout)
+    def _wait_for_workers(self, worker_group: WorkerGroup, timeout: float | None) -> None:
+        """Blocks up to ``timeout`` seconds (None: indefinitely) or until a worker may have
+        changed state. This default cannot see exits, so it sleeps ``monitor_interval`` at most.
+        """
+        interval = worker_group.spec.monitor_interval
+        time.sleep(interval if timeout is None else min(timeout, interval))
+
+    def _membership_check_interval(self, spec: WorkerSpec) -> float | None:
+        """Seconds between ``num_nodes_waiting`` checks; None when membership cannot change.
+
+        The ``static`` rendezvous has a fixed membership, so the agent then needs no timer at
+        all and sleeps until a worker exits or a signal arrives.
+        """
+        return None if spec.rdzv_handler.get_backend() == "static" else spec.monitor_interval
 
     @prof
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
@@ -312,9 +312,16 @@ class SimpleElasticAgent(ElasticAgent):
         logger.info(
             "[%s] Rendezvous complete: restart_count=%s master=%s:%s group_rank=%s "
             "group_world_size=%s global_ranks=%s role_ranks=%s world_size=%s role_world_size=%s",
-            spec.role, self.restart_count, master_addr, master_port, group_rank,
-            group_world_size, [w.global_rank for w in workers], [w.role_rank for w in workers],
-            workers[0].world_size, workers[0].role_world_size,
+            spec.role,
+            self.restart_count,
+            master_addr,
+            master_port,
+            group_rank,
+            group_world_size,
+            [w.global_rank for w in workers],
+            [w.role_rank for w in workers],
+            workers[0].world_size,
+            workers[0].role_world_size,
         )
 
     @prof
@@ -395,11 +402,13 @@ class SimpleElasticAgent(ElasticAgent):
         role = spec.role
         logger.info("[%s] starting workers for entrypoint: %s", role, spec.get_entrypoint_name())
         self._initialize_workers(wg)
-        next_check = time.monotonic() + spec.monitor_interval
+        interval = self._membership_check_interval(spec)
+        next_check = None if interval is None else time.monotonic() + interval
         while True:
             if wg.state == WorkerState.INIT:
                 raise AssertionError("worker group still in INIT after start")
-            self._wait_for_workers(wg, max(0.0, next_check - time.monotonic()))
+            timeout = None if next_check is None else max(0.0, next_check - time.monotonic())
+            self._wait_for_workers(wg, timeout)
             run_result = self._monitor_workers(wg)
             state = run_result.state
             wg.state = state
@@ -413,11 +422,15 @@ class SimpleElasticAgent(ElasticAgent):
                 if self._remaining_restarts > 0:
                     logger.info(
                         "[%s] Worker group %s. %s/%s attempts left; will restart worker group",
-                        role, state.name, self._remaining_restarts, spec.max_restarts,
+                        role,
+                        state.name,
+                        self._remaining_restarts,
+                        spec.max_restarts,
                     )
                     self._remaining_restarts -= 1
                     self._restart_workers(wg)
-                    next_check = time.monotonic() + spec.monitor_interval
+                    if interval is not None:
+                        next_check = time.monotonic() + interval
                     continue
                 self._stop_workers(wg)
                 wg.state = WorkerState.FAILED
@@ -426,17 +439,19 @@ class SimpleElasticAgent(ElasticAgent):
             if state != WorkerState.HEALTHY:
                 raise RuntimeError(f"[{role}] Worker group in {state.name} state")
             now = time.monotonic()
-            if now >= next_check:
-                next_check = now + spec.monitor_interval
+            if interval is not None and next_check is not None and now >= next_check:
+                next_check = now + interval
                 # membership changes do not count as retries
                 num_nodes_waiting = spec.rdzv_handler.num_nodes_waiting()
                 if num_nodes_waiting > 0:
                     logger.info(
                         "[%s] Detected %s new nodes from group_rank=%s; will restart worker group",
-                        role, num_nodes_waiting, wg.group_rank,
+                        role,
+                        num_nodes_waiting,
+                        wg.group_rank,
                     )
                     self._restart_workers(wg)
-                    next_check = time.monotonic() + spec.monitor_interval
+                    next_check = time.monotonic() + interval
 
     def _publish_failure(self) -> None:
         """Tells agents waiting in the exit barrier that this node failed, so they stop waiting."""
@@ -456,125 +471,27 @@ class SimpleElasticAgent(ElasticAgent):
         wg = self._worker_group
         logger.info(
             "Local worker group finished (%s). Waiting up to %s seconds for other agents",
-            wg.state, self._exit_barrier_timeout,
+            wg.state,
+            self._exit_barrier_timeout,
         )
         start = time.monotonic()
         self._in_exit_barrier = True
         try:
-            failed = _coord.exit_barrier(self._store, wg.group_world_size or 1, self._exit_barrier_timeout)
+            failed = _coord.exit_barrier(
+                self._store, wg.group_world_size or 1, self._exit_barrier_timeout
+            )
             if failed is None:
-                logger.info("Done waiting for other agents. Elapsed: %.3f s", _coord.elapsed_since(start))
+                logger.info(
+                    "Done waiting for other agents. Elapsed: %.3f s", _coord.elapsed_since(start)
+                )
             else:
                 logger.warning("Agent of group_rank %s failed; leaving the exit barrier", failed)
         except SignalException as e:
             logger.warning("Got termination signal: %s", e.sigval)
             raise
         except Exception:
-            logger.exception("Error waiting on exit barrier. Elapsed: %.3f s", _coord.elapsed_since(start))
+            logger.exception(
+                "Error waiting on exit barrier. Elapsed: %.3f s", _coord.elapsed_since(start)
+            )
         finally:
             self._in_exit_barrier = False
-
-    # ------------------------------------------------------------------ events and metrics
-
-    def get_event_failed(self) -> Event:
-        """The agent-level FAILED event (with the current exception's traceback)."""
-        return self._construct_event("FAILED", EventSource.AGENT, raw_error=traceback.format_exc())
-
-    def get_event_succeeded(self) -> Event:
-        """The agent-level SUCCEEDED event."""
-        return self._construct_event("SUCCEEDED", EventSource.AGENT)
-
-    def _record(self, state: str, source: EventSource, **kwargs: Any) -> None:
-        destination = self._worker_group.spec.event_log_handler
-        # Building an event resolves the host name: skip it when nobody listens.
-        if isinstance(get_logging_handler(destination), logging.NullHandler):
-            return
-        record(self._construct_event(state, source, **kwargs), destination)
-
-    def _record_worker_events(self, result: RunResult) -> None:
-        for worker in self._worker_group.workers:
-            failure = result.failures.get(worker.global_rank)
-            self._record(
-                self._get_worker_state(worker, result),
-                EventSource.WORKER,
-                worker=worker,
-                raw_error=json.dumps(failure.error_file_data) if failure else None,
-                exit_code=failure.exitcode if failure else None,
-                worker_pid=failure.pid if failure else None,
-            )
-
-    def _get_worker_state(self, worker: Worker, result: RunResult) -> str:
-        failure = result.failures.get(worker.global_rank)
-        if result.state in {WorkerState.UNHEALTHY, WorkerState.FAILED} and not failure:
-            return "TERMINATED"  # stopped by this agent
-        if failure or worker.global_rank in result.return_values:
-            return result.state.value
-        if result.state == WorkerState.SUCCEEDED:
-            return result.state.value  # binaries have no return values
-        raise ValueError(f"Unknown worker: {worker.global_rank}")
-
-    @contextmanager
-    def record_duration(self, state: str) -> Iterator[None]:
-        """Records an AGENT event named ``state`` with the block's duration in milliseconds."""
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._record(state, EventSource.AGENT, duration_ms=(time.perf_counter() - start) * 1000)
-
-    def _construct_event(
-        self,
-        state: str,
-        source: EventSource,
-        worker: Worker | None = None,
-        raw_error: str | None = None,
-        duration_ms: float | None = None,
-        exit_code: int | None = None,
-        worker_pid: int | None = None,
-    ) -> Event:
-        wg = self._worker_group
-        spec = wg.spec
-        md: dict[str, Any] = {
-            "group_world_size": wg.group_world_size,
-            "entry_point": spec.get_entrypoint_name(),
-        }
-        if worker:
-            md.update(
-                local_rank=(worker.local_rank,), role_rank=(worker.role_rank,),
-                role_world_size=(worker.role_world_size,), exit_code=(exit_code,),
-                worker_pid=(worker_pid,),
-            )
-        metadata: dict[str, Any] = {
-            "run_id": spec.rdzv_handler.get_run_id(),
-            "global_rank": worker.global_rank if worker else None,
-            "group_rank": wg.group_rank,
-            "worker_id": str(worker.id) if worker else None,
-            "role": spec.role,
-            "hostname": _get_fq_hostname(),
-            "state": state,
-            "total_run_time": self._total_execution_time,
-            "rdzv_backend": spec.rdzv_handler.get_backend(),
-            "raw_error": raw_error,
-            "metadata": json.dumps(md),
-            "agent_restarts": self.restart_count,
-            "duration_ms": duration_ms,
-        }
-        return Event(f"torchelastic.worker.status.{state}", source=source, metadata=metadata)
-
-    def _record_metrics(self, group_results: RunResult) -> None:
-        is_failed = group_results.is_failed()
-        spec = self._worker_group.spec
-        if is_failed:
-            flakiness = 100.0
-        else:
-            flakiness = 100.0 - 100.0 * (self._remaining_restarts + 1) / (spec.max_restarts + 1)
-        put_metric(f"workers.{spec.role}.flakiness", int(flakiness))
-        restarted = self._remaining_restarts != spec.max_restarts
-        put_metric(f"workers.{spec.role}.run_total", 1)
-        for name, cond in (
-            ("run_success_with_retries", not is_failed and restarted),
-            ("run_success_no_retries", not is_failed and not restarted),
-            ("run_failed_with_retries", is_failed and restarted),
-            ("run_failed_no_retries", is_failed and not restarted),
-        ):
-            put_metric(f"workers.{spec.role}.{name}", 1 if cond else 0)

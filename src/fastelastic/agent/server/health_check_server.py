@@ -123,9 +123,11 @@ class HealthCheckServer:
         family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
         # Non-daemon handler threads + block_on_close: stop() returns only once every
         # connection is closed, so no socket outlives the server.
-        httpd_cls = type("_HealthHTTPServer", (ThreadingHTTPServer,),
-                         {"address_family": family, "daemon_threads": False,
-                          "block_on_close": True})
+        httpd_cls = type(
+            "_HealthHTTPServer",
+            (ThreadingHTTPServer,),
+            {"address_family": family, "daemon_threads": False, "block_on_close": True},
+        )
         self._httpd = httpd_cls((self._host, self._port), _Handler)
         self._port = int(self._httpd.server_address[1])
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)

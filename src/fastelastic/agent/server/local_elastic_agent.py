@@ -53,7 +53,9 @@ def _resolve_uninterruptible_state_timeout(explicit: float | None) -> float:
     try:
         return max(0.0, float(raw)) if raw else 0.0
     except ValueError:
-        logger.warning("ignoring %s=%r: not a number", TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT, raw)
+        logger.warning(
+            "ignoring %s=%r: not a number", TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT, raw
+        )
         return 0.0
 
 
@@ -123,7 +125,9 @@ class LocalElasticAgent(SimpleElasticAgent):
 
     # ------------------------------------------------------------------ environment
 
-    def _worker_env(self, wg: WorkerGroup, worker: Any, restart_count: int, use_agent_store: bool) -> dict[str, str]:
+    def _worker_env(
+        self, wg: WorkerGroup, worker: Any, restart_count: int, use_agent_store: bool
+    ) -> dict[str, str]:
         spec = wg.spec
         env = {
             "RANK": str(worker.global_rank),
@@ -172,7 +176,9 @@ class LocalElasticAgent(SimpleElasticAgent):
 
     def _log_prefix(self, spec: WorkerSpec, worker: Any) -> str:
         return Template(self._log_line_prefix_template or "").safe_substitute(
-            role_name=spec.role, rank=worker.global_rank, local_rank=worker.local_rank,
+            role_name=spec.role,
+            rank=worker.global_rank,
+            local_rank=worker.local_rank,
             hostname=socket.gethostname(),
         )
 
@@ -187,13 +193,20 @@ class LocalElasticAgent(SimpleElasticAgent):
                 path = default_timer_file()
             run_id = envs[0]["TORCHELASTIC_RUN_ID"] if envs else ""
             self._worker_watchdog = FileTimerServer(
-                file_path=path, run_id=run_id, max_interval=0.1, daemon=True,
+                file_path=path,
+                run_id=run_id,
+                max_interval=0.1,
+                daemon=True,
                 log_event=self._log_watchdog_event,
             )
             self._worker_watchdog.start()
             logger.info("FileTimerServer started on %s", path)
         if self._worker_watchdog is not None:
-            path = self._worker_watchdog.file_path if hasattr(self._worker_watchdog, "file_path") else path
+            path = (
+                self._worker_watchdog.file_path
+                if hasattr(self._worker_watchdog, "file_path")
+                else path
+            )
         if path is not None:
             for env in envs.values():
                 env[TORCHELASTIC_TIMER_FILE] = path
@@ -204,11 +217,15 @@ class LocalElasticAgent(SimpleElasticAgent):
         md: dict[str, str] = {"watchdog_event": name}
         if request is not None:
             md.update(
-                worker_pid=str(request.worker_pid), scope_id=str(request.scope_id),
-                expiration_time=str(request.expiration_time), signal=str(request.signal),
+                worker_pid=str(request.worker_pid),
+                scope_id=str(request.scope_id),
+                expiration_time=str(request.expiration_time),
+                signal=str(request.signal),
             )
         if name == "kill worker process":
-            logger.warning("watchdog killed worker %s (scope %s)", md.get("worker_pid"), md.get("scope_id"))
+            logger.warning(
+                "watchdog killed worker %s (scope %s)", md.get("worker_pid"), md.get("scope_id")
+            )
         if isinstance(events.get_logging_handler(spec.event_log_handler), logging.NullHandler):
             return
         metadata: dict[str, events.EventMetadataValue] = {
@@ -225,8 +242,10 @@ class LocalElasticAgent(SimpleElasticAgent):
             "metadata": json.dumps(md),
             "agent_restarts": self.restart_count,
         }
-        events.record(events.Event(name=name, source=events.EventSource.AGENT, metadata=metadata),
-                      spec.event_log_handler)
+        events.record(
+            events.Event(name=name, source=events.EventSource.AGENT, metadata=metadata),
+            spec.event_log_handler,
+        )
 
     def _get_alive_time(self) -> int:
         """Last progress time for the health check: the watchdog's, else now."""
@@ -247,8 +266,15 @@ class LocalElasticAgent(SimpleElasticAgent):
                 wstate = "EXITED"
             else:
                 wstate = str(live.get(w.local_rank, "running")).upper()
-            workers.append({"local_rank": w.local_rank, "global_rank": w.global_rank, "pid": w.id,
-                            "state": wstate, "exitcode": exitcodes.get(w.local_rank)})
+            workers.append(
+                {
+                    "local_rank": w.local_rank,
+                    "global_rank": w.global_rank,
+                    "pid": w.id,
+                    "state": wstate,
+                    "exitcode": exitcodes.get(w.local_rank),
+                }
+            )
         return {
             "state": wg.state.value,
             "role": wg.spec.role,
@@ -269,10 +295,15 @@ class LocalElasticAgent(SimpleElasticAgent):
         try:
             port = int(raw)
         except ValueError:
-            logger.warning("Invalid %s=%r, expecting an integer; no health check server",
-                           TORCHELASTIC_HEALTH_CHECK_PORT, raw)
+            logger.warning(
+                "Invalid %s=%r, expecting an integer; no health check server",
+                TORCHELASTIC_HEALTH_CHECK_PORT,
+                raw,
+            )
             return
-        server = create_healthcheck_server(alive_callback=self._get_alive_time, port=port, timeout=60)
+        server = create_healthcheck_server(
+            alive_callback=self._get_alive_time, port=port, timeout=60
+        )
         server.set_status_callback(self._health_status)
         server.start()
         self._health_check_server = server
@@ -306,9 +337,14 @@ class LocalElasticAgent(SimpleElasticAgent):
             if getattr(spec, name) is not None:
                 kwargs[name] = getattr(spec, name)
         self._pcontext = start_processes(
-            name=spec.role, entrypoint=spec.entrypoint, args=args, envs=envs,
-            logs_specs=self._logs_specs, log_line_prefixes=prefixes,
-            start_method=self._start_method, **kwargs,
+            name=spec.role,
+            entrypoint=spec.entrypoint,
+            args=args,
+            envs=envs,
+            logs_specs=self._logs_specs,
+            log_line_prefixes=prefixes,
+            start_method=self._start_method,
+            **kwargs,
         )
         pids = self._pcontext.pids()
         self._exits_pending = True
@@ -317,13 +353,18 @@ class LocalElasticAgent(SimpleElasticAgent):
             self._worker_watchdog.set_allowed_pids(list(pids.values()))
         return pids
 
-    def _wait_for_workers(self, worker_group: WorkerGroup, timeout: float) -> None:
+    def _wait_for_workers(self, worker_group: WorkerGroup, timeout: float | None) -> None:
         """Blocks until a worker exits or ``timeout`` elapses (pidfds, no polling)."""
         pc = self._pcontext
         if pc is None:
-            time.sleep(timeout)
+            super()._wait_for_workers(worker_group, timeout)
         elif pc.wait_any(timeout):
             self._exits_pending = True
+
+    def _membership_check_interval(self, spec: WorkerSpec) -> float | None:
+        if self._uninterruptible_state_timeout > 0:
+            return spec.monitor_interval  # the D-state check needs a periodic look
+        return super()._membership_check_interval(spec)
 
     @prof
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
@@ -342,7 +383,9 @@ class LocalElasticAgent(SimpleElasticAgent):
 
     # ------------------------------------------------------------------ monitoring
 
-    def _check_uninterruptible_state_timeout(self, worker_group: WorkerGroup, timeout: float) -> RunResult | None:
+    def _check_uninterruptible_state_timeout(
+        self, worker_group: WorkerGroup, timeout: float
+    ) -> RunResult | None:
         """UNHEALTHY (and no more restarts) once a worker sat in D-state for ``timeout`` s."""
         assert self._pcontext is not None
         states = self._pcontext.worker_states()  # {local_rank: psutil status} of live workers
@@ -363,9 +406,14 @@ class LocalElasticAgent(SimpleElasticAgent):
         if not stuck:
             return None
         for pid, elapsed in stuck:
-            logger.error("[%s] worker pid=%s stuck in uninterruptible sleep (D-state) for %.1fs"
-                         " (>= %.1fs); marking the group UNHEALTHY, no more restarts",
-                         worker_group.spec.role, pid, elapsed, timeout)
+            logger.error(
+                "[%s] worker pid=%s stuck in uninterruptible sleep (D-state) for %.1fs"
+                " (>= %.1fs); marking the group UNHEALTHY, no more restarts",
+                worker_group.spec.role,
+                pid,
+                elapsed,
+                timeout,
+            )
         self._remaining_restarts = 0  # a wedged worker holds a device a new one would need
         return RunResult(state=WorkerState.UNHEALTHY)
 
@@ -386,15 +434,23 @@ class LocalElasticAgent(SimpleElasticAgent):
         worker_pids = {w.id for w in worker_group.workers}
         pc_pids = set(self._pcontext.pids().values())
         if worker_pids != pc_pids:
-            logger.error("[%s] worker pids do not match process_context pids. Expected: %s, actual: %s",
-                         role, worker_pids, pc_pids)
+            logger.error(
+                "[%s] worker pids do not match process_context pids. Expected: %s, actual: %s",
+                role,
+                worker_pids,
+                pc_pids,
+            )
             return RunResult(state=WorkerState.UNKNOWN)
         result = self._pcontext.wait(0)
         if result:
             if result.is_failed():
-                failures = {worker_group.workers[lr].global_rank: f for lr, f in result.failures.items()}
+                failures = {
+                    worker_group.workers[lr].global_rank: f for lr, f in result.failures.items()
+                }
                 return RunResult(state=WorkerState.FAILED, failures=failures)
-            values = {worker_group.workers[lr].global_rank: v for lr, v in result.return_values.items()}
+            values = {
+                worker_group.workers[lr].global_rank: v for lr, v in result.return_values.items()
+            }
             return RunResult(state=WorkerState.SUCCEEDED, return_values=values)
         if timeout > 0:
             stuck = self._check_uninterruptible_state_timeout(worker_group, timeout)
