@@ -485,3 +485,22 @@ def test_start_installs_torch_signal_handlers(monkeypatch):
     finally:
         for s, h in saved.items():
             signal.signal(s, h)
+
+
+def test_exit_lost_to_a_signal_handler_is_recovered():
+    # simulate a handler raising right after the monitor reported (and forgot) an exit
+    pc = start_processes(
+        "l",
+        "/bin/sh",
+        {0: ("-c", "exit 4"), 1: ("-c", "sleep 60")},
+        _envs(2),
+        DefaultLogsSpecs(log_dir=os.devnull),
+    )
+    monitor = pc._monitor
+    lost = []
+    deadline = time.monotonic() + 10
+    while not lost and time.monotonic() < deadline:
+        lost = monitor.wait(deadline - time.monotonic())  # what _collect would have recorded
+    assert lost == [(pc.pids()[0], 4)]
+    result = pc.wait(10)
+    assert result.failures[0].exitcode == 4

@@ -191,13 +191,20 @@ class PContext(abc.ABC):
             raise
         with self._lock:
             for pid, status in events:
-                rank = self._rank_of[pid]
-                code = self._exitcode(rank, status)
-                self._exitcodes[rank] = code
-                self._exit_seq += 1
-                if code != 0 and not self._closed:
-                    self._failed_ranks.append(rank)
+                self._record_exit(self._rank_of[pid], status)
+            # A Python signal handler may raise between monitor.wait() returning and the loop
+            # above; such exits are no longer watched: ask their owner (a zombie waits for it).
+            for rank, pid in self._pids.items():
+                if rank not in self._exitcodes and pid not in monitor and not monitor.closed:
+                    self._record_exit(rank, None)
         return bool(events)
+
+    def _record_exit(self, rank: int, status: int | None) -> None:
+        code = self._exitcode(rank, status)
+        self._exitcodes[rank] = code
+        self._exit_seq += 1
+        if code != 0 and not self._closed:
+            self._failed_ranks.append(rank)
 
     @abc.abstractmethod
     def _exitcode(self, rank: int, status: int | None) -> int | None:
