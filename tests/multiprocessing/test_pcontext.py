@@ -386,9 +386,11 @@ def test_no_fd_leaks_across_runs(logs_dir):
 
     run()  # starts the guardian
     before = open_fds()
+    threads = threading.active_count()
     for _ in range(3):
         run()
     assert open_fds() == before
+    assert threading.active_count() == threads  # each context's pump thread has ended
 
 
 # ---------------------------------------------------------------- logs
