@@ -64,7 +64,7 @@ def _nofile():
 @pytest.fixture(scope="session")
 def servers():
     """One server process per implementation, shared by the benchmarks that need no fresh one."""
-    started = {}
+    started = Servers()
     try:
         for impl in ("fastelastic", "torch"):
             started[impl] = sb.ServerProc(impl)
@@ -72,6 +72,15 @@ def servers():
     finally:
         for s in started.values():
             s.stop()
+
+
+class Servers(dict):
+    """impl -> ServerProc; a server left busy by an abandoned request is replaced."""
+
+    def restart(self, impl: str) -> sb.ServerProc:
+        self[impl].stop()
+        self[impl] = sb.ServerProc(impl)
+        return self[impl]
 
 
 class WorkerPool:
@@ -182,6 +191,8 @@ _ROWS = [
           ("time_s", "time to all connected+handshaked+ADD", "ms", 1000, "<=",
            1 / 3 if n == 16384 else None),
           ("server_cpu_s", "server CPU", "ms", 1000, "", None),
+          ("client_cpu_s", "light clients' CPU (2 cores in all)", "ms", 1000, "", None),
+          ("listen_drops", "TcpExt ListenDrops (accept queue full)", "", 1, "", None),
           ("errors", "refused/reset/unfinished", "", 1, "", None))],
     ("rss", "idle", "rss_mib", "server RSS with idle connections", "MiB", 1, "", None),
     ("rss", "idle", "delta_mib", "server RSS growth for those connections", "MiB", 1, "", None),
