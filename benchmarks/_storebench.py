@@ -267,7 +267,8 @@ class Worker:
                 self.kill()
 
 
-def _client(kind: str, port: int):
+def make_client(kind: str, port: int):
+    """A client of the store at 127.0.0.1:port: torch's TCPStore or ours (kind)."""
     from datetime import timedelta
     if kind == "torch":
         import torch.distributed as dist
@@ -283,7 +284,7 @@ class _WorkerState:
         self.prefix = ""
 
     def tp_connect(self, m: dict) -> dict:
-        self.clients = [_client(m["client"], m["port"]) for _ in range(m["threads"])]
+        self.clients = [make_client(m["client"], m["port"]) for _ in range(m["threads"])]
         self.prefix = m["prefix"]
         return {"ok": True}
 
@@ -325,7 +326,7 @@ class _WorkerState:
 
     def multi(self, m: dict) -> dict:
         """``rounds`` x (multi_set of n keys with 64-byte values, then multi_get of them)."""
-        c = _client(m["client"], m["port"])
+        c = make_client(m["client"], m["port"])
         n = m["n"]
         keys = [f"{m['prefix']}/{i:07d}" for i in range(n)]
         vals = [VALUE64] * n

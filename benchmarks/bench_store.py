@@ -53,7 +53,7 @@ def _lat_metrics(lat_ns: list[int]) -> dict:
 
 
 def _roundtrip(benchmark, sizes, server: sb.ServerProc, client_kind: str, op: str) -> dict:
-    client = sb._client(client_kind, server.port)
+    client = sb.make_client(client_kind, server.port)
     fn = _make_op(client, op)
     lat: list[int] = []
     clock = time.perf_counter_ns
