@@ -47,6 +47,17 @@ def _make_op(client, op: str):
     return lambda: client.compare_set(key, "a", "a")
 
 
+def _check_op(client, op: str, calls: int) -> None:
+    """The benchmarked operation really did its work (read back through the same client)."""
+    key = f"rt/{op}"
+    if op in ("set", "get"):
+        assert bytes(client.get(key)) == sb.VALUE64.encode()
+    elif op == "add":
+        assert client.add(key, 0) >= calls  # the key is shared by the runs in one session
+    else:
+        assert bytes(client.compare_set(key, "a", "a")) == b"a"
+
+
 def _lat_metrics(lat_ns: list[int]) -> dict:
     return {"p50_us": sb.pct(lat_ns, 50) / 1e3, "p99_us": sb.pct(lat_ns, 99) / 1e3,
             "mean_us": statistics.fmean(lat_ns) / 1e3, "samples": len(lat_ns)}
@@ -68,6 +79,7 @@ def _roundtrip(benchmark, sizes, server: sb.ServerProc, client_kind: str, op: st
     benchmark.pedantic(one, rounds=rounds, warmup_rounds=warmup, iterations=1)
     if op == "set":  # fire-and-forget: let the server catch up before reading its CPU
         client.add("rt/sync", 1)
+    _check_op(client, op, len(lat))
     ops = len(lat)
     cpu, cpus = server.cpu_precise() - cpu0, server.cpu() - cpus0
     measured = lat[-rounds:] if len(lat) > rounds else lat
