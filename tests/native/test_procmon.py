@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 
-from fastelastic._native.procmon import PidfdMonitor
+from fastelastic._native.procmon import PidfdMonitor, debug_counters
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -201,6 +201,7 @@ def test_bad_input_and_closed_errors():
 
 
 def test_no_fd_leak_and_dealloc_warning():
+    counters = debug_counters()  # None in release builds
     before = _fds()
     procs = [subprocess.Popen(["sleep", "60"]) for _ in range(3)]
     mon = PidfdMonitor()
@@ -219,6 +220,9 @@ def test_no_fd_leak_and_dealloc_warning():
         gc.collect()
     assert any(issubclass(x.category, ResourceWarning) for x in w)
     assert _fds() == before
+    if counters is not None:  # FASTELASTIC_DEBUG=1 build: every fd opened here was closed
+        opened, closed = debug_counters()
+        assert opened - counters[0] == closed - counters[1] == 7  # 2 monitors x 2 + 3 pidfds
 
 
 def test_forked_child_does_not_close_parent_fds():

@@ -14,10 +14,30 @@ from fastelastic._native.includes.linux cimport (
     fe_pidfd_open, fe_pidfd_send_signal, getpid, kill, pid_t, prctl, read, siginfo_t, waitid,
     write,
 )
+from fastelastic._native.includes.linux cimport FE_DEBUG
 
 
 cdef extern from "<unistd.h>" nogil:
     pid_t getppid()
+
+
+# Debug builds (FASTELASTIC_DEBUG=1) count every fd opened and closed; tests check the balance.
+cdef long _dbg_opened = 0
+cdef long _dbg_closed = 0
+
+
+cdef inline void _dbg_count(int opened, int closed) noexcept:
+    global _dbg_opened, _dbg_closed
+    if FE_DEBUG:
+        _dbg_opened += opened
+        _dbg_closed += closed
+
+
+def debug_counters():
+    """``(fds opened, fds closed)`` by every monitor so far in a debug build, else None."""
+    if FE_DEBUG:
+        return (_dbg_opened, _dbg_closed)
+    return None
 
 
 cdef int _raise_errno() except -1:
@@ -77,9 +97,11 @@ cdef class PidfdMonitor:
         self._epfd = epoll_create1(EPOLL_CLOEXEC)
         if self._epfd < 0:
             _raise_errno()
+        _dbg_count(1, 0)
         self._evfd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)
         if self._evfd < 0:
             _raise_errno()
+        _dbg_count(1, 0)
         memset(&ev, 0, sizeof(ev))
         ev.events = EPOLLIN
         ev.data.u64 = MON_WAKE_TAG
@@ -99,13 +121,16 @@ cdef class PidfdMonitor:
     cdef int _close_fds(self) noexcept:
         for fd in self._fds.values():
             close(<int>fd)
+            _dbg_count(0, 1)
         self._fds.clear()
         self._noreap.clear()
         if self._evfd >= 0:
             close(self._evfd)
+            _dbg_count(0, 1)
             self._evfd = -1
         if self._epfd >= 0:
             close(self._epfd)
+            _dbg_count(0, 1)
             self._epfd = -1
         return 0
 
@@ -163,11 +188,13 @@ cdef class PidfdMonitor:
         fd = fe_pidfd_open(pid, 0)  # pidfd_open always sets O_CLOEXEC on the new fd
         if fd < 0:
             _raise_pidfd_errno(pid)
+        _dbg_count(1, 0)
         memset(&ev, 0, sizeof(ev))
         ev.events = EPOLLIN
         ev.data.u64 = <uint64_t>pid
         if epoll_ctl(self._epfd, EPOLL_CTL_ADD, fd, &ev) != 0:
             close(fd)
+            _dbg_count(0, 1)
             _raise_errno()
         self._fds[pid] = fd
         if not reap:
@@ -186,6 +213,7 @@ cdef class PidfdMonitor:
         # if a forked child still holds a duplicate of the fd.
         epoll_ctl(self._epfd, EPOLL_CTL_DEL, fd, NULL)
         close(fd)
+        _dbg_count(0, 1)
         return 0
 
     def pids(self):

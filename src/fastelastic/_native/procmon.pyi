@@ -2,6 +2,7 @@
 
 from types import TracebackType
 
+def debug_counters() -> tuple[int, int] | None: ...
 def set_pdeathsig(sig: int = ..., expected_ppid: int = 0) -> None: ...
 
 class PidfdMonitor:
