@@ -79,14 +79,13 @@ _RESULTS: dict[tuple[str, str], dict] = {}
 
 
 def record(benchmark, op: str, impl: str, stats: dict) -> None:
-    benchmark.extra_info.update(stats)
+    benchmark.extra_info.update({f"{op} | {k}": v for k, v in stats.items()})
     _RESULTS[(op, impl)] = stats
-    other = "torch" if impl == "fastelastic" else "fastelastic"
-    if (op, other) in _RESULTS:
-        ours, theirs = _RESULTS[(op, "fastelastic")], _RESULTS[(op, "torch")]
+    if impl == "torch" and (op, "fastelastic") in _RESULTS:
+        ours, theirs = _RESULTS[(op, "fastelastic")], stats
         key = "p50_ms" if "p50_ms" in ours else next(iter(ours))
         if ours.get(key):
-            benchmark.extra_info["torch_over_fastelastic"] = round(theirs[key] / ours[key], 2)
+            benchmark.extra_info[f"{op} | torch/fastelastic {key}"] = round(theirs[key] / ours[key], 2)
     print(f"\n[{op}] {impl}: {stats}")
 
 
@@ -159,7 +158,7 @@ def _agent_process(impl: str, cfg: dict) -> None:
         args=tuple(cfg["args"]),
         nproc=cfg["nproc"],
         max_restarts=0,
-        backend="static",
+        backend=cfg.get("backend", "static"),
         port=cfg["port"],
         log_dir=cfg["log_dir"],
     )
@@ -234,12 +233,13 @@ def _pid_gone(pid: int) -> bool:
         return True
 
 
-def _start_agent_proc(impl: str, tmp, nproc: int, sleep_s: float, entry=None):
+def _start_agent_proc(impl: str, tmp, nproc: int, sleep_s: float, backend: str = "static"):
     piddir = tmp / f"pids{time.monotonic_ns()}"
     piddir.mkdir()
     script = tmp / "sleep_worker.py"
     script.write_text(SLEEP_WORKER)
     cfg = {
+        "backend": backend,
         "port": free_port(),
         "nproc": nproc,
         "log_dir": str(tmp / "logs"),
@@ -284,8 +284,9 @@ def test_sigterm_to_agent_until_workers_gone(benchmark, impl, tmp_path):
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", ["static", "c10d"])
 @pytest.mark.parametrize("impl", IMPLS)
-def test_idle_cpu_monitoring_64_workers(benchmark, impl, tmp_path):
+def test_idle_cpu_monitoring_64_workers(benchmark, impl, backend, tmp_path):
     """The agent process's own CPU (not its workers') over 5 s of monitoring 64 idle workers."""
     if impl == "torch":
         pytest.importorskip("torch", reason="!!! torch 2.13 is needed for the comparison")
@@ -305,7 +306,7 @@ def test_idle_cpu_monitoring_64_workers(benchmark, impl, tmp_path):
         return total
 
     def measure():
-        proc, _pids = _start_agent_proc(impl, tmp_path, 64, 60)
+        proc, _pids = _start_agent_proc(impl, tmp_path, 64, 60, backend)
         try:
             time.sleep(1.0)  # let start-up settle; this is the quantity measured, not a sync
             c0, t0 = cpu_ns(proc.pid), time.monotonic_ns()
@@ -318,7 +319,7 @@ def test_idle_cpu_monitoring_64_workers(benchmark, impl, tmp_path):
             proc.wait(60)
 
     benchmark.pedantic(measure, rounds=1, iterations=1)
-    record(benchmark, "idle CPU, 64 workers (% of a core)", impl, out)
+    record(benchmark, f"idle CPU, 64 workers, {backend} rdzv (% of a core)", impl, out)
 
 
 def _store_pair(impl: str):
