@@ -417,8 +417,9 @@ class PContext(abc.ABC):
         """Reaps the exited processes (context specific)."""
 
     def _release(self) -> None:
-        for pid in self._pids.values():
-            guardian.unregister(pid)
+        for rank, pid in self._pids.items():
+            if rank not in self.stuck_pids:  # still alive: the guardian keeps watching it
+                guardian.unregister(pid)
         if not self._pump.drain(_DRAIN_S):
             self._pump.stop()
         if self._monitor is not None:
