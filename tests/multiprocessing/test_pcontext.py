@@ -506,3 +506,37 @@ def test_exit_lost_to_a_signal_handler_is_recovered():
     assert lost == [(pc.pids()[0], 4)]
     result = pc.wait(10)
     assert result.failures[0].exitcode == 4
+
+
+def test_worker_surviving_sigkill_is_reported_not_waited_for(monkeypatch, tmp_path):
+    # An unkillable (D-state) worker cannot be produced here; make SIGKILL not arrive instead.
+    from fastelastic.multiprocessing._guardian import guardian
+    from fastelastic.multiprocessing._pcontext import PContext
+
+    real = PContext._signal_group
+    monkeypatch.setattr(
+        PContext,
+        "_signal_group",
+        lambda self, rank, sig: None if sig == signal.SIGKILL else real(self, rank, sig),
+    )
+    monkeypatch.setenv("TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT", "0.2")
+    path, ready = _fifo_gate(tmp_path, "ready")
+    script = f"trap '' TERM; echo ready > {path}; exec sleep 60"
+    try:
+        pc = start_processes(
+            "u", "/bin/sh", {0: ("-c", script)}, _envs(1), DefaultLogsSpecs(log_dir=os.devnull)
+        )
+        assert read_line(ready, 10) == b"ready\n"
+    finally:
+        os.close(ready)
+    pid = pc.pids()[0]
+    try:
+        t0 = time.monotonic()
+        pc.close(timeout=0.1)
+        assert time.monotonic() - t0 < 3  # did not wait for the survivor
+        assert pc.stuck_pids == {0: "sleeping"}
+        assert is_alive(pid)
+    finally:
+        os.killpg(pid, signal.SIGKILL)
+        pc.subprocess_handlers[0].proc.wait(10)
+        guardian.unregister(pid)  # close() left the survivor registered; it is gone now

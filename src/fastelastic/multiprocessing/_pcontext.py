@@ -420,7 +420,8 @@ class PContext(abc.ABC):
         for rank, pid in self._pids.items():
             if rank not in self.stuck_pids:  # still alive: the guardian keeps watching it
                 guardian.unregister(pid)
-        if not self._pump.drain(_DRAIN_S):
+        # a survivor keeps its pipes open: waiting for their EOF would only add _DRAIN_S
+        if not self._pump.drain(0.2 if self.stuck_pids else _DRAIN_S):
             self._pump.stop()
         if self._monitor is not None:
             self._monitor.close()
