@@ -160,6 +160,9 @@ def main() -> None:
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(summary, f)
+    # Everyone reaches the end before anyone tears gloo down: a rank that exits while a peer
+    # still has collectives in flight can make the peer's gloo thread abort (seen under load).
+    dist.barrier()
     dist.destroy_process_group()
 
 
