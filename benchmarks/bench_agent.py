@@ -47,8 +47,10 @@ os._exit(1)
 
 SLEEP_WORKER = r"""
 import os, sys, time
-with open(os.path.join(sys.argv[1], "pid" + os.environ["LOCAL_RANK"]), "w") as f:
+path = os.path.join(sys.argv[1], "pid" + os.environ["LOCAL_RANK"])
+with open(path + ".tmp", "w") as f:
     f.write(str(os.getpid()))
+os.rename(path + ".tmp", path)  # readers never see a partial file
 time.sleep(float(sys.argv[2]))
 """
 
@@ -85,7 +87,9 @@ def record(benchmark, op: str, impl: str, stats: dict) -> None:
         ours, theirs = _RESULTS[(op, "fastelastic")], stats
         key = "p50_ms" if "p50_ms" in ours else next(iter(ours))
         if ours.get(key):
-            benchmark.extra_info[f"{op} | torch/fastelastic {key}"] = round(theirs[key] / ours[key], 2)
+            benchmark.extra_info[f"{op} | torch/fastelastic {key}"] = round(
+                theirs[key] / ours[key], 2
+            )
     print(f"\n[{op}] {impl}: {stats}")
 
 
@@ -251,7 +255,9 @@ def _start_agent_proc(impl: str, tmp, nproc: int, sleep_s: float, backend: str =
         stderr=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 120
-    while len(os.listdir(piddir)) < nproc and time.monotonic() < deadline:
+    while len([n for n in os.listdir(piddir) if not n.endswith(".tmp")]) < nproc and (
+        time.monotonic() < deadline
+    ):
         time.sleep(0.01)
     pids = [int((piddir / f"pid{i}").read_text()) for i in range(nproc)]
     return proc, pids

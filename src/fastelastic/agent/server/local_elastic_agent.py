@@ -43,6 +43,7 @@ TORCHELASTIC_HEALTH_CHECK_PORT = "TORCHELASTIC_HEALTH_CHECK_PORT"
 TORCHELASTIC_TIMER_FILE = "TORCHELASTIC_TIMER_FILE"
 TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT = "TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT"
 TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
+_IDLE_WAKEUP = 5.0  # seconds; the longest the monitor blocks when no timer is needed
 
 
 def _resolve_uninterruptible_state_timeout(explicit: float | None) -> float:
@@ -358,7 +359,10 @@ class LocalElasticAgent(SimpleElasticAgent):
         pc = self._pcontext
         if pc is None:
             super()._wait_for_workers(worker_group, timeout)
-        elif pc.wait_any(timeout):
+            return
+        # Even with nothing to poll, wake every few seconds: a signal the kernel delivered to
+        # another thread only reaches its Python handler once the main thread runs again.
+        if pc.wait_any(_IDLE_WAKEUP if timeout is None else timeout):
             self._exits_pending = True
 
     def _membership_check_interval(self, spec: WorkerSpec) -> float | None:
