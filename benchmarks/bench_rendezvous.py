@@ -34,6 +34,7 @@ TORCH_LIMIT_S = 60.0
 TORCH_NS = {8, 64, 128, 256, 512}  # larger N: torch already fails at 512 (see the table)
 ROUNDS = {8: 5, 64: 5, 128: 5, 256: 5, 512: 5, 2048: 5, 4096: 5}
 _RESULTS: dict[tuple[str, int], dict] = {}
+_DETECT: dict[str, dict] = {}
 
 
 def _raise_nofile() -> None:
@@ -193,10 +194,32 @@ def _write_table():
         elif ours and theirs and theirs["failed"]:
             ratio = f">{TORCH_LIMIT_S / ours['p50']:.0f}×"
         lines.append(f"| {n} | " + " | ".join(cells(ours) + cells(theirs) + [ratio]) + " |")
-    out = HERE / "results" / "rendezvous.md"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text("\n".join(lines) + "\n")
+    lines += ["", "```mermaid", "xychart-beta", '  title "Rendezvous formation time (s, p50) vs N"',
+              "  x-axis [" + ", ".join(str(n) for n in NS) + "]", '  y-axis "seconds"']
+    for impl in ("fastelastic", "torch"):
+        pts = []
+        for n in NS:
+            r = _RESULTS.get((impl, n))
+            pts.append(f"{r['p50']:.3f}" if r and not r["failed"] else
+                       (f"{TORCH_LIMIT_S:.0f}" if r else "0"))
+        lines.append("  line [" + ", ".join(pts) + "]")
+    lines += ["```", "",
+              ("First line: fastelastic; second: torch "
+               "(60 = did not complete in 60 s, 0 = not run)."),
+              ""]
+    if _DETECT:
+        lines += ["## Dead node detection (SIGKILL mid-join, min 3 / max 4, last call 60 s)", "",
+                  "Time from SIGKILL of a joined node until the rendezvous drops it (fastelastic: "
+                  "the round is abandoned through the server's disconnect hook; torch: the node "
+                  "leaves the shared state after its heartbeats expire, keep-alive 5 s x 3).", "",
+                  "| impl | p50 (s) | max (s) | rounds |", "|---|---:|---:|---:|"]
+        for impl, r in _DETECT.items():
+            lines.append(f"| {impl} | {r['p50']:.3f} | {r['max']:.3f} | {r['rounds']} |")
     print("\n" + "\n".join(lines))
+    if len(_RESULTS) == len(_CASES) and len(_DETECT) == 2:  # only a full run replaces the table
+        out = HERE / "results" / "rendezvous.md"
+        out.parent.mkdir(exist_ok=True)
+        out.write_text("\n".join(lines) + "\n")
 
 
 _CASES = [("fastelastic", n) for n in NS] + [("torch", n) for n in sorted(TORCH_NS)]
@@ -243,3 +266,132 @@ def test_rendezvous_formation(benchmark, impl, n):
         torch_res = _RESULTS.get(("torch", n))
         if torch_res and not torch_res["failed"]:
             benchmark.extra_info["ratio_vs_torch"] = torch_res["p50"] / res["p50"]
+
+
+# ---------------------------------------------------------------------------- dead node detection
+
+_VICTIM = """
+import sys, time
+from datetime import timedelta
+impl, port, run_id = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+if impl == "fastelastic":
+    from fastelastic.rendezvous.fast_rendezvous import FastRendezvousHandler
+    from fastelastic.rendezvous.timeouts import RendezvousTimeout
+    from fastelastic.store import TCPStore
+    s = TCPStore("127.0.0.1", port, timeout=timedelta(seconds=120))
+    h = FastRendezvousHandler(run_id, s, "c10d", 3, 4,
+                              RendezvousTimeout(last_call=timedelta(seconds=60)))
+else:
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        DynamicRendezvousHandler, RendezvousTimeout)
+    s = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
+    h = DynamicRendezvousHandler.from_backend(run_id, s, C10dRendezvousBackend(s, run_id), 3, 4,
+        "127.0.0.1", RendezvousTimeout(last_call=timedelta(seconds=60)))
+h.next_rendezvous()
+"""
+
+
+def _torch_participants(host, run_id: str) -> int:
+    import pickle
+    from base64 import b64decode
+
+    raw = host.get("torch.rendezvous." + run_id)
+    if raw == b"Y2FuaW1hZGFt":
+        return 0
+    return len(pickle.loads(b64decode(raw)).participants)
+
+
+def _detect_round(impl: str, host, run_id: str) -> float:
+    threads_done = []
+    handlers = []
+    if impl == "fastelastic":
+        from fastelastic.rendezvous.fast_rendezvous import FastRendezvousHandler
+        from fastelastic.rendezvous.timeouts import RendezvousTimeout
+        from fastelastic.store import TCPStore
+
+        for _ in range(2):
+            s = TCPStore("127.0.0.1", host.port, timeout=timedelta(seconds=120))
+            handlers.append(FastRendezvousHandler(
+                run_id, s, "c10d", 3, 4, RendezvousTimeout(last_call=timedelta(seconds=60))))
+    else:
+        import torch.distributed as dist
+        from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+            C10dRendezvousBackend,
+        )
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+            DynamicRendezvousHandler,
+        )
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+            RendezvousTimeout as TorchTimeout,
+        )
+
+        for _ in range(2):
+            s = dist.TCPStore("127.0.0.1", host.port, is_master=False,
+                              timeout=timedelta(seconds=120))
+            handlers.append(DynamicRendezvousHandler.from_backend(
+                run_id, s, C10dRendezvousBackend(s, run_id), 3, 4, "127.0.0.1",
+                TorchTimeout(last_call=timedelta(seconds=60))))
+
+    def node(h) -> None:
+        try:
+            h.next_rendezvous()
+        except Exception as e:  # noqa: BLE001 - closed at the end of the round
+            threads_done.append(type(e).__name__)
+
+    threads = [threading.Thread(target=node, args=(h,), daemon=True) for h in handlers]
+    for t in threads:
+        t.start()
+    victim = subprocess.Popen([sys.executable, "-c", _VICTIM, impl, str(host.port), run_id])
+    try:
+        if impl == "fastelastic":
+            host.wait([f"fe.rdzv.{run_id}/0/n/{t}" for t in (1, 2, 3)], timedelta(seconds=60))
+        else:
+            deadline = time.monotonic() + 60
+            while _torch_participants(host, run_id) < 3:  # measurement poll, 10 ms resolution
+                assert time.monotonic() < deadline, "torch nodes never joined"
+                time.sleep(0.01)
+        t0 = time.monotonic()
+        victim.kill()
+        if impl == "fastelastic":
+            host.wait([f"fe.rdzv.{run_id}/0/res"], timedelta(seconds=60))
+        else:
+            deadline = time.monotonic() + 90
+            while _torch_participants(host, run_id) >= 3:
+                assert time.monotonic() < deadline, "torch never dropped the dead node"
+                time.sleep(0.01)
+        detected = time.monotonic() - t0
+    finally:
+        victim.kill()
+        victim.wait()
+    handlers[0].set_closed()
+    for t in threads:
+        t.join(90)
+    for h in handlers:
+        stop = getattr(h, "_stop_heartbeats", None)
+        if stop is not None:
+            stop()
+    return detected
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("impl", ["fastelastic", "torch"])
+def test_dead_node_detection(benchmark, impl):
+    if impl == "torch":
+        pytest.importorskip("torch", reason="!!! torch not installed: no comparison")
+    host = _host(impl)
+    times: list[float] = []
+    counter = iter(range(1_000_000))
+
+    def run() -> None:
+        times.append(_detect_round(impl, host, f"detect-{impl}-{next(counter)}"))
+
+    rounds = 5 if impl == "fastelastic" else 2
+    benchmark.group = "rendezvous-dead-node-detection"
+    benchmark.pedantic(run, rounds=rounds, iterations=1, warmup_rounds=0)
+    res = {"p50": statistics.median(times), "max": max(times), "rounds": rounds}
+    _DETECT[impl] = res
+    benchmark.extra_info.update(res)
+    if impl == "fastelastic":
+        assert res["max"] < 1.0, f"a SIGKILLed node took {res['max']:.3f}s to be noticed"

@@ -180,7 +180,8 @@ def make_tls(tmp: Path) -> tuple[str, str, str, str, str]:
         files.append(str(path))
 
     write(ca, "ca.pem")
-    s_cert, s_key = leaf("127.0.0.1", [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH])
+    s_cert, s_key = leaf("127.0.0.1",
+                         [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH])
     write(s_cert, "server.pem")
     write(s_key, "server-key.pem", True)
     c_cert, c_key = leaf("fe-client", [ExtendedKeyUsageOID.CLIENT_AUTH])

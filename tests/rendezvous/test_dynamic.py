@@ -27,8 +27,10 @@ from fastelastic.store import TCPStore
 
 def _handler(port, min_nodes, max_nodes, last_call=30.0, join=20.0, run_id="dyn"):
     store = TCPStore("127.0.0.1", port, timeout=timedelta(seconds=30))
-    timeout = RendezvousTimeout(join=timedelta(seconds=join), last_call=timedelta(seconds=last_call))
-    return DynamicRendezvousHandler.from_backend(run_id, store, C10dRendezvousBackend(store, run_id),
+    timeout = RendezvousTimeout(join=timedelta(seconds=join),
+                                last_call=timedelta(seconds=last_call))
+    backend = C10dRendezvousBackend(store, run_id)
+    return DynamicRendezvousHandler.from_backend(run_id, store, backend,
                                                  min_nodes, max_nodes, "127.0.0.1", timeout)
 
 

@@ -28,7 +28,8 @@ RUN = "job"
 def _handler(port, min_nodes, max_nodes, last_call=30.0, join=20.0, rank=-1, ka=5.0, ka_max=3,
              run_id=RUN):
     store = TCPStore("127.0.0.1", port, timeout=timedelta(seconds=30))
-    timeout = RendezvousTimeout(join=timedelta(seconds=join), last_call=timedelta(seconds=last_call))
+    timeout = RendezvousTimeout(join=timedelta(seconds=join),
+                                last_call=timedelta(seconds=last_call))
     return FastRendezvousHandler(run_id, store, "c10d", min_nodes, max_nodes, timeout,
                                  local_addr="127.0.0.1", node_rank=rank,
                                  keep_alive_interval=ka, keep_alive_max_attempt=ka_max)

@@ -87,7 +87,7 @@ def test_torchrun_two_nodes_two_workers(tmp_path):
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    for p, out in zip(procs, outs):
+    for p, out in zip(procs, outs, strict=True):
         assert p.returncode == 0, out[-4000:]
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     assert sorted(int(r["RANK"]) for r in results) == [0, 1, 2, 3]

@@ -58,7 +58,9 @@ class C10dRendezvousBackend(RendezvousBackend):
         """See base class."""
         return self._decode(self._call("get", self._key))
 
-    def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
+    def set_state(
+        self, state: bytes, token: Token | None = None
+    ) -> tuple[bytes, Token, bool] | None:
         """See base class."""
         encoded = b64encode(state).decode()
         if token:

@@ -75,7 +75,9 @@ class RendezvousBackend(ABC):
         """
 
     @abstractmethod
-    def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
+    def set_state(
+        self, state: bytes, token: Token | None = None
+    ) -> tuple[bytes, Token, bool] | None:
         """Set the rendezvous state conditionally on ``token``.
 
         If ``token`` matches the stored fencing token the state is replaced; if it does not, the
@@ -546,7 +548,9 @@ def create_handler(store: Any, backend: RendezvousBackend, params: RendezvousPar
     timeout = timeout_from_params(params)
     keep_alive_interval = params.get_as_int("keep_alive_interval", 5)
     if keep_alive_interval is None:
-        raise TypeError("You passed 'keep_alive_interval=None' as a rendezvous configuration option")
+        raise TypeError(
+            "You passed 'keep_alive_interval=None' as a rendezvous configuration option"
+        )
     keep_alive_max_attempt = params.get_as_int("keep_alive_max_attempt", 3)
     if keep_alive_max_attempt is None:
         raise TypeError(

@@ -151,7 +151,7 @@ class EtcdKV:
         self._post("/kv/put", {"key": _b64(self._k(key)), "value": _b64(value)})
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
-        self._txn([], [self._put_op(k, v) for k, v in zip(keys, values)])
+        self._txn([], [self._put_op(k, v) for k, v in zip(keys, values, strict=True)])
 
     def add(self, key: str, delta: int) -> int:
         out = self._rmw(key, lambda old: b"%d" % (int(old or b"0") + int(delta)))
@@ -238,7 +238,7 @@ class EtcdKV:
     def _missing(self, keys: list[str]) -> tuple[builtins.set[str], int]:
         resp = self._txn([], [{"request_range": {"key": _b64(self._k(k)), "count_only": True}}
                               for k in keys])
-        missing = {k for k, r in zip(keys, resp["responses"])
+        missing = {k for k, r in zip(keys, resp["responses"], strict=True)
                    if not int(r["response_range"].get("count", 0))}
         return missing, int(resp["header"]["revision"])
 

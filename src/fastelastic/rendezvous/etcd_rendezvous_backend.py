@@ -85,7 +85,9 @@ class EtcdRendezvousBackend(RendezvousBackend):
         resp = self._post("/kv/range", {"key": _b64(self._key)})
         return self._decode(resp.get("kvs") or [])
 
-    def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
+    def set_state(
+        self, state: bytes, token: Token | None = None
+    ) -> tuple[bytes, Token, bool] | None:
         """See base class."""
         key = _b64(self._key)
         if token is None:

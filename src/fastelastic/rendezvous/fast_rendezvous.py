@@ -44,6 +44,7 @@ from fastelastic.errors import (
     StoreError,
     StoreTimeoutError,
 )
+from fastelastic.events import NodeState, construct_and_record_rdzv_event
 
 from .api import (
     RendezvousHandler,
@@ -145,7 +146,9 @@ class FastRendezvousHandler(RendezvousHandler):
         if not run_id:
             raise ValueError("The run id must be a non-empty string.")
         if min_nodes < 1:
-            raise ValueError(f"The minimum number of nodes ({min_nodes}) must be greater than zero.")
+            raise ValueError(
+                f"The minimum number of nodes ({min_nodes}) must be greater than zero."
+            )
         if max_nodes < min_nodes:
             raise ValueError(
                 f"The maximum number of nodes ({max_nodes}) must be greater than or equal to the "
@@ -196,13 +199,28 @@ class FastRendezvousHandler(RendezvousHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         """See base class."""
+        self._record(f"joining the next round of rendezvous '{self._run_id}'", NodeState.RUNNING)
         with self._lock:
             try:
-                return self._next_rendezvous()
+                info = self._next_rendezvous()
             except (StoreConnectionError, ConnectionError) as e:
+                self._record(f"{type(e).__name__}: {e}", NodeState.FAILED)
                 raise RendezvousConnectionError(
                     f"The connection to the rendezvous store of run '{self._run_id}' failed: {e}"
                 ) from e
+            except Exception as e:
+                self._record(f"{type(e).__name__}: {e}", NodeState.FAILED)
+                raise
+        self._record(f"joined round {self._member[0] if self._member else -1} as rank "
+                     f"{info.rank} of {info.world_size}", NodeState.SUCCEEDED, info.rank)
+        return info
+
+    def _record(self, message: str, state: NodeState, rank: int | None = None) -> None:
+        construct_and_record_rdzv_event(
+            run_id=self._run_id, message=message, node_state=state,
+            name=f"{type(self).__name__}.next_rendezvous", hostname=self._local_addr,
+            master_endpoint=self._bootstrap_addr, rank=rank,
+        )
 
     def is_closed(self) -> bool:
         """See base class."""
@@ -485,8 +503,14 @@ def _prefix_store(prefix: str, store: Any) -> Any:
     return PrefixStore(prefix, store)
 
 
-def _host_store(host: str, port: int, is_host: bool | None, read_timeout: timedelta) -> tuple[Any, Any]:
-    """Hosts the store on ``port`` if this node is the host, else connects; returns (client, server)."""
+def _host_store(
+    host: str, port: int, is_host: bool | None, read_timeout: timedelta
+) -> tuple[Any, Any]:
+    """Hosts the store on ``port`` if this node is the host, else connects.
+
+    Returns:
+        ``(client, server)``; ``server`` is None when another process hosts it.
+    """
     from fastelastic.store import TCPStore
 
     if is_host is None:

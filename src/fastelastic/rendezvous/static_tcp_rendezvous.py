@@ -117,7 +117,9 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
         )
     master_addr, master_port = parse_rendezvous_endpoint(endpoint, -1)
     if master_port == -1:
-        raise ValueError(f"Port is absent in endpoint: {endpoint}. Try launching with --master-port")
+        raise ValueError(
+            f"Port is absent in endpoint: {endpoint}. Try launching with --master-port"
+        )
     world_size = params.max_nodes
     rank = params.get_as_int("rank")
     assert rank is not None
