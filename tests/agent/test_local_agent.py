@@ -383,7 +383,7 @@ def test_failed_node_releases_healthy_node_from_exit_barrier(tmp_path):
     assert result_of(ok_out)["state"] == "SUCCEEDED", ok_err[-2000:]
     assert result_of(bad_out)["state"] == "FAILED"
     assert elapsed < 30, f"healthy agent waited {elapsed:.1f}s in the exit barrier"
-    assert "group_rank 1 failed" in ok_err
+    assert "the agent of group_rank 1 failed" in ok_err
 
 
 def test_new_node_triggers_restart_with_bigger_world(tmp_path):
@@ -458,3 +458,37 @@ def test_uninterruptible_state_policy(tmp_path, monkeypatch):
     assert agent._remaining_restarts == 0  # a wedged worker disables restarts
     monkeypatch.setenv("TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT", "bogus")
     assert make_agent(binary_spec("exit", "0"), tmp_path)._uninterruptible_state_timeout == 0.0
+
+
+def test_killed_agent_releases_exit_barrier(tmp_path):
+    """A peer agent SIGKILLed mid-run: the store server releases the barrier for the others."""
+    port = free_port()
+    ok = run_agent_proc(
+        {"port": port, "rank": 0, "world": 2, "args": ["exit", "0"], "exit_barrier_timeout": 120}
+    )
+    doomed = run_agent_proc(
+        {
+            "port": port,
+            "rank": 1,
+            "world": 2,
+            "args": ["pidwait", str(tmp_path), str(tmp_path / "never")],
+            "exit_barrier_timeout": 120,
+        }
+    )
+    try:
+        assert wait_until(lambda: (tmp_path / "pid0").exists())
+        worker = int((tmp_path / "pid0").read_text())
+        start = time.monotonic()
+        doomed.kill()
+        doomed.wait(30)
+        ok_out, ok_err = ok.communicate(timeout=60)
+        elapsed = time.monotonic() - start
+    finally:
+        for p in (ok, doomed):
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    assert result_of(ok_out)["state"] == "SUCCEEDED", ok_err[-2000:]
+    assert elapsed < 30, f"healthy agent waited {elapsed:.1f}s for a dead peer"
+    assert "group_rank 1 disconnected" in ok_err, ok_err[-2000:]
+    assert wait_until(lambda: not pid_alive(worker), 20), "the dead agent's worker survived"

@@ -19,6 +19,8 @@ _NUM_MEMBERS = TERMINAL_STATE_SYNC_ID + "/num_members"
 _LAST_MEMBER = TERMINAL_STATE_SYNC_ID + "/last_member"
 # Ours: set by a node whose group failed for good, so that peers in the barrier stop waiting.
 _FAILED = TERMINAL_STATE_SYNC_ID + "/failed"
+# Ours: appended to by the store server when an agent's connection closes (process death).
+_DISCONNECTED = TERMINAL_STATE_SYNC_ID + "/disconnected"
 
 _IDENTICAL_ENVS = ("TORCH_ELASTIC_WORKER_IDENTICAL", "FASTELASTIC_WORKER_IDENTICAL")
 
@@ -56,11 +58,25 @@ def publish_failure(store: Any, group_rank: int | None) -> None:
     store.set(_LAST_MEMBER, "<released by failure>")
 
 
+def release_on_disconnect(store: Any, group_rank: int) -> bool:
+    """Asks the store server to release the exit barrier if this agent's connection dies.
+
+    Only fastelastic's store offers this (``append_on_disconnect``); with any other store this
+    does nothing and returns False. The release is harmless after a normal exit: by then the
+    barrier has completed for everyone.
+    """
+    if not getattr(store, "supports_extensions", False):
+        return False
+    store.append_on_disconnect(_DISCONNECTED, f"{group_rank} ")
+    store.append_on_disconnect(_LAST_MEMBER, "<released by disconnect>")
+    return True
+
+
 def exit_barrier(store: Any, group_world_size: int, timeout: float) -> str | None:
-    """Waits until every agent arrived, or one published failure, or ``timeout`` seconds.
+    """Waits until every agent arrived, one failed or died, or ``timeout`` seconds passed.
 
     Returns:
-        None when all agents arrived, else the group rank (as text) of a node that failed.
+        None when all agents arrived, else why the barrier was released early.
 
     Raises:
         Whatever the store raises on timeout or a lost connection.
@@ -69,10 +85,18 @@ def exit_barrier(store: Any, group_world_size: int, timeout: float) -> str | Non
     if idx >= group_world_size:
         store.set(_LAST_MEMBER, "<val_ignored>")
     store.wait([_LAST_MEMBER], timedelta(seconds=max(timeout, 0.001)))
+    if int(store.add(_NUM_MEMBERS, 0)) >= group_world_size:
+        return None
     if store.check([_FAILED]):
-        value = store.get(_FAILED)
-        return value.decode() if isinstance(value, bytes) else str(value)
-    return None
+        return f"the agent of group_rank {_text(store.get(_FAILED))} failed"
+    if store.check([_DISCONNECTED]):
+        ranks = sorted(set(_text(store.get(_DISCONNECTED)).split()))
+        return f"the agent(s) of group_rank {', '.join(ranks)} disconnected"
+    return "released before every agent arrived"
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
 def elapsed_since(start: float) -> float:

@@ -301,6 +301,10 @@ class SimpleElasticAgent(_AgentTelemetry, ElasticAgent):
         master_addr = spec.master_addr or (bootstrap.master_addr if bootstrap else None)
         master_port = spec.master_port or (bootstrap.master_port if bootstrap else None)
         self._store = store
+        try:
+            _coord.release_on_disconnect(store, group_rank)
+        except Exception as e:  # noqa: BLE001 - an optimisation; the barrier still times out
+            logger.warning("could not arm the exit-barrier release on disconnect: %s", e)
         with self.record_duration("ASSIGN_WORKER_RANKS"):
             workers = self._assign_worker_ranks(store, group_rank, group_world_size, spec)
         worker_group.workers = workers
@@ -477,15 +481,15 @@ class SimpleElasticAgent(_AgentTelemetry, ElasticAgent):
         start = time.monotonic()
         self._in_exit_barrier = True
         try:
-            failed = _coord.exit_barrier(
+            early = _coord.exit_barrier(
                 self._store, wg.group_world_size or 1, self._exit_barrier_timeout
             )
-            if failed is None:
+            if early is None:
                 logger.info(
                     "Done waiting for other agents. Elapsed: %.3f s", _coord.elapsed_since(start)
                 )
             else:
-                logger.warning("Agent of group_rank %s failed; leaving the exit barrier", failed)
+                logger.warning("Leaving the exit barrier early: %s", early)
         except SignalException as e:
             logger.warning("Got termination signal: %s", e.sigval)
             raise
