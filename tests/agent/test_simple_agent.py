@@ -276,3 +276,18 @@ def test_exit_barrier_waits_for_slow_peer(store_server, tmp_path):
     for t in ts:
         t.join(30)
     assert box["f"].state == box["s"].state == WorkerState.SUCCEEDED
+
+
+def test_exit_barrier_timeout_is_configurable(store_server, caplog, monkeypatch):
+    # The peer (group rank 1) never arrives: the barrier gives up after exit_barrier_timeout.
+    monkeypatch.setenv("FASTELASTIC_WORKER_IDENTICAL", "1")  # no rank exchange with the peer
+    agent = PopenAgent(
+        make_spec(StoreRendezvous(store_server, 0, 2), "pass", nproc=1), exit_barrier_timeout=1
+    )
+    start = time.monotonic()
+    result = agent.run()
+    elapsed = time.monotonic() - start
+    assert result.state == WorkerState.SUCCEEDED
+    assert 1.0 <= elapsed < 15, elapsed
+    assert not agent._in_exit_barrier
+    assert "Error waiting on exit barrier" in caplog.text
