@@ -184,3 +184,52 @@ def test_close_while_running_is_refused_and_stop_is_prompt(fifo):
     killed = next(b for b in batches if b[0] == EV_KILLED)
     assert killed[5] == 0 and killed[7] >= killed[6]  # err 0, fired at or after the deadline
     assert killed[7] - killed[6] < 250_000_000, "fired at a sweep, not at the deadline"
+
+
+def _fifo_permitted() -> bool:
+    """Whether this process may put a thread on SCHED_FIFO (tried on a throwaway thread)."""
+    result: list[bool] = []
+
+    def probe():
+        try:
+            os.sched_setscheduler(
+                0, os.SCHED_FIFO, os.sched_param(os.sched_get_priority_min(os.SCHED_FIFO))
+            )
+            result.append(True)
+        except OSError:
+            result.append(False)
+
+    t = threading.Thread(target=probe)
+    t.start()
+    t.join()
+    return result[0]
+
+
+def test_realtime_loop_runs_python_at_normal_priority(fifo):
+    """realtime: the loop thread is SCHED_FIFO when permitted, but never while in Python."""
+    permitted = _fifo_permitted()
+    wd = FifoWatchdog(fifo, 0.05)
+    seen: list[tuple[int, bool]] = []
+    done = threading.Event()
+
+    def cb(batch):
+        seen.append((os.sched_getscheduler(0), wd.realtime))
+        done.set()
+
+    t = threading.Thread(target=wd.run, args=(cb, True))
+    t.start()
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    )
+    try:
+        assert wd.register(child.pid, "rt", time.time() + 0.05, 9) == ADMIT_OK
+        assert child.wait(10) == -9
+        assert done.wait(10)
+    finally:
+        child.stdin.close()
+        wd.stop()
+        t.join(5)
+        wd.close()
+    policy, realtime = seen[0]
+    assert realtime is permitted
+    assert policy == os.SCHED_OTHER  # the callback (Python) never runs at real-time priority

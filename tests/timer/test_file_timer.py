@@ -116,6 +116,7 @@ def test_foreign_pid_is_refused_and_not_signalled(fifo_path, events, workers):
         srv.allow_pid(allowed.pid)
         srv.register_timers([FileTimerRequest(allowed.pid, "ok", time.time() + 0.5, KILL)])
         allowed.wait_death()
+        events.wait("kill worker process", pid=allowed.pid)  # reported after the kill
         assert foreign.alive()
         assert foreign.signals_seen() == []
         assert [r.worker_pid for r in events.of("kill worker process")] == [allowed.pid]

@@ -83,6 +83,7 @@ cdef class FifoWatchdog:
     cdef bint _stop
     cdef bint _drain_stop
     cdef bint _running
+    cdef bint _rt
     cdef bint _allow_descendants
     cdef bint _defer_kill
     cdef bint _discarding

@@ -24,8 +24,9 @@ from fastelastic._native.includes.linux cimport (
     POLLIN, TFD_CLOEXEC, TFD_NONBLOCK, TFD_TIMER_ABSTIME, clock_gettime, close, epoll_create1,
     epoll_ctl, epoll_event, epoll_wait, errno, eventfd, fe_monotonic_ns, fe_pidfd_open,
     fe_pidfd_send_signal, getpid, itimerspec, open, pid_t, poll, pollfd, pthread_mutex_destroy,
-    pthread_mutex_init, pthread_mutex_lock, pthread_mutex_unlock, read, timerfd_create,
-    timerfd_settime, timespec, write,
+    pthread_mutex_init, pthread_mutex_lock, pthread_mutex_unlock, read, SCHED_FIFO, SCHED_OTHER,
+    sched_get_priority_min, sched_param, sched_setscheduler, timerfd_create, timerfd_settime,
+    timespec, write,
 )
 
 _log = logging.getLogger("fastelastic.timer")
@@ -111,6 +112,13 @@ cdef bint _descends_from(pid_t pid, pid_t ancestor) noexcept nogil:
             return False
         pid = <pid_t>ppid
     return False
+
+
+cdef int _set_policy(bint fifo) noexcept nogil:
+    """Puts the calling thread (pid 0) on SCHED_FIFO's lowest priority, or back on SCHED_OTHER."""
+    cdef sched_param param
+    param.sched_priority = sched_get_priority_min(SCHED_FIFO) if fifo else 0
+    return sched_setscheduler(0, SCHED_FIFO if fifo else SCHED_OTHER, &param)
 
 
 cdef inline double _wall_now() noexcept nogil:
@@ -523,8 +531,14 @@ cdef class FifoWatchdog:
         out.swap(self._events)
         pthread_mutex_unlock(&self._mu)
         if not out.empty():
+            # Python (the policy callback) never runs at real-time priority: drop to
+            # SCHED_OTHER before taking the GIL, come back once it is released.
+            if self._rt:
+                _set_policy(False)
             with gil:
                 self._deliver(out)
+            if self._rt:
+                _set_policy(True)
         return 1 if stop else 0
 
     cdef int _deliver(self, vector[WdEvent] &evs) except -1:
@@ -543,11 +557,13 @@ cdef class FifoWatchdog:
             _log.exception("watchdog event callback failed; the watchdog keeps running")
         return 0
 
-    def run(self, callback):
-        """Runs the loop in the calling thread until ``stop()`` or ``drain_and_stop()``.
+    def run(self, callback, bint realtime=False):
+        """Runs the loop in the calling thread until ``stop()`` (also with ``drain=True``).
 
         The GIL is held only while ``callback(events)`` runs; each event is a tuple
         ``(kind, pid, scope_id, expiration_time, signal, err, deadline_ns, fired_ns, detail)``.
+        With ``realtime`` the thread waits and kills at the lowest SCHED_FIFO priority, if the
+        process may (see ``realtime`` property), and runs the callback at SCHED_OTHER.
         """
         if self._epfd < 0:
             raise ValueError("FifoWatchdog is closed")
@@ -555,11 +571,17 @@ cdef class FifoWatchdog:
             raise RuntimeError("FifoWatchdog.run() is already active")
         self._callback = callback
         self._running = True
+        self._rt = realtime and _set_policy(True) == 0
+        if realtime and not self._rt:
+            _log.info("watchdog: SCHED_FIFO not permitted (errno %d); normal priority", errno)
         try:
             with nogil:
                 while self._step(self._heartbeat_ms) == 0:
                     pass
         finally:
+            if self._rt:
+                _set_policy(False)
+            self._rt = False
             self._running = False
 
     def poll_once(self, callback):
@@ -677,6 +699,11 @@ cdef class FifoWatchdog:
     def last_progress_ns(self):
         """CLOCK_MONOTONIC time of the loop's last iteration."""
         return self._last_progress_ns
+
+    @property
+    def realtime(self):
+        """True while ``run()`` runs its loop at SCHED_FIFO priority."""
+        return self._rt
 
     @property
     def running(self):

@@ -189,9 +189,10 @@ class FileTimerServer:
         allow_descendants: also accept any process that descends from this one.
         dump_stacks: before a kill, dump the worker's Python stacks (py-spy, else faulthandler
             via ``SIGUSR2`` if the worker called ``enable_stack_dump``); delays that kill.
-        realtime: run the watchdog thread at the lowest ``SCHED_FIFO`` priority (if permitted),
-            so that a loaded host does not delay its wake-up at a deadline. The thread blocks in
-            ``epoll_wait`` between events and does bounded work per event.
+        realtime: wait for deadlines and kill at the lowest ``SCHED_FIFO`` priority when the
+            process may (else normal priority, logged at INFO), so a loaded host does not delay
+            the wake-up at a deadline. Python (this object's policy, ``log_event``) always runs
+            at normal priority: the thread drops to ``SCHED_OTHER`` before taking the GIL.
     """
 
     def __init__(
@@ -205,7 +206,7 @@ class FileTimerServer:
         allowed_pids: Iterable[int] | None = None,
         allow_descendants: bool = True,
         dump_stacks: bool = False,
-        realtime: bool = False,
+        realtime: bool = True,
     ) -> None:
         self._file_path = file_path
         self._run_id = run_id
@@ -244,16 +245,7 @@ class FileTimerServer:
         self._emit("watchdog started", None)
 
     def _run(self) -> None:
-        if self._realtime:
-            try:  # pid 0: the calling thread (scheduling policy is per thread on Linux)
-                os.sched_setscheduler(
-                    0, os.SCHED_FIFO, os.sched_param(os.sched_get_priority_min(os.SCHED_FIFO))
-                )
-            except OSError as e:
-                logger.info(
-                    "FileTimerServer: SCHED_FIFO not permitted (%s); running at normal priority", e
-                )
-        self._wd.run(self._on_events)
+        self._wd.run(self._on_events, self._realtime)
 
     def stop(self) -> None:
         """Stops the thread, closes the pipe and removes it (and its private directory)."""

@@ -248,3 +248,14 @@ cdef extern from "<sys/socket.h>" nogil:
     enum:
         SO_RCVTIMEO
         SO_SNDTIMEO
+
+
+# --- watchdog: an optional SCHED_FIFO loop thread (dropped to SCHED_OTHER around Python calls)
+cdef extern from "<sched.h>" nogil:
+    cdef struct sched_param:
+        int sched_priority
+    enum:
+        SCHED_OTHER
+        SCHED_FIFO
+    int sched_setscheduler(pid_t pid, int policy, const sched_param *param)
+    int sched_get_priority_min(int policy)
