@@ -62,7 +62,12 @@ def _launch(impl: str, args: list[str], tmp: Path) -> tuple[float, int]:
     r = subprocess.run([sys.executable, "-c", WRAP, impl, *args], env=env, cwd=tmp,
                        capture_output=True, text=True, timeout=300)
     wall = time.perf_counter() - t0
-    assert r.returncode == 0, f"{impl} failed:\n{r.stderr[-3000:]}"
+    if r.returncode != 0:
+        log = tmp / f"failed-{impl}-{time.monotonic_ns()}.log"
+        log.write_text(r.stderr)
+        keep = [ln for ln in r.stderr.splitlines()
+                if any(w in ln for w in ("terminate", "Error", "error", "Fatal", "exitcode"))]
+        raise AssertionError(f"{impl} failed (rc {r.returncode}):\n" + "\n".join(keep[:40]))
     return wall, int(rss_file.read_text())
 
 
@@ -108,21 +113,53 @@ def test_launch_ranks(benchmark, request, tmp, impl):
     _record(benchmark, "ranks", impl, walls[-n:], rss[-n:])
 
 
+@pytest.fixture(scope="module")
+def torch_cache_holder():
+    """Keeps torch's libraries mapped by one idle process during the DDP rounds.
+
+    This sandbox (gVisor) drops a file's cached pages once no process maps it, so workers
+    launched by torchrun (whose launcher has torch mapped) import torch from a warm cache and
+    workers launched by fastrun (which never imports torch) from a cold one: 1.5-2x slower
+    imports, unrelated to the launcher. On a regular kernel the page cache stays warm; the
+    holder gives both launchers that condition.
+    """
+    code = "import sys, torch, torch.distributed, torch._dynamo; print('ready', flush=True); "
+    code += "sys.stdin.read()"
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    yield
+    assert p.stdin is not None
+    p.stdin.close()
+    p.wait(timeout=30)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
-def test_ddp_example(benchmark, request, tmp, impl):
+def test_ddp_example(benchmark, request, tmp, impl, torch_cache_holder):
     walls: list[float] = []
     rss: list[int] = []
     script = str(REPO / "examples" / "ddp_train.py")
 
+    failed: list[str] = []
+
     def once():
-        w, r = _launch(impl, ["--standalone", "--nproc-per-node", "4", script, "--ckpt-dir",
-                              str(tmp / f"ckpt-{impl}-{len(walls)}")], tmp)
+        args = ["--standalone", "--nproc-per-node", "4", script, "--ckpt-dir",
+                str(tmp / f"ckpt-{impl}-{len(walls)}-{len(failed)}")]
+        try:
+            w, r = _launch(impl, args, tmp)
+        except AssertionError as e:
+            # gloo occasionally aborts a worker at teardown under load (seen with both
+            # launchers); such a round is counted and run once more, never silently dropped.
+            failed.append(str(e).splitlines()[0])
+            w, r = _launch(impl, args[:-1] + [args[-1] + "-retry"], tmp)
         walls.append(w)
         rss.append(r)
 
     n = _rounds(request.config, 3)
     benchmark.pedantic(once, rounds=n, iterations=1, warmup_rounds=0)
     _record(benchmark, "ddp", impl, walls, rss)
+    benchmark.extra_info["failed_rounds"] = len(failed)
+    _RESULTS["ddp"][impl]["failed_rounds"] = len(failed)
 
 
 def _table() -> str:
@@ -136,12 +173,17 @@ def _table() -> str:
         ("ranks", "rss_mib", "launcher/agent peak RSS (VmHWM) during the 4-worker job", "MiB",
          "<= 0.3"),
         ("ddp", "rss_mib", "launcher/agent peak RSS during the DDP job", "MiB", ""),
+        ("ddp", "failed_rounds", "DDP rounds that failed (worker abort in gloo) and were rerun",
+         "", ""),
     ]
     out = [
         "# fastrun vs torchrun (benchmarks/bench_run.py)",
         "",
         "Same run, same wrapper for both launchers; torch 2.13.0 CPU; shared 2-core machine "
-        f"(load average at the end: {load}). Ratio = fastrun / torchrun.",
+        f"(load average at the end: {load}). Ratio = fastrun / torchrun. During the DDP "
+        "rounds one idle process keeps torch imported, so that both launchers' workers import "
+        "torch from a warm page cache (this gVisor sandbox evicts unmapped files; torchrun's "
+        "launcher would otherwise warm it for its own workers only).",
         "",
         "| benchmark | unit | fastrun | torchrun | ratio | target | met |",
         "|---|---|---:|---:|---:|---|---|",
@@ -151,9 +193,10 @@ def _table() -> str:
         to = _RESULTS.get(fam, {}).get("torch", {}).get(key)
         if fe is None or to is None:
             continue
-        ratio = fe / to
+        ratio = fe / to if to else float("nan")
         met = ("yes" if ratio <= float(target.split()[1]) else "**no**") if target else ""
-        out.append(f"| {label} | {unit} | {fe:.3g} | {to:.3g} | {ratio:.2f} | {target} | {met} |")
+        shown = "–" if key == "failed_rounds" else f"{ratio:.2f}"
+        out.append(f"| {label} | {unit} | {fe:.3g} | {to:.3g} | {shown} | {target} | {met} |")
     return "\n".join(out) + "\n"
 
 
