@@ -43,7 +43,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--ckpt-every", type=int, default=10)
     p.add_argument("--ckpt-dir", default=None,
-                   help="default: <tmp>/fastelastic-ddp-<TORCHELASTIC_RUN_ID>")
+                   help="default: <tmp>/fastelastic-ddp-<TORCHELASTIC_RUN_ID>; must be shared "
+                   "by all nodes when they run on different machines")
     p.add_argument("--fail-at", type=int, default=-1,
                    help="on the first attempt, rank --fail-rank exits with an error at this step")
     p.add_argument("--fail-rank", type=int, default=1)
@@ -119,6 +120,13 @@ def main() -> None:
         model.module.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         start = state["step"]
+    starts = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
+    dist.all_gather(starts, torch.tensor([start]))
+    if len({int(t.item()) for t in starts}) != 1:  # e.g. --ckpt-dir not shared between machines
+        raise RuntimeError(
+            f"ranks found different checkpoints in {ckpt_dir} (steps by rank: "
+            f"{[int(t.item()) for t in starts]}); use a --ckpt-dir every node can read"
+        )
     if rank == 0:
         print(f"[ddp_train] world={world} restart={restart} resuming_from_step={start}", flush=True)
 
