@@ -53,10 +53,11 @@ max_interval=10 is bounded to 3 kills per case.
 
 """
 THROUGHPUT_NOTE = """\
-{writers} forked writers send acquire/release pairs (for {writers} sleeper workers), timed from
-the first write until the server has registered every request. 1 line per write() is what
-clients do; 36 lines per write() (< PIPE_BUF) shows the server's own capacity. torch registers
-requests only at the end of each max_interval read window, so at 10 s its figure is that window.
+{writers} writers (forked before timing, each holding the FIFO open) send acquire/release pairs
+for {writers} sleeper workers, one write() per chunk; timed from the go signal until the server
+has registered every request. 1 line per write() is what clients do; 36 lines per write()
+(< PIPE_BUF) shows the server's own capacity. torch registers requests only at the end of each
+max_interval read window, so at 10 s its figure is that window.
 """
 RESULTS_MD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "timer.md")
 
@@ -110,13 +111,19 @@ def _write(path: str, data: bytes) -> None:
         os.close(fd)
 
 
-def _fork_writer(path: str, chunks) -> int:
-    """Forks a child that writes ``chunks(own pid)`` (an iterable of bytes), then waits to die."""
+def _fork_writer(path: str, chunks, go: int = -1) -> int:
+    """Forks a child that writes ``chunks(own pid)`` (an iterable of bytes), then waits to die.
+
+    With ``go`` (a pipe's read end) the child opens the FIFO, then waits for one byte on ``go``
+    before writing, so that fork costs stay out of a timed window.
+    """
     pid = os.fork()
     if pid == 0:
         code = 0
         try:
             fd = os.open(path, os.O_WRONLY)
+            if go >= 0:
+                os.read(go, 1)
             for chunk in chunks(os.getpid()):
                 os.write(fd, chunk)
             os.close(fd)
@@ -332,7 +339,7 @@ def test_kill_latency(benchmark, request, impl, max_interval, timers):
 )
 def test_pipe_throughput(benchmark, request, impl, max_interval, batch):
     _skip_slow_torch_in_smoke(request, impl, max_interval)
-    pairs = 10_000 if batch == 1 else 50_000
+    pairs = 25_000 if batch == 1 else 50_000
     total = WRITERS * pairs * 2
     srv = _Server(impl, max_interval)
     rates: list[float] = []
@@ -350,13 +357,17 @@ def test_pipe_throughput(benchmark, request, impl, max_interval, batch):
 
     def run() -> None:
         start_count = srv.request_count()
-        t0 = time.monotonic()
-        pids = [_fork_writer(srv.path, lambda _pid, p=p: p) for p in payloads]
+        go_r, go_w = os.pipe()
+        pids = [_fork_writer(srv.path, lambda _pid, p=p: p, go_r) for p in payloads]
         try:
+            t0 = time.monotonic()
+            os.write(go_w, b"g" * len(pids))  # all writers start now
             assert srv.wait_count(start_count + total, 300), "server did not register every request"
             rates.append(total / (time.monotonic() - t0))
         finally:
             _reap(pids)
+            os.close(go_r)
+            os.close(go_w)
 
     try:
         benchmark.pedantic(run, rounds=1 if max_interval > 1 else 3, iterations=1)
