@@ -274,3 +274,34 @@ def test_ddp_example_checkpoints_and_resumes_after_restart(tmp_path, need_torch)
     assert summary["resumed_from_step"] == 10  # last checkpoint before the injected failure
     assert summary["steps"] == 20 and summary["final_loss"] < 1.0
     assert "injected failure at step 12 on rank 1" in r.stderr
+
+
+@pytest.mark.timeout(90)
+def test_exit_barrier_timeout_flag(tmp_path):
+    """A node whose workers finished waits for the others at most --exit-barrier-timeout.
+
+    Group 0's workers finish at once, group 1's wait for a gate the test opens only after
+    group 0's launcher has left. If group 0's launcher hosted the store, group 1 then loses it
+    (as under torchrun) and must fail with one clear line, not hang.
+    """
+    gate = tmp_path / "gate"
+    procs = _two_nodes("fastrun", tmp_path, ["--exit-barrier-timeout", "1"],
+                       {"DUMP_WAIT_FOR": str(gate), "DUMP_WAIT_GROUP": "1"}, free_port())
+    by_pid = {p.pid: p for p in procs}
+    try:
+        deadline = time.monotonic() + 60
+        while len(read_dumps(tmp_path)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        dumps = read_dumps(tmp_path)
+        assert len(dumps) == 4
+        first = by_pid[next(d["ppid"] for d in dumps.values() if d["env"]["GROUP_RANK"] == "0")]
+        second = next(p for p in procs if p is not first)
+        t0 = time.monotonic()
+        rc = first.wait(timeout=30)
+        assert rc == 0 and time.monotonic() - t0 < 15
+    finally:
+        gate.write_text("go")
+    _, err = second.communicate(timeout=60)
+    if second.returncode != 0:
+        last = err.strip().splitlines()[-1]
+        assert last.startswith("fastrun: error: ") and "store" in last, err[-2000:]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import glob
 import json
+import logging
 import os
 import signal
 import socket
@@ -221,6 +222,7 @@ def run_and_report(fn: Callable[[], Any], parser: ArgumentParser) -> int:
         line = _store_error_line(e)
         if line is None:
             raise
+        logging.getLogger(__name__).debug("launch failed", exc_info=True)
         print(f"{parser.prog}: error: {line}", file=sys.stderr)
         return 1
     return 0
