@@ -143,6 +143,12 @@ def _validate(args: Namespace) -> None:
         raise ValueError(
             f"--events-endpoint {args.events_endpoint!r}: expected tcp://HOST:PORT or ipc://PATH"
         )
+    from fastelastic.multiprocessing import Std
+
+    _std("--redirects", args.redirects, Std)
+    _std("--tee", args.tee, Std)
+    _local_ranks(args.local_ranks_filter)
+    _parse_rdzv_conf(args.rdzv_conf)
     _check_script(args)
 
 
@@ -156,6 +162,16 @@ def _local_ranks(text: str) -> set[int] | None:
             "--local-ranks-filter must be a comma-separated list of integers, e.g. 0,1,2"
         ) from None
     return ranks
+
+
+def _std(flag: str, value: str, std: Any) -> Any:
+    try:
+        return std.from_str(value)
+    except ValueError:
+        raise ValueError(
+            f"{flag} {value!r}: expected 0 (none), 1 (stdout), 2 (stderr), 3 (both), "
+            "or per local rank as 0:1,1:2"
+        ) from None
 
 
 def _logs_specs_class(name: str | None) -> type:
@@ -217,8 +233,8 @@ def config_from_args(args: Namespace) -> tuple[Any, Callable[..., Any] | str, li
         rdzv_configs["rank"] = args.node_rank
     logs_specs = _logs_specs_class(args.logs_specs)(
         log_dir=args.log_dir,
-        redirects=Std.from_str(args.redirects),
-        tee=Std.from_str(args.tee),
+        redirects=_std("--redirects", args.redirects, Std),
+        tee=_std("--tee", args.tee, Std),
         local_ranks_filter=_local_ranks(args.local_ranks_filter),
     )
     config = LaunchConfig(

@@ -143,6 +143,10 @@ BAD = [
     (["--max-restarts", "-1", "{script}"], "--max-restarts"),
     (["--events-endpoint", "udp://x", "{script}"], "--events-endpoint"),
     (["--bogus", "{script}"], "--bogus"),
+    (["--standalone", "--nproc-per-node", "2", "-r", "9", "{script}"], "--redirects '9'"),
+    (["--standalone", "--tee", "0:7", "{script}"], "--tee '0:7'"),
+    (["--standalone", "--local-ranks-filter", "a", "{script}"], "--local-ranks-filter"),
+    (["--standalone", "--rdzv-conf", "foo", "{script}"], "--rdzv-conf option 'foo'"),
     ([], "training_script"),
 ]
 
