@@ -156,3 +156,47 @@ def test_status_changes_become_last_event_lines():
         "membership change: world size 4 -> 6")
     assert _status_change(base, {**base, "state": "FAILED"}) == "group failed"
     assert _status_change(base, {**base, "workers_alive": 1}) == "worker exited: 1/2 alive"
+
+
+@pytest.mark.timeout(60)
+def test_live_view_redraws_in_place_on_a_terminal():
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    port = free_port()
+    master, slave = pty.openpty()
+    p = subprocess.Popen(
+        [sys.executable, "-m", "fastelastic", "watch", f"tcp://127.0.0.1:{port}", "--timeout",
+         "30", "--refresh", "0.1", "--until-done"],
+        stdout=slave, stderr=subprocess.PIPE, text=True,
+    )
+    os.close(slave)
+    assert p.stderr is not None and p.stderr.readline().startswith("watching")
+    state = {"state": "HEALTHY", "group_rank": 0, "world_size": 2}
+    pub = EventPublisher(f"tcp://127.0.0.1:{port}", status=lambda: dict(state), interval=0.05)
+    out = b""
+    try:
+        deadline = time.monotonic() + 20
+        while (b"HEALTHY" not in out or out.count(b"\x1b[H\x1b[2J") < 2) and (
+            time.monotonic() < deadline
+        ):
+            out += os.read(master, 65536)
+        state["state"] = "SUCCEEDED"  # --until-done: the watcher ends by itself
+        assert p.wait(timeout=20) == 0
+    finally:
+        pub.close()
+        if p.poll() is None:
+            p.kill()
+        try:
+            while True:
+                chunk = os.read(master, 65536)
+                if not chunk:
+                    break
+                out += chunk
+        except OSError:
+            pass  # EIO once the child's side is closed
+        os.close(master)
+    assert out.count(b"\x1b[H\x1b[2J") >= 2  # home + clear: redrawn in place, several times
+    assert b"HEALTHY" in out and b"SUCCEEDED" in out

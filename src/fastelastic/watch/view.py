@@ -204,7 +204,7 @@ def watch(
         print(view.render(), file=out, flush=True)
         return 0 if view.rows and view.formed() >= expect else 1
     if tty or view.render() != last_text:
-        _draw(out, view.render(), tty=False)
+        _draw(out, view.render(), tty)
     return 0
 
 
