@@ -62,3 +62,46 @@ def torch_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+class Etcd:
+    """A real etcd server on loopback for one test (data in ``data_dir``)."""
+
+    def __init__(self, data_dir: Path) -> None:
+        import time
+        import urllib.request
+
+        exe = shutil.which("etcd")
+        if exe is None:
+            import pytest
+
+            pytest.skip("!!! no etcd binary on PATH (CI installs etcd-server): etcd form untested")
+        self.port, peer = free_port(), free_port()
+        url, purl = f"http://127.0.0.1:{self.port}", f"http://127.0.0.1:{peer}"
+        self.proc = subprocess.Popen(
+            [exe, "--data-dir", str(data_dir), "--listen-client-urls", url,
+             "--advertise-client-urls", url, "--listen-peer-urls", purl,
+             "--initial-advertise-peer-urls", purl, "--initial-cluster", f"default={purl}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=1) as r:
+                    if b"true" in r.read():
+                        return
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("etcd did not become healthy within 30 s")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()

@@ -305,3 +305,26 @@ def test_exit_barrier_timeout_flag(tmp_path):
     if second.returncode != 0:
         last = err.strip().splitlines()[-1]
         assert last.startswith("fastrun: error: ") and "store" in last, err[-2000:]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.etcd
+def test_two_nodes_with_etcd_rendezvous(tmp_path):
+    from run_testlib import Etcd
+
+    etcd = Etcd(tmp_path / "etcd")
+    try:
+        env = base_env(DUMP_DIR=str(tmp_path))
+        args = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "etcd",
+                "--rdzv-endpoint", f"127.0.0.1:{etcd.port}", "--rdzv-id", "etcd-job", str(DUMP)]
+        procs = [subprocess.Popen([*launcher_cmd("fastrun"), *args], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for _ in range(2)]
+        results = _finish(procs, timeout=90)
+    finally:
+        etcd.stop()
+    assert all(rc == 0 for rc, _ in results), results
+    dumps = read_dumps(tmp_path)
+    assert sorted(dumps) == [0, 1, 2, 3]
+    assert {d["env"]["WORLD_SIZE"] for d in dumps.values()} == {"4"}
+    assert {d["env"]["TORCHELASTIC_RUN_ID"] for d in dumps.values()} == {"etcd-job"}
