@@ -248,7 +248,6 @@ def launch_agent(
         duplicate_stderr_filters=config.duplicate_stderr_filters,
         virtual_local_rank=config.virtual_local_rank,
     )
-    tap = _Events(config.events_endpoint, spec) if config.events_endpoint else None
     agent = LocalElasticAgent(
         spec=spec,
         logs_specs=config.logs_specs,  # type: ignore[arg-type]
@@ -258,11 +257,13 @@ def launch_agent(
         shutdown_timeout=config.shutdown_timeout,  # type: ignore[arg-type]
         health_check_server=health_check_server,
     )
-    if tap is not None:
-        tap.agent = agent
+    tap: _Events | None = None
     final_state: str | None = "FAILED"
     shutdown_rdzv = True
     try:
+        if config.events_endpoint:
+            tap = _Events(config.events_endpoint, spec)
+            tap.agent = agent
         metrics.initialize_metrics(metrics.MetricsConfig(config.metrics_cfg))
         result = agent.run()
         events.record(agent.get_event_succeeded(), spec.event_log_handler)
@@ -277,6 +278,7 @@ def launch_agent(
     except SignalException:
         # Keep the rendezvous open: closing it would end this run id for every node.
         shutdown_rdzv = False
+        final_state = "STOPPED"
         events.record(agent.get_event_failed(), spec.event_log_handler)
         raise
     except Exception:
