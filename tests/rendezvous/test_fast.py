@@ -174,7 +174,7 @@ def test_sigkilled_node_mid_join_is_noticed_within_a_second(server, nodes):
         child.wait()
     assert noticed < 1.0
     assert server.get(f"fe.rdzv.{RUN}/0/res").startswith(b"D")
-    _handler(server.port, 2, 4).set_closed()  # end the waiting survivors
+    a.set_closed()  # from this thread while a's own join is blocked in another one
     nodes.join(10)
     assert all(isinstance(e, RendezvousClosedError) for e in nodes.errors.values()), nodes.errors
 

@@ -173,6 +173,7 @@ class FastRendezvousHandler(RendezvousHandler):
         self._member: tuple[int, int, int] | None = None  # (round, rank, world)
         self._pending_left: str | None = None
         self._lock = threading.Lock()
+        self._side: Any = None
 
     # ------------------------------------------------------------------ RendezvousHandler
 
@@ -222,13 +223,26 @@ class FastRendezvousHandler(RendezvousHandler):
             master_endpoint=self._bootstrap_addr, rank=rank,
         )
 
+    def _side_store(self) -> Any:
+        """The connection for calls made while another thread is inside next_rendezvous.
+
+        A client connection serves one request at a time, and a joining node's connection may
+        be blocked in a long wait; calls from other threads then use a second connection.
+        """
+        if not self._lock.locked():
+            return self._store
+        if self._side is None:
+            clone = getattr(self._store, "clone", None)
+            self._side = clone() if clone is not None else self._store
+        return self._side
+
     def is_closed(self) -> bool:
         """See base class."""
-        return bool(self._call(self._store.check, [self._key + "closed"]))
+        return bool(self._call(self._side_store().check, [self._key + "closed"]))
 
     def set_closed(self) -> None:
         """See base class: sets ``closed`` and wakes every node waiting in a forming round."""
-        store = self._store
+        store = self._side_store()
         self._call(store.set, self._key + "closed", b"1")
         cur = int(self._call(store.add, self._key + "open", 0))
         rounds = {cur, cur + 1}
@@ -241,7 +255,7 @@ class FastRendezvousHandler(RendezvousHandler):
         """See base class: the tickets taken in the round after this node's round."""
         if self._member is None:
             return 0
-        v = int(self._call(self._store.add, f"{self._key}{self._member[0] + 1}/t", 0))
+        v = int(self._call(self._side_store().add, f"{self._key}{self._member[0] + 1}/t", 0))
         return v - _SEAL if v >= _SEAL else v
 
     def get_run_id(self) -> str:
