@@ -328,3 +328,39 @@ def test_two_nodes_with_etcd_rendezvous(tmp_path):
     assert sorted(dumps) == [0, 1, 2, 3]
     assert {d["env"]["WORLD_SIZE"] for d in dumps.values()} == {"4"}
     assert {d["env"]["TORCHELASTIC_RUN_ID"] for d in dumps.values()} == {"etcd-job"}
+
+
+ELASTIC_SCRIPT = """
+import os, time
+d, e = os.environ["OUT"], os.environ
+name = f"w{e['WORLD_SIZE']}-r{e['RANK']}-a{e['TORCHELASTIC_RESTART_COUNT']}"
+open(os.path.join(d, name), "w").close()
+if os.environ["WORLD_SIZE"] == "2":
+    time.sleep(60)  # until the agent stops this group for the new member
+"""
+
+
+@pytest.mark.timeout(120)
+def test_elastic_scale_up_when_a_node_joins(tmp_path):
+    """--nnodes 1:2: one node runs alone, a second joins, both restart as a world of 4."""
+    script = tmp_path / "el.py"
+    script.write_text(ELASTIC_SCRIPT)
+    out = tmp_path / "out"
+    out.mkdir()
+    port = free_port()
+    args = ["--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic",
+            "--rdzv-conf", "last_call_timeout=1", str(script)]
+    env = base_env(OUT=str(out))
+    first = subprocess.Popen([*launcher_cmd("fastrun"), *args], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(list(out.glob("w2-*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sorted(p.name for p in out.glob("w2-*")) == ["w2-r0-a0", "w2-r1-a0"]
+    second = subprocess.Popen([*launcher_cmd("fastrun"), *args], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    results = _finish([first, second], timeout=90)
+    assert all(rc == 0 for rc, _ in results), results
+    # membership changes do not use up --max-restarts (0 here): the restart count stays 0
+    assert sorted(p.name for p in out.glob("w4-*")) == [f"w4-r{r}-a0" for r in range(4)]
