@@ -200,3 +200,24 @@ def test_live_view_redraws_in_place_on_a_terminal():
         os.close(master)
     assert out.count(b"\x1b[H\x1b[2J") >= 2  # home + clear: redrawn in place, several times
     assert b"HEALTHY" in out and b"SUCCEEDED" in out
+
+
+def test_failure_and_restart_stay_visible_over_routine_events():
+    port = free_port()
+    ctx, sub = _sub(port)
+    state = {"state": "HEALTHY", "restarts": 0, "max_restarts": 2}
+    pub = EventPublisher(f"tcp://127.0.0.1:{port}", status=lambda: dict(state), interval=0.05)
+    try:
+        _recv_until(sub, lambda m: m["kind"] == "status")
+        pub.publish_event({"name": "fastelastic.worker.failed", "source": "AGENT",
+                           "metadata": {"global_rank": 1, "exit_code": -9, "signal": "SIGKILL"}})
+        _recv_until(sub, lambda m: m["last_event"] == "rank 1 failed: killed by SIGKILL")
+        state.update(restarts=1)
+        pub.publish_event({"name": "torchelastic.worker.status.START", "source": "WORKER",
+                           "metadata": {"global_rank": 0}})
+        got = _recv_until(sub, lambda m: m.get("restarts") == 1 and m["kind"] == "event")
+        assert got[-1]["last_event"] == "restart 1/2 after rank 1 failed: killed by SIGKILL"
+    finally:
+        pub.close()
+        sub.close()
+        ctx.term()

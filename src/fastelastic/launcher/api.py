@@ -188,6 +188,31 @@ class _Events:
             "dynamic_rendezvous", PublishingHandler(self.publisher, self._rdzv_prev), replace=True
         )
 
+    def watch_failures(self, agent: Any) -> None:
+        """Publishes each worker failure (rank, exit code or signal) the moment it is seen.
+
+        The agent records worker events only when the run ends, so a failure followed by a
+        restart would otherwise never reach the watcher.
+        """
+        monitor = getattr(agent, "_monitor_workers", None)
+        if monitor is None:
+            return
+
+        def monitored(worker_group: Any) -> Any:
+            result = monitor(worker_group)
+            for rank, f in sorted(getattr(result, "failures", {}).items()):
+                code = int(f.exitcode)
+                sig = f.signal_name() if code < 0 else None
+                self.publisher.publish_event({
+                    "name": "fastelastic.worker.failed",
+                    "source": "AGENT",
+                    "metadata": {"global_rank": rank, "local_rank": f.local_rank,
+                                 "exit_code": code, "signal": sig, "pid": f.pid},
+                })
+            return result
+
+        agent._monitor_workers = monitored
+
     def close(self, state: str | None) -> None:
         if state is not None:
             self.publisher.set_final(state=state, workers_alive=0)
@@ -264,6 +289,7 @@ def launch_agent(
         if config.events_endpoint:
             tap = _Events(config.events_endpoint, spec)
             tap.agent = agent
+            tap.watch_failures(agent)
         metrics.initialize_metrics(metrics.MetricsConfig(config.metrics_cfg))
         result = agent.run()
         events.record(agent.get_event_succeeded(), spec.event_log_handler)

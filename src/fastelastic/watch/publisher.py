@@ -37,6 +37,7 @@ __all__ = ["EventPublisher", "PublishingHandler", "agent_status"]
 logger = logging.getLogger(__name__)
 
 _STOP = object()
+_STICKY_S = 3.0
 
 
 def _pid_alive(pid: int) -> bool:
@@ -128,6 +129,8 @@ class EventPublisher:
         self._last_event = "launcher started"
         self._final: dict[str, Any] = {}
         self._prev: dict[str, Any] = {}
+        self._last_failure: str | None = None
+        self._sticky_until = 0.0
         self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._ctx = zmq.Context(io_threads=1)
         self._sock = self._ctx.socket(zmq.PUB)
@@ -167,7 +170,10 @@ class EventPublisher:
         st.update(self._final)
         change = _status_change(self._prev, st)
         if change:
-            self._last_event = change
+            if change.startswith("restart") and self._last_failure:
+                change += f" after {self._last_failure}"
+                self._last_failure = None
+            self._set_last(change, important=True)
         self._prev = st
         msg: dict[str, Any] = {
             "v": 1,
@@ -184,6 +190,16 @@ class EventPublisher:
             msg["event"] = event
         return json.dumps(msg, default=str).encode()
 
+    def _set_last(self, text: str, important: bool) -> None:
+        """Routine lines (worker START, rendezvous progress) do not hide a recent failure,
+        restart or membership change for ``_STICKY_S`` seconds."""
+        now = time.monotonic()
+        if important:
+            self._last_event = text
+            self._sticky_until = now + _STICKY_S
+        elif now >= self._sticky_until:
+            self._last_event = text
+
     def _on_event(self, payload: str | dict[str, Any]) -> bytes:
         if isinstance(payload, str):
             try:
@@ -198,7 +214,12 @@ class EventPublisher:
         # Phase timings (RENDEZVOUS, ASSIGN_WORKER_RANKS...) are published but would hide a
         # restart or a failure in the one-line "last event".
         if not (isinstance(md, dict) and md.get("duration_ms") is not None):
-            self._last_event = _describe(event)
+            name = str(event.get("name", ""))
+            failed = name == "fastelastic.worker.failed"
+            self._set_last(_describe(event), important=failed or not name.endswith(".START")
+                           and "next_rendezvous" not in name)
+            if failed:
+                self._last_failure = self._last_event
         return self._message("event", event)
 
     def _loop(self) -> None:
@@ -252,6 +273,9 @@ def _describe(event: dict[str, Any]) -> str:
     """A short human line for an event (torch ``Event`` or ``RdzvEvent`` JSON)."""
     name = str(event.get("name", "?"))
     md = event.get("metadata")
+    if name == "fastelastic.worker.failed" and isinstance(md, dict):
+        how = f"killed by {md['signal']}" if md.get("signal") else f"exit {md.get('exit_code')}"
+        return f"rank {md.get('global_rank')} failed: {how}"
     if isinstance(md, dict):
         parts = [name.removeprefix("torchelastic.worker.status.")]
         if md.get("global_rank") is not None:
