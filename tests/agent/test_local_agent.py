@@ -87,7 +87,8 @@ def _clean_env(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
-def test_callable_entrypoint_env_and_return_values(tmp_path, monkeypatch):
+@pytest.mark.parametrize("start_method", ["spawn", "fork", "forkserver"])
+def test_callable_entrypoint_env_and_return_values(tmp_path, monkeypatch, start_method):
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
     spec = WorkerSpec(
@@ -97,7 +98,7 @@ def test_callable_entrypoint_env_and_return_values(tmp_path, monkeypatch):
         entrypoint=agent_workers.env_worker,
         args=("tag${local_rank}",),
     )
-    result = make_agent(spec, tmp_path, start_method="spawn").run()
+    result = make_agent(spec, tmp_path, start_method=start_method).run()
     assert result.state == WorkerState.SUCCEEDED and not result.is_failed()
     assert sorted(result.return_values) == [0, 1]
     for rank, env in result.return_values.items():
