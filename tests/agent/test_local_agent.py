@@ -493,3 +493,43 @@ def test_killed_agent_releases_exit_barrier(tmp_path):
     assert elapsed < 30, f"healthy agent waited {elapsed:.1f}s for a dead peer"
     assert "group_rank 1 disconnected" in ok_err, ok_err[-2000:]
     assert wait_until(lambda: not pid_alive(worker), 20), "the dead agent's worker survived"
+
+
+def test_health_endpoint_answers_during_rendezvous(tmp_path, monkeypatch):
+    hport, port = free_port(), free_port()
+    monkeypatch.setenv("TORCHELASTIC_HEALTH_CHECK_PORT", str(hport))
+    monkeypatch.setenv("FASTELASTIC_HEALTH_CHECK_ADDR", "127.0.0.1")
+    spec = WorkerSpec(
+        role="trainer",
+        local_world_size=1,
+        rdzv_handler=static(0, 2, port=port, run_id="t"),  # agent_main uses run_id "t"
+        entrypoint=sys.executable,
+        args=(WORKERS, "exit", "0"),
+        max_restarts=0,
+    )
+    agent = make_agent(spec, tmp_path)
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.setdefault("r", agent.run()))
+    t.start()
+    peer = None
+    try:
+
+        def answered():
+            try:
+                return get_health(hport)
+            except OSError:
+                return None
+
+        assert wait_until(lambda: answered() is not None), "no health server during rendezvous"
+        code, body = get_health(hport)
+        assert code == 200 and body["state"] == "INIT" and body["workers"][0]["pid"] is None
+        env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_HEALTH_CHECK_PORT"}
+        peer = run_agent_proc({"port": port, "rank": 1, "world": 2, "args": ["exit", "0"]}, env=env)
+        out, err = peer.communicate(timeout=60)
+        assert result_of(out)["state"] == "SUCCEEDED", err[-2000:]
+    finally:
+        t.join(60)
+        if peer is not None and peer.poll() is None:
+            peer.kill()
+            peer.wait(10)
+    assert box["r"].state == WorkerState.SUCCEEDED

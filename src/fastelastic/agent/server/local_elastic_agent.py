@@ -123,6 +123,7 @@ class LocalElasticAgent(SimpleElasticAgent):
         )
         self._uninterruptible_state_first_seen: dict[int, float] = {}
         self._exits_pending = True  # a full check is due (start, or an exit was reported)
+        self._health_started = False
 
     # ------------------------------------------------------------------ environment
 
@@ -286,9 +287,17 @@ class LocalElasticAgent(SimpleElasticAgent):
             "workers": workers,
         }
 
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        # Serve /health before the (possibly long) rendezvous, so probes see a live agent.
+        self._setup_healthcheck()
+        super()._rendezvous(worker_group)
+
     def _setup_healthcheck(self) -> None:
+        if self._health_started:
+            return
         if self._health_check_server is not None:
             self._health_check_server.start()
+            self._health_started = True
             return
         raw = os.getenv(TORCHELASTIC_HEALTH_CHECK_PORT)
         if raw is None:
@@ -306,8 +315,14 @@ class LocalElasticAgent(SimpleElasticAgent):
             alive_callback=self._get_alive_time, port=port, timeout=60
         )
         server.set_status_callback(self._health_status)
-        server.start()
+        try:
+            server.start()
+        except OSError as e:
+            # The workers matter more than the probe: run on, and say why probes will fail.
+            logger.error("health check server not started on port %s: %s", port, e)
+            return
         self._health_check_server = server
+        self._health_started = True
 
     # ------------------------------------------------------------------ worker lifecycle
 
@@ -382,6 +397,7 @@ class LocalElasticAgent(SimpleElasticAgent):
         if self._health_check_server is not None:
             self._health_check_server.stop()
             self._health_check_server = None
+            self._health_started = False
         if self._pcontext is not None:
             self._pcontext.close(death_sig, timeout)
 
