@@ -233,3 +233,40 @@ def test_realtime_loop_runs_python_at_normal_priority(fifo):
     policy, realtime = seen[0]
     assert realtime is permitted
     assert policy == os.SCHED_OTHER  # the callback (Python) never runs at real-time priority
+
+
+def _thread_policy(tid: int) -> int:
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[38])  # field 41: policy
+
+
+def _wait_policy(tid: int, policy: int, limit: float = 5.0) -> bool:
+    deadline = time.monotonic() + limit
+    while _thread_policy(tid) != policy:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)  # bounded poll of a kernel state that has no change notification
+    return True
+
+
+def test_realtime_only_near_a_deadline(fifo):
+    if not _fifo_permitted():
+        pytest.skip("!!! SCHED_FIFO not permitted here: the realtime window was not tested")
+    wd = FifoWatchdog(fifo, 0.05)
+    t = threading.Thread(target=wd.run, args=(lambda batch: None, True))
+    t.start()
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    )
+    try:
+        assert wd.register(child.pid, "far", time.time() + 30, 9) == ADMIT_OK
+        assert _wait_policy(t.native_id, os.SCHED_OTHER)  # 30 s away: normal priority
+        assert wd.register(child.pid, "near", time.time() + 0.8, 9) == ADMIT_OK
+        assert _wait_policy(t.native_id, os.SCHED_FIFO)  # within the window before it
+        assert child.wait(10) == -9
+        assert _wait_policy(t.native_id, os.SCHED_OTHER)  # nothing pending: back to normal
+    finally:
+        child.stdin.close()
+        wd.stop()
+        t.join(5)
+        wd.close()

@@ -22,6 +22,9 @@ cdef enum:
     WD_MAX_EVENTS = 64
     # Signals above this are not real signals.
     WD_SIG_MAX = 64
+    # With realtime, the loop goes SCHED_FIFO this long before the earliest deadline: enough to
+    # absorb a late normal-priority wake-up on a busy host.
+    WD_RT_WINDOW_NS = 200000000
     # Longest ancestry walk through /proc when deciding whether a pid descends from us.
     WD_MAX_DEPTH = 64
     # epoll user data: the tag sits in the high 32 bits, a pid (for pidfds) in the low 32.
@@ -83,7 +86,8 @@ cdef class FifoWatchdog:
     cdef bint _stop
     cdef bint _drain_stop
     cdef bint _running
-    cdef bint _rt
+    cdef bint _rt                # SCHED_FIFO permitted and asked for
+    cdef bint _rt_on             # the loop thread is on SCHED_FIFO now
     cdef bint _allow_descendants
     cdef bint _defer_kill
     cdef bint _discarding

@@ -496,12 +496,26 @@ cdef class FifoWatchdog:
         cdef uint64_t tag, junk
         cdef bint stop
         cdef vector[WdEvent] out
+        cdef int64_t front = -1, now
         pthread_mutex_lock(&self._mu)
         if self._stop:
             pthread_mutex_unlock(&self._mu)
             return 1
         self._arm()
+        if not self._deadlines.empty():
+            front = deref(self._deadlines.begin()).first
         pthread_mutex_unlock(&self._mu)
+        if self._rt:
+            # Real-time only near a deadline: far from one, floods of requests are read at
+            # normal priority (batched by the scheduler) and we wake up once, WD_RT_WINDOW_NS
+            # early, to switch, so that the deadline itself is met at SCHED_FIFO.
+            now = fe_monotonic_ns()
+            if (front >= 0 and front - now <= WD_RT_WINDOW_NS) != self._rt_on:
+                self._rt_on = not self._rt_on
+                _set_policy(self._rt_on)
+            if front >= 0 and not self._rt_on:
+                timeout_ms = <int>min(<int64_t>timeout_ms,
+                                      (front - now - WD_RT_WINDOW_NS) // 1000000 + 1)
         n = epoll_wait(self._epfd, self._evs, WD_MAX_EVENTS, timeout_ms)
         if n < 0:
             if errno != EINTR:
@@ -533,11 +547,11 @@ cdef class FifoWatchdog:
         if not out.empty():
             # Python (the policy callback) never runs at real-time priority: drop to
             # SCHED_OTHER before taking the GIL, come back once it is released.
-            if self._rt:
+            if self._rt_on:
                 _set_policy(False)
             with gil:
                 self._deliver(out)
-            if self._rt:
+            if self._rt_on:
                 _set_policy(True)
         return 1 if stop else 0
 
@@ -562,8 +576,9 @@ cdef class FifoWatchdog:
 
         The GIL is held only while ``callback(events)`` runs; each event is a tuple
         ``(kind, pid, scope_id, expiration_time, signal, err, deadline_ns, fired_ns, detail)``.
-        With ``realtime`` the thread waits and kills at the lowest SCHED_FIFO priority, if the
-        process may (see ``realtime`` property), and runs the callback at SCHED_OTHER.
+        With ``realtime`` (if the process may, see the ``realtime`` property) the thread runs at
+        the lowest SCHED_FIFO priority from WD_RT_WINDOW_NS before the earliest deadline until
+        it is gone, except while the callback runs (SCHED_OTHER).
         """
         if self._epfd < 0:
             raise ValueError("FifoWatchdog is closed")
@@ -571,17 +586,20 @@ cdef class FifoWatchdog:
             raise RuntimeError("FifoWatchdog.run() is already active")
         self._callback = callback
         self._running = True
-        self._rt = realtime and _set_policy(True) == 0
-        if realtime and not self._rt:
+        self._rt = realtime and _set_policy(True) == 0  # permitted? then back to normal
+        self._rt_on = False
+        if self._rt:
+            _set_policy(False)
+        elif realtime:
             _log.info("watchdog: SCHED_FIFO not permitted (errno %d); normal priority", errno)
         try:
             with nogil:
                 while self._step(self._heartbeat_ms) == 0:
                     pass
         finally:
-            if self._rt:
+            if self._rt_on:
                 _set_policy(False)
-            self._rt = False
+            self._rt = self._rt_on = False
             self._running = False
 
     def poll_once(self, callback):
@@ -702,7 +720,7 @@ cdef class FifoWatchdog:
 
     @property
     def realtime(self):
-        """True while ``run()`` runs its loop at SCHED_FIFO priority."""
+        """True while ``run()`` may switch its loop to SCHED_FIFO (near deadlines)."""
         return self._rt
 
     @property
