@@ -234,3 +234,18 @@ def test_messages_per_node_do_not_grow_with_n(server):
     assert max(small) <= 20 and max(large) == max(small)
     assert sorted(small)[len(small) // 2] == sorted(large)[len(large) // 2]
     assert CountingStore  # the proxy is importable for the benchmark too
+
+
+def test_fast_protocol_runs_on_torchs_tcpstore_server(nodes):
+    """Without our server's extensions (no disconnect hooks) the protocol still forms groups."""
+    dist = pytest.importorskip("torch.distributed",
+                               reason="!!! torch not installed: cannot test against its store")
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         multi_tenant=True)
+    handlers = [_handler(host.port, 3, 3) for _ in range(3)]
+    assert not handlers[0]._hooks  # our client reports no extensions on torch's server
+    for i, h in enumerate(handlers):
+        nodes.start(i, lambda i, h=h: h.next_rendezvous())
+    nodes.join(20)
+    assert not nodes.errors, nodes.errors
+    assert sorted(nodes.results[i].rank for i in range(3)) == [0, 1, 2]
