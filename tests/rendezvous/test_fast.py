@@ -249,3 +249,31 @@ def test_fast_protocol_runs_on_torchs_tcpstore_server(nodes):
     nodes.join(20)
     assert not nodes.errors, nodes.errors
     assert sorted(nodes.results[i].rank for i in range(3)) == [0, 1, 2]
+
+
+def test_rendezvous_events_are_recorded(server, nodes):
+    import json
+    import logging
+
+    from fastelastic import events
+
+    records: list[str] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    previous = events.get_logging_handler("dynamic_rendezvous")
+    events.register_handler("dynamic_rendezvous", Capture(), replace=True)
+    try:
+        hs = [_handler(server.port, 2, 2, run_id="ev") for _ in range(2)]
+        for i, h in enumerate(hs):
+            nodes.start(i, lambda i, h=h: h.next_rendezvous())
+        nodes.join(20)
+        assert not nodes.errors
+    finally:
+        events.register_handler("dynamic_rendezvous", previous, replace=True)
+    done = [json.loads(r) for r in records if '"SUCCEEDED"' in r]
+    assert len(done) == 2
+    assert sorted(e["rank"] for e in done) == [0, 1]
+    assert {e["run_id"] for e in done} == {"ev"}

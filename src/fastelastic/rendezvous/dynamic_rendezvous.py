@@ -30,6 +30,7 @@ from fastelastic.errors import (
     RendezvousStateError,
     RendezvousTimeoutError,
 )
+from fastelastic.events import NodeState, construct_and_record_rdzv_event
 
 from .api import (
     RendezvousHandler,
@@ -315,16 +316,30 @@ class DynamicRendezvousHandler(RendezvousHandler):
             return False
         return type(self._store).__name__ == "TCPStore"
 
+    def _record(self, message: str, state: NodeState, rank: int | None = None) -> None:
+        construct_and_record_rdzv_event(
+            run_id=self._settings.run_id, message=message, node_state=state,
+            name=f"{type(self).__name__}.next_rendezvous", hostname=self._this_node.addr,
+            pid=self._this_node.pid, local_id=self._this_node.local_id, rank=rank,
+        )
+
     def next_rendezvous(self) -> RendezvousInfo:
         """See base class."""
+        self._record(f"node {self._this_node!r} joins the next round", NodeState.RUNNING)
         self._stop_heartbeats()
         deadline = time.monotonic() + self._settings.timeout.join.total_seconds()
         with self._lock:
-            self._run(self._exit_step, deadline)
-            self._run(self._join_step, deadline)
+            try:
+                self._run(self._exit_step, deadline)
+                self._run(self._join_step, deadline)
+            except Exception as e:
+                self._record(f"{type(e).__name__}: {e}", NodeState.FAILED)
+                raise
             state = self._holder.state
             rank, world = state.participants[self._this_node], len(state.participants)
             round_ = state.round
+        self._record(f"joined round {round_} as rank {rank} of {world}", NodeState.SUCCEEDED,
+                     rank)
         self._start_heartbeats()
         from fastelastic.store import PrefixStore
 
