@@ -130,6 +130,16 @@ def main(argv: list[str]) -> int:
             f.write(str(os.getpid()))
         wait_for(os.path.join(argv[1], "never"), 60)
         return 9
+    if mode == "grandchild":  # grandchild DIR: start a sleeping child, write both pids, hang
+        import subprocess
+
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        path = os.path.join(argv[1], f"pids{os.environ['LOCAL_RANK']}")
+        with open(path + ".tmp", "w") as f:
+            f.write(f"{os.getpid()} {child.pid}")
+        os.rename(path + ".tmp", path)
+        wait_for(os.path.join(argv[1], "never"), 60)
+        return 9
     if mode == "gloo":
         _gloo()
         return 0

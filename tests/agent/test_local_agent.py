@@ -533,3 +533,26 @@ def test_health_endpoint_answers_during_rendezvous(tmp_path, monkeypatch):
             peer.kill()
             peer.wait(10)
     assert box["r"].state == WorkerState.SUCCEEDED
+
+
+def test_stop_kills_grandchildren(tmp_path):
+    p = run_agent_proc(
+        {
+            "port": free_port(),
+            "rank": 0,
+            "world": 1,
+            "nproc": 2,
+            "args": ["grandchild", str(tmp_path)],
+        }
+    )
+    try:
+        assert wait_until(lambda: all((tmp_path / f"pids{i}").exists() for i in range(2)))
+        pids = [int(x) for i in range(2) for x in (tmp_path / f"pids{i}").read_text().split()]
+        assert len(pids) == 4 and all(pid_alive(x) for x in pids)
+        p.send_signal(signal.SIGTERM)
+        p.communicate(timeout=60)
+        assert wait_until(lambda: not any(pid_alive(x) for x in pids), 20), "a process survived"
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
