@@ -336,22 +336,28 @@ class FastRendezvousHandler(RendezvousHandler):
         pref = self._member[1] if self._member is not None else self._node_rank
         keys.append(f"{p}n/{t}")
         vals.append(b"%d|%s|%d" % (pref, self._local_addr.encode(), os.getpid()))
+        # A placeholder for our rank: the publisher overwrites it (after it saw this write)
+        # before deciding res, so one multi_get of (res, rank) reads both once res exists.
+        keys.append(f"{p}rank/{t}")
+        vals.append(b"-1")
         store.multi_set(keys, vals)
         if t == self._max:
             self._publish(r, self._max, deadline)
         elif t == self._min:
             self._coordinate(r, deadline)
-        kind, count = self._wait_outcome(r, deadline)
+        kind, count, rank = self._wait_outcome(r, deadline, rank_key=f"{p}rank/{t}")
         if kind == "C":
             raise RendezvousClosedError(f"The rendezvous '{self._run_id}' is closed.")
         if kind == "D":
             log.info("rendezvous %s round %d abandoned (a node left); re-joining", self._run_id, r)
             return None
-        if t > count:
+        if t > count or rank < 0:
             return None
-        return int(store.get(f"{p}rank/{t}")), count
+        return rank, count
 
-    def _wait_outcome(self, r: int, deadline: float, mine: bool = True) -> tuple[str, int]:
+    def _wait_outcome(self, r: int, deadline: float, mine: bool = True,
+                      rank_key: str | None = None) -> tuple[str, int, int]:
+        """Waits for round ``r``'s outcome: (kind, count, rank read from ``rank_key`` or -1)."""
         key = f"{self._key}{r}/res"
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -366,7 +372,14 @@ class FastRendezvousHandler(RendezvousHandler):
             raise RendezvousTimeoutError(
                 f"The rendezvous '{self._run_id}' did not complete within {self._timeout.join}."
             ) from e
-        return _outcome(self._store.get(key))
+        if rank_key is None:
+            return (*_outcome(self._store.get(key)), -1)
+        raw_res, raw_rank = self._store.multi_get([key, rank_key])
+        try:
+            rank = int(bytes(raw_rank))
+        except ValueError as e:
+            raise RendezvousStateError(f"corrupt rank {bytes(raw_rank)[:40]!r}") from e
+        return (*_outcome(bytes(raw_res)), rank)
 
     def _res_exists(self, r: int) -> bool:
         return bool(self._store.check([f"{self._key}{r}/res"]))
@@ -419,7 +432,7 @@ class FastRendezvousHandler(RendezvousHandler):
     def _last_complete(self, r: int, deadline: float) -> tuple[int, int] | None:
         """Walks back from ``r - 1`` to the last complete round: (round, world) or None."""
         for q in range(r - 1, max(-1, r - 1 - _MAX_WALK), -1):
-            kind, count = self._wait_outcome(q, deadline, mine=False)
+            kind, count, _ = self._wait_outcome(q, deadline, mine=False)
             if kind == "M":
                 return q, count
             if kind == "C":
