@@ -15,7 +15,9 @@ Protocol (keys under ``fe.rdzv.<run_id>/``; round ``r`` keys under ``<r>/``):
   (``append_on_disconnect``): the round is abandoned and everyone re-joins ``r + 1``. A
   ``C;`` appended by ``set_closed`` wakes waiters with :class:`RendezvousClosedError`. Text after
   the first newline is ignored, so late appends never corrupt a complete outcome.
-* ``<r>/rank/<ticket>``: the rank of each ticket, published with one ``multi_set``.
+* ``<r>/rank/<ticket>``: the rank of each ticket: ``-1`` written by the node with its record,
+  overwritten by the publisher's one ``multi_set`` before it decides ``res``; a woken node reads
+  ``res`` and its rank with one ``multi_get``.
 * ``<r>/left/<rank>``: set when a member of complete round ``r`` re-joins, or by the server
   when its connection closes. The next round completes only after every member of the last
   complete round left (torch's semantics: waiting nodes are admitted at re-rendezvous).
