@@ -189,10 +189,10 @@ class FileTimerServer:
         allow_descendants: also accept any process that descends from this one.
         dump_stacks: before a kill, dump the worker's Python stacks (py-spy, else faulthandler
             via ``SIGUSR2`` if the worker called ``enable_stack_dump``); delays that kill.
-        realtime: wait for deadlines and kill at the lowest ``SCHED_FIFO`` priority when the
-            process may (else normal priority, logged at INFO), so a loaded host does not delay
-            the wake-up at a deadline. Python (this object's policy, ``log_event``) always runs
-            at normal priority: the thread drops to ``SCHED_OTHER`` before taking the GIL.
+        realtime: from 200 ms before the earliest deadline until it has fired, run the native
+            loop at the lowest ``SCHED_FIFO`` priority when the process may (else normal
+            priority, logged at INFO), so a loaded host does not delay the kill. Python (this
+            object's policy, ``log_event``) always runs at normal priority.
     """
 
     def __init__(
