@@ -104,17 +104,20 @@ class FileTimerClient(TimerClient):
         self.signal = signal
 
     def _open(self) -> int:
-        for attempt in range(_OPEN_RETRIES):
+        # The server may not be up yet (ENXIO: no reader; ENOENT: no FIFO): retry briefly, as
+        # torch's client does, then give up with torch's exception type.
+        attempt = 0
+        while True:
             try:
                 return os.open(self._file_path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
             except OSError as e:
-                if attempt == _OPEN_RETRIES - 1:
+                attempt += 1
+                if attempt >= _OPEN_RETRIES:
                     raise BrokenPipeError(
                         "Could not send the FileTimerRequest because FileTimerServer is not "
                         f"available at {self._file_path!r}: {e}"
                     ) from e
-                time.sleep(_OPEN_RETRY_DELAY)
-        raise AssertionError("unreachable")
+            time.sleep(_OPEN_RETRY_DELAY)
 
     def _send_request(self, request: FileTimerRequest) -> None:
         line = (request.to_json() + "\n").encode()
