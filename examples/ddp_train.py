@@ -23,7 +23,6 @@ import os
 import sys
 import tempfile
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -75,36 +74,13 @@ def _save(path: str, model: nn.Module, opt: torch.optim.Optimizer, step: int) ->
     os.replace(tmp, path)  # readers see the old or the new checkpoint, never half of one
 
 
-def _init_process_group(restart: int) -> None:
-    """Joins the gloo group, with a key namespace of its own for every restart.
-
-    When the launcher shares its store with the workers (TORCHELASTIC_USE_AGENT_STORE=True),
-    torch 2.13 reconnects restarted workers to the same store without a per-attempt prefix, so
-    gloo would read the dead attempt's addresses and fail with "connectFullMesh ... Connection
-    refused" (torchrun hangs there). Prefixing the keys with the restart count avoids that.
-    """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        dist.init_process_group("gloo")
-        return
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        is_master=False,
-        timeout=timedelta(seconds=300),
-    )
-    dist.init_process_group(
-        "gloo",
-        store=dist.PrefixStore(f"ddp_train/attempt_{restart}", store),
-        rank=int(os.environ["RANK"]),
-        world_size=int(os.environ["WORLD_SIZE"]),
-    )
-
-
 @record
 def main() -> None:
     args = _args()
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    _init_process_group(restart)
+    # Plain env:// initialisation, as any torchrun script does. Each restart gets a fresh store
+    # from the rendezvous, so the restarted group never reads the dead attempt's addresses.
+    dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "local")
     ckpt_dir = args.ckpt_dir or os.path.join(tempfile.gettempdir(), f"fastelastic-ddp-{run_id}")

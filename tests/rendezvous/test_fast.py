@@ -16,6 +16,7 @@ from fastelastic.errors import (
     RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousTimeoutError,
+    StoreConnectionError,
 )
 from fastelastic.rendezvous import RendezvousParameters, get_rendezvous_handler
 from fastelastic.rendezvous.fast_rendezvous import FastRendezvousHandler, assign_ranks
@@ -59,7 +60,13 @@ def test_max_nodes_completes_without_waiting_for_last_call(server, nodes):
     infos = [nodes.results[i] for i in range(3)]
     assert sorted(x.rank for x in infos) == [0, 1, 2]
     assert {x.world_size for x in infos} == {3}
-    assert {(x.bootstrap_store_info.master_port) for x in infos} == {server.port}
+    boots = {(x.bootstrap_store_info.master_addr, x.bootstrap_store_info.master_port)
+             for x in infos}
+    assert len(boots) == 1      # one worker store per round, hosted by rank 0
+    (addr, port), = boots
+    assert port != server.port
+    workers = TCPStore(addr, port, timeout=5)
+    assert workers.num_keys() == 0    # fresh: nothing of the rendezvous in it
     infos[0].store.set("k", b"v")  # the round's store is shared (prefixed per round)
     assert infos[2].store.get("k") == b"v"
 
@@ -222,7 +229,8 @@ def test_registry_c10d_hosts_store_on_endpoint_port(nodes):
     nodes.join(20)
     assert not nodes.errors
     assert sorted(nodes.results[i].rank for i in (0, 1)) == [0, 1]
-    assert nodes.results[0].bootstrap_store_info.master_port == port
+    ports = {nodes.results[i].bootstrap_store_info.master_port for i in (0, 1)}
+    assert len(ports) == 1 and ports != {port}  # the round's own worker store
 
 
 def test_messages_per_node_do_not_grow_with_n(server):
@@ -277,3 +285,26 @@ def test_rendezvous_events_are_recorded(server, nodes):
     assert len(done) == 2
     assert sorted(e["rank"] for e in done) == [0, 1]
     assert {e["run_id"] for e in done} == {"ev"}
+
+
+def test_each_round_gives_workers_a_fresh_store(server, nodes):
+    """A restarted group must not read the dead attempt's keys (gloo's peer addresses)."""
+    handlers = [_handler(server.port, 2, 2, last_call=30) for _ in range(2)]
+    boots = []
+    for _ in range(2):
+        for i, h in enumerate(handlers):
+            nodes.start(i, lambda i, h=h: h.next_rendezvous())
+        nodes.join(20)
+        assert not nodes.errors
+        info = nodes.results[0].bootstrap_store_info
+        boots.append((info.master_addr, info.master_port))
+        assert {nodes.results[i].bootstrap_store_info.master_port for i in (0, 1)} == {
+            info.master_port}
+        workers = TCPStore(info.master_addr, info.master_port, timeout=5)
+        assert workers.num_keys() == 0                 # nothing left from the last attempt
+        workers.set("default_pg/0//0", b"addr-of-attempt")
+    assert boots[0][1] != boots[1][1]
+    with pytest.raises(StoreConnectionError):          # the old attempt's store is gone
+        TCPStore(boots[0][0], boots[0][1], timeout=0.5)
+    for h in handlers:
+        h.shutdown()

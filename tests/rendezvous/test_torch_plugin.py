@@ -57,7 +57,10 @@ def test_handler_generator_returns_torch_typed_handler():
     assert isinstance(info, RendezvousInfo)
     assert isinstance(info.store, torch.distributed.PrefixStore)
     assert (info.rank, info.world_size) == (0, 1)
-    assert info.bootstrap_store_info.master_port == port
+    boot = info.bootstrap_store_info
+    assert boot.master_port != port  # workers get a fresh store of their own each round
+    workers = torch.distributed.TCPStore(boot.master_addr, boot.master_port, is_master=False)
+    assert workers.num_keys() == 0
     info.store.set("x", b"1")  # torch's client talks to our server
     assert info.store.get("x") == b"1"
     assert handler.num_nodes_waiting() == 0 and not handler.is_closed()
@@ -94,5 +97,6 @@ def test_torchrun_two_nodes_two_workers(tmp_path):
     assert {r["WORLD_SIZE"] for r in results} == {"4"}
     assert sorted(r["GROUP_RANK"] for r in results) == ["0", "0", "1", "1"]
     assert {r["sum"] for r in results} == {0 + 1 + 2 + 3}
-    assert {r["MASTER_PORT"] for r in results} == {str(port)}  # workers share our store
+    ports = {r["MASTER_PORT"] for r in results}
+    assert len(ports) == 1 and ports != {str(port)}  # one fresh worker store for the round
     assert {r["TORCHELASTIC_USE_AGENT_STORE"] for r in results} == {"True"}

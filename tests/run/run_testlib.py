@@ -34,10 +34,9 @@ def base_env(**extra: str) -> dict[str, str]:
 def launcher_cmd(which: str) -> list[str]:
     if which == "fastrun":
         return [sys.executable, "-m", "fastelastic.run"]
-    exe = shutil.which("torchrun")
-    if exe is None:
-        return [sys.executable, "-m", "torch.distributed.run"]
-    return [sys.executable, exe]
+    # torchrun's console script is torch.distributed.run:main; running the module with this
+    # interpreter avoids picking up a shell shim (pyenv) or another Python's torchrun on PATH.
+    return [sys.executable, "-m", "torch.distributed.run"]
 
 
 def run_launcher(which: str, args: list[str], env: dict[str, str], cwd: str | None = None,

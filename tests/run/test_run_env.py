@@ -85,20 +85,13 @@ CASES = {
 }
 
 
-# torch sets MASTER_ADDR to rank 0's --local-addr or FQDN; the fast c10d rendezvous (not this
-# area's code) publishes the rendezvous endpoint's host instead. Reported in notes/run.md.
-# These cases compare everything else here, and MASTER_ADDR in the xfail test below.
-MASTER_ADDR_DIVERGES = ("c10d-flags", "virtual-local-rank-logs")
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case", list(CASES))
 def test_worker_env_matches_torchrun(tmp_path, case):
     args, env, same_run_id = CASES[case]
     _run_both.port = free_port()  # type: ignore[attr-defined]
     theirs, ours = _run_both(tmp_path, args, env)
-    ignore = frozenset({"MASTER_ADDR"}) if case in MASTER_ADDR_DIVERGES else frozenset()
-    _compare(theirs, ours, same_run_id, ignore)
+    _compare(theirs, ours, same_run_id)
     e = ours[0]["env"]
     if case == "c10d-flags":
         assert (e["ROLE_NAME"], e["TORCHELASTIC_MAX_RESTARTS"], e["OMP_NUM_THREADS"]) == (
@@ -124,18 +117,3 @@ def test_module_flag_matches_torchrun(tmp_path):
     )
     _compare(theirs, ours, same_run_id=False)
     assert ours[1]["module"] == "__main__" and ours[1]["argv"][1:] == ["q"]
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.xfail(
-    reason="fast c10d rendezvous: MASTER_ADDR is the endpoint host, torch uses local_addr/FQDN",
-    strict=False,
-)
-@pytest.mark.parametrize("case", MASTER_ADDR_DIVERGES)
-def test_master_addr_matches_torchrun(tmp_path, case):
-    args, env, _ = CASES[case]
-    _run_both.port = free_port()  # type: ignore[attr-defined]
-    theirs, ours = _run_both(tmp_path, args, env)
-    assert {d["env"]["MASTER_ADDR"] for d in ours.values()} == {
-        d["env"]["MASTER_ADDR"] for d in theirs.values()
-    }

@@ -2,14 +2,13 @@
 
 Rendezvous state lives in etcd (transactions for compare-and-set, a lease per node for
 liveness, watches for waiting; see :mod:`.etcd_kv`), outside any training node. The store
-handed to workers is still fastelastic's TCPStore: each round's rank 0 hosts it (once per
-process) and publishes its address through etcd.
+handed to workers is still fastelastic's TCPStore: each round's rank 0 hosts a fresh one and
+publishes its address through etcd.
 """
 
 from __future__ import annotations
 
 import logging
-import socket
 from datetime import timedelta
 from typing import Any
 
@@ -33,29 +32,20 @@ class EtcdFastRendezvousHandler(FastRendezvousHandler):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._hosted: Any = None
-        self._clients: dict[str, Any] = {}
+        self._client: Any = None  # this round's connection to rank 0's worker store
 
     def _round_store(self, r: int, rank: int) -> tuple[Any, RendezvousStoreInfo]:
         from fastelastic.store import TCPStore
 
-        key = f"{self._key}{r}/store"
-        if rank == 0:
-            if self._hosted is None:
-                self._hosted = TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
-                                        multi_tenant=True, timeout=self._store.timeout)
-            addr = self._local_addr or socket.gethostname()
-            self._store.set(key, f"{addr}:{self._hosted.port}".encode())
-        host, _, port = bytes(self._store.get(key)).decode().rpartition(":")
-        address = f"{host}:{port}"
-        client = self._clients.get(address)
-        if client is None:
-            if rank == 0:
-                client = self._hosted
-            else:
-                client = TCPStore(host, int(port), timeout=self._store.timeout)
-            self._clients[address] = client
-        return _prefix_store(str(self.store_prefix), client), RendezvousStoreInfo(host, int(port))
+        info = self._worker_store_info(r, rank, self._store)
+        if self._client is not None and self._client is not self._worker_server:
+            self._client.close()
+        if self._worker_server is not None:
+            self._client = self._worker_server
+        else:
+            self._client = TCPStore(info.master_addr, info.master_port,
+                                    timeout=self._store.timeout)
+        return _prefix_store(str(self.store_prefix), self._client), info
 
     def shutdown(self) -> bool:
         """See base class; also revokes this node's etcd lease."""

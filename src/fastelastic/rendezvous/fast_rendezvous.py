@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -176,6 +177,7 @@ class FastRendezvousHandler(RendezvousHandler):
         self._pending_left: str | None = None
         self._lock = threading.Lock()
         self._side: Any = None
+        self._worker_server: Any = None
 
     # ------------------------------------------------------------------ RendezvousHandler
 
@@ -267,6 +269,7 @@ class FastRendezvousHandler(RendezvousHandler):
     def shutdown(self) -> bool:
         """See base class: stops keep-alives and closes the rendezvous."""
         self._stop_heartbeats()
+        self._retire_worker_store()
         try:
             self.set_closed()
         except (RendezvousConnectionError, StoreError) as e:
@@ -313,10 +316,41 @@ class FastRendezvousHandler(RendezvousHandler):
         )
 
     def _round_store(self, r: int, rank: int) -> tuple[Any, RendezvousStoreInfo]:
-        """The store (prefixed per round) and its address for workers; overridden for etcd."""
-        del r, rank
-        boot = RendezvousStoreInfo(self._bootstrap_addr, int(self._store.port))
-        return _prefix_store(str(self.store_prefix), self._store), boot
+        """The agents' store (prefixed per round) and the workers' store address."""
+        round_store = _prefix_store(str(self.store_prefix), self._store)
+        if not self.use_agent_store:
+            # torch's TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: rank 0's workers host their own.
+            return round_store, RendezvousStoreInfo.build(rank, round_store, self._local_addr)
+        return round_store, self._worker_store_info(r, rank, self._store)
+
+    def _worker_store_info(self, r: int, rank: int, meet: Any) -> RendezvousStoreInfo:
+        """Rank 0 hosts a fresh, empty store for this round's workers; all learn its address.
+
+        Workers of a restarted group use the same key names as the dead attempt (gloo's
+        ``default_pg/...`` addresses, for one): on a shared store they would read stale
+        values and connect to dead peers. A store per round, as torch's agent-store comment
+        intends, starts every attempt clean. The address is published through ``meet`` (the
+        rendezvous's own store, or etcd) with one ``set``; others read it with one ``get``.
+        ``MASTER_ADDR`` is rank 0's ``local_addr``, else its FQDN, as torch publishes it.
+        """
+        from fastelastic.store import TCPStore
+
+        self._retire_worker_store()
+        key = f"{self._key}{r}/wstore"
+        if rank == 0:
+            self._worker_server = TCPStore(
+                "", 0, is_master=True, wait_for_workers=False, timeout=self._store.timeout
+            )
+            addr = self._local_addr or socket.getfqdn()
+            meet.set(key, f"{addr}:{self._worker_server.port}".encode())
+        host, _, port = bytes(meet.get(key)).decode().rpartition(":")
+        return RendezvousStoreInfo(host, int(port))
+
+    def _retire_worker_store(self) -> None:
+        """Stops the previous round's worker store (its workers were stopped before re-joining)."""
+        server, self._worker_server = self._worker_server, None
+        if server is not None:
+            server.shutdown_server()
 
     def _try_round(self, r: int, deadline: float) -> tuple[int, int] | None:
         """Joins round ``r``; returns (rank, world) or None to move on to round ``r + 1``."""
