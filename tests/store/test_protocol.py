@@ -288,3 +288,33 @@ def test_limits_are_inclusive(raw):
     val = b"v" * (8 * 1024 * 1024)
     c.send(req(SET, blob(key), blob(val)))
     assert get(c, key) == val
+
+
+def test_ext_capability_ping_and_wait_get(raw, master):
+    c, writer = raw(handshake=False), raw()
+    ext_nonce = 0x7E57FA57
+    c.send(struct.pack("<BIBI", 0, 0x3C85F7CE, PING, ext_nonce))
+    assert c.recv(4) == struct.pack("<I", ~ext_nonce & 0xFFFFFFFF)   # our server answers
+    writer.send(set_("/here", "v"))
+    assert get(writer, "/here") == b"v"
+    c.send(req(0x40, blob("/here")))                      # EXT_WAIT_GET, key present
+    assert c.recv_u8() == 2 and c.recv_blob() == b"v"
+    c.send(req(0x40, blob("/later")))                     # key missing: answered when set
+    wait_until(lambda: master.server.waiting == 1, what="the wait_get registered")
+    writer.send(set_("/later", "w"))
+    assert c.recv_u8() == 2 and c.recv_blob() == b"w"
+    c.send(req(0x40, blob("/never")) + req(CANCEL_WAIT))
+    assert c.recv_u8() == 1 and c.nothing_pending()
+    writer.send(set_("/never", "x"))
+    assert get(writer, "/never") == b"x" and c.nothing_pending()
+
+
+def test_ext_on_disconnect_append(raw, master):
+    c, observer = raw(), raw()
+    c.send(req(0x42, blob("/dead"), blob("n1;")))
+    assert c.recv_u8() == 0
+    observer.send(req(WAIT, u64(1), blob("/dead")))
+    wait_until(lambda: master.server.waiting == 1, what="the observer waiting")
+    c.close()
+    assert observer.recv_u8() == 0
+    assert get(observer, "/dead") == b"n1;"

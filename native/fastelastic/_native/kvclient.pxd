@@ -38,4 +38,5 @@ cdef class KVClient:
     cdef void _put_key(self, object key) except *
     cdef void _put_value(self, object value) except *
     cdef object _take_blob(self)
+    cdef object _wait_get(self, object key)
     cdef int64_t _take_i64(self) noexcept

@@ -425,30 +425,56 @@ cdef class KVClient:
 
     def get(self, key):
         """Returns the value of key, waiting up to the store timeout for it to be set."""
-        cdef int64_t deadline
-        cdef uint8_t found
-        self._begin(CMD_EXT_TRY_GET if self._ext else CMD_WAIT)
+        if self._ext:
+            return self._wait_get(key)
+        self._begin(CMD_WAIT)
         try:
-            deadline = REPLY
-            if self._ext:
-                self._put_key(key)
-                self._transact(1, deadline)
-                found = <uint8_t>self._in[self._in_pos]
-                self._in_pos += 1
-                if found:
-                    return self._read_blobs(1, deadline)[0]
-                self._out.clear()
-                put_u8(self._out, CMD_WAIT)
             put_u64(self._out, 1)
             self._put_key(key)
-            self._transact(0, deadline)
+            self._transact(0, REPLY)
             if self._wait_reply(self._timeout_ms):
                 raise StoreTimeoutError(f"wait timeout after {self._timeout_ms}ms, keys: /{key}")
             self._out.clear()
             put_u8(self._out, CMD_GET)
             self._put_key(key)
-            self._transact(0, deadline)
+            self._transact(0, REPLY)
             return self._read_blobs(1, REPLY)[0]
+        finally:
+            self._end()
+
+    cdef object _wait_get(self, object key):
+        """One round trip, whether the key is there or comes later (our server only)."""
+        cdef int rc
+        cdef uint8_t b
+        cdef object value = None
+        self._begin(CMD_EXT_WAIT_GET)
+        try:
+            self._put_key(key)
+            self._transact(0, REPLY)
+            rc = self._need_intr(1, _deadline(self._timeout_ms))
+            if rc == IO_TIMEOUT:
+                self._out.clear()
+                put_u8(self._out, CMD_CANCEL_WAIT)
+                self._transact(1, REPLY)
+            elif rc != IO_OK:
+                raise self._fail(rc, "get")
+            b = <uint8_t>self._in[self._in_pos]
+            self._in_pos += 1
+            if b == REPLY_VALUE:        # the value (it may have raced with our cancel)
+                value = self._read_blobs(1, REPLY)[0]
+                if rc == IO_TIMEOUT:
+                    rc = self._need_intr(1, REPLY)
+                    if rc != IO_OK:
+                        raise self._fail(rc, "cancel_wait")
+                    b = <uint8_t>self._in[self._in_pos]
+                    self._in_pos += 1
+            if rc == IO_TIMEOUT and b != REPLY_WAIT_CANCELED:
+                raise self._fail(IO_CLOSED, "cancel_wait (unexpected reply)")
+            if rc == IO_OK and b != REPLY_VALUE:
+                raise self._fail(IO_CLOSED, "get (unexpected reply)")
+            if value is None:
+                raise StoreTimeoutError(f"wait timeout after {self._timeout_ms}ms, keys: /{key}")
+            return value
         finally:
             self._end()
 

@@ -34,6 +34,7 @@ cdef cppclass Conn:
     int64_t wait_left       # keys the pending wait still misses
     uint64_t wait_gen       # bumped on every wait and cancel; stale Waiter entries carry an old one
     vector[string] wait_keys
+    cbool wait_get          # the pending wait is an EXT_WAIT_GET: answer with the value
     vector[pair[string, string]] on_close
 
 
@@ -78,4 +79,5 @@ cdef class KVServer:
     cdef int _missing(self, const string &key) noexcept nogil
     cdef void _register_wait(self, Conn *c, const string &key) noexcept nogil
     cdef void _drop_wait(self, Conn *c) noexcept nogil
+    cdef void _finish_wait(self, Conn *c, Waiter w) noexcept nogil
     cdef Conn *_lookup(self, int fd, uint64_t cid) noexcept nogil

@@ -259,6 +259,7 @@ cdef class KVServer:
             c.waiting = False
             c.wait_left = 0
             c.wait_gen = 0
+            c.wait_get = False
             if <size_t>fd >= self._conns.size():
                 self._conns.resize(<size_t>fd * 2 + 64, NULL)
             self._conns[fd] = c
@@ -351,7 +352,7 @@ cdef class KVServer:
         elif cmd == CMD_COMPARE_SET:
             nblobs = 3
         elif cmd == CMD_GET or cmd == CMD_DELETE_KEY or cmd == CMD_QUEUE_POP \
-                or cmd == CMD_QUEUE_LEN or cmd == CMD_EXT_TRY_GET:
+                or cmd == CMD_QUEUE_LEN or cmd == CMD_EXT_WAIT_GET:
             nblobs = 1
         elif cmd == CMD_ADD or cmd == CMD_BARRIER:
             nblobs = 1
@@ -447,15 +448,20 @@ cdef class KVServer:
                 put_u64(c.wbuf, 0)
             else:
                 put_blob(c.wbuf, deref_data(it), deref_size(it))
-        elif cmd == CMD_EXT_TRY_GET:
+        elif cmd == CMD_EXT_WAIT_GET:
+            # torch's get is WAIT then GET: two round trips even for a key that is there.
             ln = load_u64(q)
             key.assign(q + 8, ln)
             it = self._kv.find(key)
-            if it == self._kv.end():
-                put_u8(c.wbuf, 0)
-            else:
-                put_u8(c.wbuf, 1)
+            if it != self._kv.end():
+                put_u8(c.wbuf, REPLY_VALUE)
                 put_blob(c.wbuf, deref_data(it), deref_size(it))
+            else:
+                self._drop_wait(c)
+                self._register_wait(c, key)
+                c.wait_get = True
+                c.waiting = True
+                self.waiting += 1
         elif cmd == CMD_ADD:
             ln = load_u64(q)
             key.assign(q + 8, ln)
@@ -679,6 +685,7 @@ cdef class KVServer:
             if ws.size() == 0:
                 self._waiters.erase(wit)
         c.wait_keys.clear()
+        c.wait_get = False
         if c.waiting:
             self.waiting -= 1
         c.waiting = False
@@ -700,11 +707,26 @@ cdef class KVServer:
                 continue
             c.wait_left -= 1
             if c.wait_left <= 0:
-                self._drop_wait(c)
-                put_u8(c.wbuf, REPLY_STOP_WAITING)
-                if not c.dirty:
-                    c.dirty = True
-                    self._dirty.push_back(ws[i])
+                self._finish_wait(c, ws[i])
+
+    cdef void _finish_wait(self, Conn *c, Waiter w) noexcept nogil:
+        """Answers a satisfied wait, and queues c's reply to be sent this loop round."""
+        cdef string key
+        if c.wait_get:
+            key = c.wait_keys[0]
+            self._drop_wait(c)
+            it = self._kv.find(key)
+            put_u8(c.wbuf, REPLY_VALUE)
+            if it == self._kv.end():    # woken by a queue push of the same name
+                put_u64(c.wbuf, 0)
+            else:
+                put_blob(c.wbuf, deref_data(it), deref_size(it))
+        else:
+            self._drop_wait(c)
+            put_u8(c.wbuf, REPLY_STOP_WAITING)
+        if not c.dirty:
+            c.dirty = True
+            self._dirty.push_back(w)
 
     cdef void _notify_one(self, const string &key) noexcept nogil:
         """A queue push satisfies one waiting consumer, not all of them."""
@@ -721,11 +743,7 @@ cdef class KVServer:
                 continue
             c.wait_left -= 1
             if c.wait_left <= 0:
-                self._drop_wait(c)
-                put_u8(c.wbuf, REPLY_STOP_WAITING)
-                if not c.dirty:
-                    c.dirty = True
-                    self._dirty.push_back(w)
+                self._finish_wait(c, w)
             break
         wit = self._waiters.find(key)
         if wit != self._waiters.end() and deref_waiters(wit).size() == 0:

@@ -26,7 +26,7 @@ cdef enum:
     CMD_QUEUE_LEN = 0x10
     CMD_LIST_KEYS = 0x11
     CMD_BARRIER = 0x12
-    CMD_EXT_TRY_GET = 0x40
+    CMD_EXT_WAIT_GET = 0x40
     CMD_EXT_TRY_MULTI_GET = 0x41
     CMD_EXT_ON_DISCONNECT_APPEND = 0x42
 
@@ -39,6 +39,7 @@ cdef enum:
     REPLY_WAIT_CANCELED = 1
     REPLY_READY = 0
     REPLY_NOT_READY = 1
+    REPLY_VALUE = 2          # EXT_WAIT_GET: a blob follows
 
 
 cdef inline uint64_t load_u64(const char *p) noexcept nogil:
