@@ -35,7 +35,8 @@ def torch_dist():
     try:
         import torch.distributed as dist
     except ImportError as e:
-        pytest.skip(f"!!! torch is not installed ({e}); interop tests need torch==2.13.0 — CI installs it")
+        pytest.skip(f"!!! torch is not installed ({e}); interop tests need torch==2.13.0 "
+                    "(CI installs it)")
     return dist
 
 

@@ -11,8 +11,23 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ._wire import (
-    ADD, APPEND, BARRIER, CHECK, COMPARE_SET, GET, HANDSHAKE, MULTI_GET, MULTI_SET, QUEUE_POP,
-    QUEUE_PUSH, SET, WAIT, Raw, blob, req, u64,
+    ADD,
+    APPEND,
+    BARRIER,
+    CHECK,
+    COMPARE_SET,
+    GET,
+    HANDSHAKE,
+    MULTI_GET,
+    MULTI_SET,
+    QUEUE_POP,
+    QUEUE_PUSH,
+    SET,
+    WAIT,
+    Raw,
+    blob,
+    req,
+    u64,
 )
 from .conftest import wait_until
 

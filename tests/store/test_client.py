@@ -13,7 +13,10 @@ from datetime import timedelta
 import pytest
 
 from fastelastic.errors import (
-    QueueEmptyError, StoreConnectionError, StoreError, StoreTimeoutError,
+    QueueEmptyError,
+    StoreConnectionError,
+    StoreError,
+    StoreTimeoutError,
 )
 from fastelastic.store import PrefixStore, TCPStore
 

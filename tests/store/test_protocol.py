@@ -7,9 +7,30 @@ import struct
 import pytest
 
 from ._wire import (
-    ADD, APPEND, BARRIER, CANCEL_WAIT, CHECK, COMPARE_SET, DELETE_KEY, GET, GETNUMKEYS, HANDSHAKE,
-    LIST_KEYS, MAGIC, MULTI_GET, MULTI_SET, PING, QUEUE_LEN, QUEUE_POP, QUEUE_PUSH, SET, VALIDATE,
-    WAIT, blob, req, u64,
+    ADD,
+    APPEND,
+    BARRIER,
+    CANCEL_WAIT,
+    CHECK,
+    COMPARE_SET,
+    DELETE_KEY,
+    GET,
+    GETNUMKEYS,
+    HANDSHAKE,
+    LIST_KEYS,
+    MAGIC,
+    MULTI_GET,
+    MULTI_SET,
+    PING,
+    QUEUE_LEN,
+    QUEUE_POP,
+    QUEUE_PUSH,
+    SET,
+    VALIDATE,
+    WAIT,
+    blob,
+    req,
+    u64,
 )
 from .conftest import wait_until
 
@@ -54,7 +75,8 @@ def test_second_validate_closes(raw):
 
 def test_split_and_coalesced_requests(raw):
     c = raw(handshake=False)
-    stream = HANDSHAKE + set_("/a", "1" * 1000) + req(GET, blob("/a")) + req(ADD, blob("/n"), u64(5))
+    stream = (HANDSHAKE + set_("/a", "1" * 1000) + req(GET, blob("/a"))
+              + req(ADD, blob("/n"), u64(5)))
     for i in range(len(stream)):      # one byte per segment
         c.send(stream[i:i + 1])
     assert c.recv(4) == HANDSHAKE[6:]

@@ -124,7 +124,7 @@ def test_gloo_process_group_on_our_store(master, torch_dist, tmp_path):
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(4)]
     outs = [p.communicate(timeout=150) for p in procs]
-    for r, (p, (out, err)) in enumerate(zip(procs, outs)):
+    for r, (p, (out, err)) in enumerate(zip(procs, outs, strict=True)):
         assert p.returncode == 0, f"rank {r} failed:\n{err}"
         assert f"rank {r} sum 10.0" in out
     assert master.server.protocol_errors == 0

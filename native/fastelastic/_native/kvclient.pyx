@@ -21,7 +21,6 @@ from cpython.pythread cimport (
 from cpython.unicode cimport PyUnicode_Check
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memmove
-from libcpp.string cimport string
 
 from fastelastic._native.includes.linux cimport (
     EAGAIN, EINTR, F_GETFL, F_SETFL, IPPROTO_TCP, MSG_DONTWAIT, MSG_NOSIGNAL, O_NONBLOCK, POLLIN,
@@ -370,9 +369,9 @@ cdef class KVClient:
     cdef int _need_blobs(self, uint64_t count, size_t skip, int64_t deadline) except? -1 nogil:
         """Buffers ``count`` blobs that start ``skip`` bytes into the unread reply."""
         cdef size_t off = skip
-        cdef uint64_t i, ln
+        cdef uint64_t _i, ln
         cdef int rc
-        for i in range(count):
+        for _i in range(count):
             rc = self._need(off + 8, deadline)
             if rc != IO_OK:
                 return rc
@@ -385,7 +384,6 @@ cdef class KVClient:
 
     cdef object _read_blobs(self, uint64_t count, int64_t deadline):
         cdef int rc
-        cdef uint64_t i
         while True:
             with nogil:
                 rc = self._need_blobs(count, 0, deadline)
@@ -394,7 +392,7 @@ cdef class KVClient:
             self._check_signals()
         if rc != IO_OK:
             raise self._fail(rc, "read")
-        return [self._take_blob() for i in range(count)]
+        return [self._take_blob() for _ in range(count)]
 
     cdef int _begin(self, unsigned char cmd) except -1:
         self._acquire()

@@ -13,7 +13,6 @@ Invariants:
 """
 
 cimport cython
-from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.mem cimport PyMem_RawFree, PyMem_RawMalloc
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcmp
@@ -113,7 +112,7 @@ cdef class KVServer:
         self._spare_fd = open(b"/dev/null", O_RDONLY | O_CLOEXEC)
 
     def serve_forever(self):
-        """Runs the loop in the calling thread until :meth:`stop`; the GIL is released throughout."""
+        """Runs the loop in this thread until :meth:`stop`; the GIL is released throughout."""
         if self._running:
             raise RuntimeError("KVServer is already serving")
         self._running = True
@@ -341,7 +340,7 @@ cdef class KVServer:
         cdef uint64_t count, i, ln, start = 0
         cdef uint8_t cmd = <uint8_t>p[0]
         cdef int nblobs = 0
-        cdef size_t lim0 = self._max_key, lim1 = self._max_value, lim2 = self._max_value
+        cdef size_t lim0 = self._max_key, lim1 = self._max_value
         if cmd == CMD_VALIDATE or cmd == CMD_PING:
             off = 5
         elif cmd == CMD_GETNUMKEYS or cmd == CMD_CANCEL_WAIT or cmd == CMD_LIST_KEYS:
@@ -412,7 +411,7 @@ cdef class KVServer:
         """Runs one complete request; returns -1 if it closed the connection."""
         cdef uint8_t cmd = <uint8_t>p[0]
         cdef const char *q = p + 1
-        cdef uint64_t ln, ln2, ln3, count, i
+        cdef uint64_t ln, ln2, ln3, count, i, _j
         cdef int64_t delta, old, ws
         cdef uint32_t nonce
         cdef string key, val, num
@@ -503,7 +502,7 @@ cdef class KVServer:
             count = load_u64(q)
             q += 8
             keys.reserve(count)
-            for i in range(count):
+            for _j in range(count):
                 ln = load_u64(q)
                 keys.push_back(string(q + 8, ln))
                 q += 8 + ln
@@ -557,7 +556,7 @@ cdef class KVServer:
             count = load_u64(q)
             q += 8
             keys.reserve(count)
-            for i in range(count):
+            for _j in range(count):
                 ln = load_u64(q)
                 keys.push_back(string(q + 8, ln))
                 q += 8 + ln
@@ -810,7 +809,8 @@ cdef extern from *:
     #define deref_ksize(it) ((it)->first.size())
     #define deref_qsize(it) ((it)->second.size())
     #define deref_waiters(it) ((it)->second)
-    #define pop_front_into(it, out) do { (out).swap((it)->second.front()); (it)->second.pop_front(); } while (0)
+    #define pop_front_into(it, out) \
+        do { (out).swap((it)->second.front()); (it)->second.pop_front(); } while (0)
     #define inc(it) (++(it))
     #define deref_val_ptr(it) (&(it)->second)
     #define PREFETCH_AHEAD 8

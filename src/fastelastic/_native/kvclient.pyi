@@ -1,7 +1,7 @@
 """Type stub for the native TCPStore-protocol client."""
 
 from datetime import timedelta
-from typing import Iterable, Optional, Union
+from typing import Iterable, Union
 
 _Value = Union[str, bytes, bytearray, memoryview]
 _Timeout = Union[timedelta, float, None]

@@ -211,7 +211,8 @@ cdef extern from "<sys/prctl.h>" nogil:
     enum:
         PR_SET_PDEATHSIG
         PR_SET_CHILD_SUBREAPER
-    int prctl(int option, unsigned long arg2, unsigned long arg3, unsigned long arg4, unsigned long arg5)
+    int prctl(int option, unsigned long arg2, unsigned long arg3, unsigned long arg4,
+              unsigned long arg5)
 
 
 # procmon: errno values for pidfd/waitid results, and the siginfo/pidfd extras it reads.
