@@ -24,6 +24,7 @@ cdef class KVClient:
     cdef void _acquire(self) noexcept
     cdef void _end(self) noexcept
     cdef int _begin(self, unsigned char cmd) except -1
+    cdef int _fire(self, unsigned char cmd, object key, object value) except -1
     cdef void _put_keys(self, object keys) except *
     cdef int _need_blobs(self, uint64_t count, size_t skip, int64_t deadline) except? -1 nogil
     cdef object _read_blobs(self, uint64_t count, int64_t deadline)

@@ -409,17 +409,22 @@ cdef class KVClient:
         for k in ks:
             self._put_key(k)
 
-    # --------------------------------------------------------------------------- operations
-
-    def set(self, key, value):
-        """Stores value under key (fire-and-forget, as torch's)."""
-        self._begin(CMD_SET)
+    cdef int _fire(self, unsigned char cmd, object key, object value) except -1:
+        """A fire-and-forget request of a key and a value (SET, APPEND, QUEUE_PUSH)."""
+        self._begin(cmd)
         try:
             self._put_key(key)
             self._put_value(value)
             self._transact(0, REPLY)
         finally:
             self._end()
+        return 0
+
+    # --------------------------------------------------------------------------- operations
+
+    def set(self, key, value):
+        """Stores value under key (fire-and-forget, as torch's)."""
+        self._fire(CMD_SET, key, value)
 
     def get(self, key):
         """Returns the value of key, waiting up to the store timeout for it to be set."""
@@ -556,13 +561,7 @@ cdef class KVClient:
 
     def append(self, key, value):
         """Appends value to key's value (creates it when missing)."""
-        self._begin(CMD_APPEND)
-        try:
-            self._put_key(key)
-            self._put_value(value)
-            self._transact(0, REPLY)
-        finally:
-            self._end()
+        self._fire(CMD_APPEND, key, value)
 
     def multi_get(self, keys):
         """Values of every key, in order, waiting up to the store timeout for missing ones."""
@@ -622,13 +621,7 @@ cdef class KVClient:
 
     def queue_push(self, key, value):
         """Appends value to the queue named key."""
-        self._begin(CMD_QUEUE_PUSH)
-        try:
-            self._put_key(key)
-            self._put_value(value)
-            self._transact(0, REPLY)
-        finally:
-            self._end()
+        self._fire(CMD_QUEUE_PUSH, key, value)
 
     def queue_pop(self, key, bint block=True):
         """Removes and returns the queue's first item; waits for one when block is True."""

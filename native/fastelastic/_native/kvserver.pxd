@@ -74,6 +74,8 @@ cdef class KVServer:
     cdef int _execute(self, Conn *c, const char *p) noexcept nogil
     cdef void _flush(self, Conn *c) noexcept nogil
     cdef void _close_conn(self, Conn *c, const char *why) noexcept nogil
+    cdef int _bump(self, Conn *c, const string &key, int64_t delta,
+                   int64_t *result) noexcept nogil
     cdef void _notify(self, const string &key) noexcept nogil
     cdef void _notify_one(self, const string &key) noexcept nogil
     cdef int _missing(self, const string &key) noexcept nogil

@@ -412,9 +412,9 @@ cdef class KVServer:
         cdef uint8_t cmd = <uint8_t>p[0]
         cdef const char *q = p + 1
         cdef uint64_t ln, ln2, ln3, count, i, _j
-        cdef int64_t delta, old, ws
+        cdef int64_t old, ws
         cdef uint32_t nonce
-        cdef string key, val, num
+        cdef string key, val
         cdef vector[string] keys
         cdef unordered_set[string] seen
         cdef vector[const string *] vals
@@ -464,16 +464,8 @@ cdef class KVServer:
         elif cmd == CMD_ADD:
             ln = load_u64(q)
             key.assign(q + 8, ln)
-            delta = <int64_t>load_u64(q + 8 + ln)
-            it = self._kv.find(key)
-            old = 0
-            if it != self._kv.end():
-                if parse_decimal(deref_data(it), deref_size(it), &old) < 0:
-                    self._close_conn(c, "ADD on a value that is not a decimal integer")
-                    return -1
-            old = <int64_t>(<uint64_t>old + <uint64_t>delta)
-            format_decimal(num, old)
-            self._kv[key] = num
+            if self._bump(c, key, <int64_t>load_u64(q + 8 + ln), &old) < 0:
+                return -1
             put_u64(c.wbuf, <uint64_t>old)
             self._notify(key)
         elif cmd == CMD_COMPARE_SET:
@@ -617,15 +609,8 @@ cdef class KVServer:
             ln = load_u64(q)
             key.assign(q + 8, ln)
             ws = <int64_t>load_u64(q + 8 + ln)
-            it = self._kv.find(key)
-            old = 0
-            if it != self._kv.end():
-                if parse_decimal(deref_data(it), deref_size(it), &old) < 0:
-                    self._close_conn(c, "BARRIER on a value that is not a decimal integer")
-                    return -1
-            old = <int64_t>(<uint64_t>old + 1)
-            format_decimal(num, old)
-            self._kv[key] = num
+            if self._bump(c, key, 1, &old) < 0:   # the count is an ordinary key, as torch's
+                return -1
             if old >= ws:
                 self._notify(key)
                 put_u8(c.wbuf, REPLY_STOP_WAITING)
@@ -644,6 +629,22 @@ cdef class KVServer:
             action.second.assign(q + 8, ln2)
             c.on_close.push_back(action)
             put_u8(c.wbuf, 0)
+        return 0
+
+    cdef int _bump(self, Conn *c, const string &key, int64_t delta, int64_t *result) noexcept nogil:
+        """Adds delta to the decimal counter at key (missing is 0; wraps like int64).
+
+        Returns -1, with the connection closed, if the value there is not a decimal integer.
+        """
+        cdef int64_t old = 0
+        cdef string num
+        it = self._kv.find(key)
+        if it != self._kv.end() and parse_decimal(deref_data(it), deref_size(it), &old) < 0:
+            self._close_conn(c, "ADD or BARRIER on a value that is not a decimal integer")
+            return -1
+        result[0] = <int64_t>(<uint64_t>old + <uint64_t>delta)
+        format_decimal(num, result[0])
+        self._kv[key].swap(num)
         return 0
 
     # ----------------------------------------------------------------------------- waiting
