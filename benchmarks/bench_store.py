@@ -7,6 +7,11 @@ schedstat sum where a phase is too short for 10 ms ticks) and RSS can be read. F
   torch's server (what a user sees; the issue's latency targets).
 * ``rt_server``: torch's client on each server (same client, servers compared; server CPU).
 * ``rt_client``: each client on our server (same server, clients compared).
+
+  The three ``rt_*`` families are interleaved A/B runs: both sides' clients and servers are
+  alive at once and rounds of 100 operations alternate between them, so a change in the VM's
+  CPU idle states or other load hits both sides alike; p50/p99 are over each side's pooled
+  samples.
 * ``tp``: set+get throughput of 16 and 64 torch clients in 4 processes, on each server.
 * ``tp_user``: the same with each implementation's own client on its own server.
 * ``multi_*``: multi_set then multi_get of 10,000 and 100,000 keys with 64-byte values.
@@ -63,53 +68,91 @@ def _lat_metrics(lat_ns: list[int]) -> dict:
             "mean_us": statistics.fmean(lat_ns) / 1e3, "samples": len(lat_ns)}
 
 
-def _roundtrip(benchmark, sizes, server: sb.ServerProc, client_kind: str, op: str) -> dict:
-    client = sb.make_client(client_kind, server.port)
-    fn = _make_op(client, op)
-    lat: list[int] = []
-    clock = time.perf_counter_ns
-
-    def one() -> None:
-        t = clock()
-        fn()
-        lat.append(clock() - t)
-
-    rounds, warmup = sizes["rt_rounds"], sizes["rt_warmup"]
-    cpu0, cpus0 = server.cpu_precise(), server.cpu()
-    benchmark.pedantic(one, rounds=rounds, warmup_rounds=warmup, iterations=1)
-    if op == "set":  # fire-and-forget: let the server catch up before reading its CPU
-        client.add("rt/sync", 1)
-    _check_op(client, op, len(lat))
-    ops = len(lat)
-    cpu, cpus = server.cpu_precise() - cpu0, server.cpu() - cpus0
-    measured = lat[-rounds:] if len(lat) > rounds else lat
-    del client
-    return {**_lat_metrics(measured), "cpu_s_per_1k": cpu / ops * 1000,
-            "cpu_stat_s": cpus, "cpu_precise_s": cpu, "ops": ops}
+RT_CHUNK = 100  # operations per side per interleaved round
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+class _Side:
+    """One side of an interleaved round-trip comparison: a client on a server, its samples."""
+
+    def __init__(self, server: sb.ServerProc, client_kind: str, op: str) -> None:
+        self.server = server
+        self.client = sb.make_client(client_kind, server.port)
+        self.op = op
+        self.fn = _make_op(self.client, op)
+        self.lat: list[int] = []
+        self.cpu = self.cpu_stat = 0.0
+        self.calls = 0
+
+    def chunk(self, n: int, keep: bool) -> None:
+        """n timed operations; with keep, their latencies and the server's CPU are recorded."""
+        fn, clock = self.fn, time.perf_counter_ns
+        lat = [0] * n
+        cpu0, cpus0 = self.server.cpu_precise(), self.server.cpu()
+        for i in range(n):
+            t = clock()
+            fn()
+            lat[i] = clock() - t
+        if self.op == "set":
+            # fire-and-forget: let the server catch up, so neither its CPU nor its backlog
+            # spills into the other side's next chunk (one extra round trip per chunk)
+            self.client.add("rt/sync", 1)
+        self.calls += n
+        if keep:
+            self.lat.extend(lat)
+            self.cpu += self.server.cpu_precise() - cpu0
+            self.cpu_stat += self.server.cpu() - cpus0
+
+    def metrics(self) -> dict:
+        _check_op(self.client, self.op, self.calls)
+        ops = len(self.lat)
+        return {**_lat_metrics(self.lat), "cpu_s_per_1k": self.cpu / ops * 1000,
+                "cpu_stat_s": self.cpu_stat, "cpu_precise_s": self.cpu, "ops": ops,
+                "interleaved_chunk": RT_CHUNK}
+
+
+def _roundtrip(benchmark, sizes, setups: dict, op: str, family: str, results) -> None:
+    """Interleaved A/B: both clients and servers alive at once; rounds of RT_CHUNK operations
+    alternate between the two sides (the side going first alternates too), so both see the same
+    machine state (CPU idle states, other load); p50/p99 over each side's pooled samples."""
+    sides = {impl: _Side(server, kind, op) for impl, (server, kind) in setups.items()}
+    chunk = min(RT_CHUNK, sizes["rt_rounds"])
+    order = [list(IMPLS)]
+    state = {"keep": False}
+
+    def one_round() -> None:
+        for impl in order[0]:
+            sides[impl].chunk(chunk, state["keep"])
+        order[0].reverse()
+
+    for _ in range(max(1, sizes["rt_warmup"] // chunk)):
+        one_round()
+    state["keep"] = True
+    benchmark.pedantic(one_round, rounds=max(1, sizes["rt_rounds"] // chunk), iterations=1)
+    for impl, side in sides.items():
+        info = benchmark.extra_info.setdefault(impl, {})
+        results.add(family, op, impl, side.metrics(), info)
+
+
 @pytest.mark.parametrize("op", OPS)
-def test_rt_user(benchmark, sizes, servers, results, op, impl):
-    """Own client on own server: the latency a user of each store sees."""
-    m = _roundtrip(benchmark, sizes, servers[impl], impl, op)
-    results.add("rt_user", op, impl, m, benchmark.extra_info)
+def test_rt_user(benchmark, sizes, servers, results, op):
+    """Own client on own server: the latency a user of each store sees (interleaved A/B)."""
+    _roundtrip(benchmark, sizes, {"fastelastic": (servers["fastelastic"], "fastelastic"),
+                                  "torch": (servers["torch"], "torch")}, op, "rt_user", results)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("op", OPS)
-def test_rt_server(benchmark, sizes, servers, results, op, impl):
+def test_rt_server(benchmark, sizes, servers, results, op):
     """torch's client on each server: the servers compared, with the server's CPU per op."""
-    m = _roundtrip(benchmark, sizes, servers[impl], "torch", op)
-    results.add("rt_server", op, impl, m, benchmark.extra_info)
+    _roundtrip(benchmark, sizes, {"fastelastic": (servers["fastelastic"], "torch"),
+                                  "torch": (servers["torch"], "torch")}, op, "rt_server", results)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("op", OPS)
-def test_rt_client(benchmark, sizes, servers, results, op, impl):
+def test_rt_client(benchmark, sizes, servers, results, op):
     """Each client on our server: the clients compared (ours gets in one round trip)."""
-    m = _roundtrip(benchmark, sizes, servers["fastelastic"], impl, op)
-    results.add("rt_client", op, impl, m, benchmark.extra_info)
+    _roundtrip(benchmark, sizes, {"fastelastic": (servers["fastelastic"], "fastelastic"),
+                                  "torch": (servers["fastelastic"], "torch")}, op, "rt_client",
+               results)
 
 
 # ------------------------------------------------------------------------------ throughput
