@@ -61,6 +61,21 @@ cdef inline void _set_events(int epfd, Conn *c, bint out) noexcept nogil:
     c.want_out = out
 
 
+cdef inline void _read_keys(const char *q, uint64_t count, vector[string] &keys,
+                            vector[size_t] *values, const char *p) noexcept nogil:
+    """Copies the keys of a measured multi-key request at q; with values (MULTI_SET), also
+    records where each key's value blob starts, as an offset from the request start p."""
+    cdef uint64_t _j, ln
+    keys.reserve(count)
+    for _j in range(count):
+        ln = load_u64(q)
+        keys.push_back(string(q + 8, ln))
+        q += 8 + ln
+        if values != NULL:
+            values.push_back(<size_t>(q - p))
+            q += 8 + load_u64(q)
+
+
 cdef class KVServer:
     """The store's server: an epoll loop over already-listening sockets.
 
@@ -411,7 +426,7 @@ cdef class KVServer:
         """Runs one complete request; returns -1 if it closed the connection."""
         cdef uint8_t cmd = <uint8_t>p[0]
         cdef const char *q = p + 1
-        cdef uint64_t ln, ln2, ln3, count, i, _j
+        cdef uint64_t ln, ln2, ln3, count, i
         cdef int64_t old, ws
         cdef uint32_t nonce
         cdef string key, val
@@ -492,12 +507,7 @@ cdef class KVServer:
         elif cmd == CMD_CHECK or cmd == CMD_WAIT or cmd == CMD_MULTI_GET \
                 or cmd == CMD_EXT_TRY_MULTI_GET:
             count = load_u64(q)
-            q += 8
-            keys.reserve(count)
-            for _j in range(count):
-                ln = load_u64(q)
-                keys.push_back(string(q + 8, ln))
-                q += 8 + ln
+            _read_keys(q + 8, count, keys, NULL, p)
             if cmd == CMD_CHECK:
                 found = True
                 for i in range(count):
@@ -546,14 +556,7 @@ cdef class KVServer:
                         put_blob(c.wbuf, vals[i].data(), vals[i].size())
         elif cmd == CMD_MULTI_SET:
             count = load_u64(q)
-            q += 8
-            keys.reserve(count)
-            for _j in range(count):
-                ln = load_u64(q)
-                keys.push_back(string(q + 8, ln))
-                q += 8 + ln
-                bounds.push_back(q - p)
-                q += 8 + load_u64(q)
+            _read_keys(q + 8, count, keys, &bounds, p)
             if self._kv.size() + count > self._kv.bucket_count():
                 self._kv.reserve(self._kv.size() + count)
             for i in range(count):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from enum import Enum
+from typing import Any, ClassVar
 
 __all__ = ["Event", "EventMetadataValue", "EventSource", "NodeState", "RdzvEvent"]
 
@@ -18,8 +19,33 @@ class EventSource(str, Enum):
     WORKER = "WORKER"
 
 
+class _JsonEvent:
+    """JSON form shared by both event kinds; the one enum field is named by ``_ENUM``."""
+
+    _ENUM: ClassVar[tuple[str, type[Enum]]]
+
+    def __str__(self) -> str:
+        return self.serialize()
+
+    def serialize(self) -> str:
+        """Returns the JSON form of this event."""
+        return json.dumps(asdict(self))  # type: ignore[call-overload]
+
+    @classmethod
+    def _from_json(cls, data: object) -> Any:
+        if isinstance(data, cls):
+            return data
+        fields = _load_object(data)
+        name, enum = cls._ENUM
+        try:
+            fields[name] = enum[fields[name]]
+            return cls(**fields)
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"not a serialized {cls.__name__}: {data!r}") from e
+
+
 @dataclass
-class Event:
+class Event(_JsonEvent):
     """A meaningful action during an elastic job (worker start, restart, failure...).
 
     Args:
@@ -34,8 +60,7 @@ class Event:
     timestamp: int = 0
     metadata: dict[str, EventMetadataValue] = field(default_factory=dict)
 
-    def __str__(self) -> str:
-        return self.serialize()
+    _ENUM = ("source", EventSource)
 
     @staticmethod
     def deserialize(data: str | Event) -> Event:
@@ -44,18 +69,7 @@ class Event:
         Raises:
             ValueError: ``data`` is not a JSON object with an Event's fields.
         """
-        if isinstance(data, Event):
-            return data
-        fields = _load_object(data)
-        try:
-            fields["source"] = EventSource[fields["source"]]
-            return Event(**fields)
-        except (KeyError, TypeError) as e:
-            raise ValueError(f"not a serialized Event: {data!r}") from e
-
-    def serialize(self) -> str:
-        """Returns the JSON form of this event."""
-        return json.dumps(asdict(self))
+        return Event._from_json(data)
 
 
 class NodeState(str, Enum):
@@ -68,7 +82,7 @@ class NodeState(str, Enum):
 
 
 @dataclass
-class RdzvEvent:
+class RdzvEvent(_JsonEvent):
     """A rendezvous event.
 
     Args:
@@ -95,8 +109,7 @@ class RdzvEvent:
     local_id: int | None = None
     error_trace: str = ""
 
-    def __str__(self) -> str:
-        return self.serialize()
+    _ENUM = ("node_state", NodeState)
 
     @staticmethod
     def deserialize(data: str | RdzvEvent) -> RdzvEvent:
@@ -105,18 +118,7 @@ class RdzvEvent:
         Raises:
             ValueError: ``data`` is not a JSON object with an RdzvEvent's fields.
         """
-        if isinstance(data, RdzvEvent):
-            return data
-        fields = _load_object(data)
-        try:
-            fields["node_state"] = NodeState[fields["node_state"]]
-            return RdzvEvent(**fields)
-        except (KeyError, TypeError) as e:
-            raise ValueError(f"not a serialized RdzvEvent: {data!r}") from e
-
-    def serialize(self) -> str:
-        """Returns the JSON form of this event."""
-        return json.dumps(asdict(self))
+        return RdzvEvent._from_json(data)
 
 
 def _load_object(data: object) -> dict:
