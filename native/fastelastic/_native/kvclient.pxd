@@ -5,6 +5,8 @@ from libcpp cimport bool as cbool
 from libcpp.string cimport string
 from cpython.pythread cimport PyThread_type_lock
 
+from fastelastic._native.spin cimport Spinner
+
 
 cdef class KVClient:
     cdef int _fd
@@ -17,6 +19,7 @@ cdef class KVClient:
     cdef size_t _in_len
     cdef size_t _in_cap
     cdef int64_t _timeout_ms
+    cdef Spinner _spin
     cdef cbool _ext
     cdef cbool _broken
     cdef object _peer         # "host:port", for error messages
@@ -30,6 +33,7 @@ cdef class KVClient:
     cdef object _read_blobs(self, uint64_t count, int64_t deadline)
     cdef int _send_all(self, int64_t deadline) except? -1 nogil
     cdef int _need(self, size_t n, int64_t deadline) except? -1 nogil
+    cdef Py_ssize_t _recv_reply(self) noexcept nogil
     cdef void _apply_socket_timeouts(self) noexcept
     cdef int _check_signals(self) except -1
     cdef int _need_intr(self, size_t n, int64_t deadline) except -1

@@ -27,6 +27,7 @@ from fastelastic._native.includes.linux cimport (
     SO_RCVTIMEO, SO_SNDTIMEO, SOL_SOCKET, TCP_NODELAY, close, errno, fcntl, fe_monotonic_ns,
     getpid, poll, pollfd, recv, send, setsockopt, timeval,
 )
+from fastelastic._native.spin cimport spin_again, spin_deadline
 from fastelastic._native.wire cimport *
 
 import os
@@ -97,6 +98,8 @@ cdef class KVClient:
         fd: a connected TCP socket; the client owns it from now on.
         peer: ``host:port``, used in error messages.
         timeout: seconds; the default for waits, and the limit on any reply.
+        spin_us: how long a request polls for its reply before it sleeps, in microseconds
+            (0: sleep at once); see ``spin.pxd``.
     """
 
     def __cinit__(self, *args, **kwargs):
@@ -106,13 +109,14 @@ cdef class KVClient:
         if self._lock == NULL:
             raise MemoryError()
 
-    def __init__(self, int fd, str peer, double timeout):
+    def __init__(self, int fd, str peer, double timeout, *, int64_t spin_us=0):
         cdef int one = 1
         cdef uint32_t nonce
         self._fd = fd
         self._owner_pid = getpid()
         self._peer = peer
         self._timeout_ms = <int64_t>(timeout * 1000.0)
+        self._spin.budget_ns = spin_us * 1000 if spin_us > 0 else 0
         fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK)
         setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one))
         self._apply_socket_timeouts()
@@ -225,8 +229,11 @@ cdef class KVClient:
                         return IO_ERROR
                     self._in = grown
                     self._in_cap = cap
-            got = recv(self._fd, self._in + self._in_len, self._in_cap - self._in_len,
-                       0 if deadline == REPLY else MSG_DONTWAIT)
+            if deadline == REPLY:
+                got = self._recv_reply()
+            else:
+                got = recv(self._fd, self._in + self._in_len, self._in_cap - self._in_len,
+                           MSG_DONTWAIT)
             if got > 0:
                 self._in_len += <size_t>got
                 continue
@@ -246,6 +253,20 @@ cdef class KVClient:
             if rc < 0:
                 return IO_ERROR
         return IO_OK
+
+    cdef Py_ssize_t _recv_reply(self) noexcept nogil:
+        """recv() into ``_in`` for a reply: polls for up to the spin budget, then blocks."""
+        cdef int64_t until = spin_deadline(&self._spin)
+        cdef Py_ssize_t got
+        cdef char *at = self._in + self._in_len
+        cdef size_t room = self._in_cap - self._in_len
+        if until:
+            got = recv(self._fd, at, room, MSG_DONTWAIT)
+            while got < 0 and errno == EAGAIN and spin_again(&self._spin, until):
+                got = recv(self._fd, at, room, MSG_DONTWAIT)
+            if got >= 0 or errno != EAGAIN:
+                return got
+        return recv(self._fd, at, room, 0)
 
     cdef int _transact(self, size_t n, int64_t deadline) except -1:
         """Sends ``_out`` and buffers n reply bytes (0 for fire-and-forget requests)."""

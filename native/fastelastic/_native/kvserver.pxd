@@ -9,6 +9,7 @@ from libcpp.unordered_map cimport unordered_map
 from libcpp.vector cimport vector
 
 from fastelastic._native.includes.linux cimport epoll_event
+from fastelastic._native.spin cimport Spinner
 
 
 cdef struct Waiter:
@@ -40,6 +41,7 @@ cdef cppclass Conn:
 
 cdef class KVServer:
     cdef int _epfd
+    cdef Spinner _spin
     cdef int _wakefd
     cdef vector[int] _listen_fds
     cdef int _spare_fd
@@ -65,6 +67,7 @@ cdef class KVServer:
     cdef readonly int64_t waiting      # connections with a WAIT or BARRIER pending
     cdef object _last_error
 
+    cdef int _wait(self, epoll_event *events) noexcept nogil
     cdef int _loop(self) except -1 nogil
     cdef void _on_accept(self, int lfd) noexcept nogil
     cdef void _on_readable(self, Conn *c) noexcept nogil

@@ -28,6 +28,7 @@ from fastelastic._native.includes.linux cimport (
     epoll_create1, epoll_ctl, epoll_event, epoll_wait, errno, eventfd, getpid, open, read, recv,
     send, setsockopt, write,
 )
+from fastelastic._native.spin cimport spin_again, spin_deadline
 from fastelastic._native.wire cimport *
 
 import logging
@@ -84,6 +85,8 @@ cdef class KVServer:
         max_key: longest key accepted, in bytes (wire bytes, including the client's ``/``).
         max_value: longest value accepted, in bytes.
         max_keys: most keys in one CHECK, WAIT, MULTI_GET or MULTI_SET.
+        spin_us: how long the loop polls for the next request before it sleeps, in
+            microseconds (0: sleep at once); see ``spin.pxd``.
     """
 
     def __cinit__(self):
@@ -93,11 +96,12 @@ cdef class KVServer:
         self._rdbuf = NULL
 
     def __init__(self, listen_fds, *, size_t max_key=8192, size_t max_value=8 * 1024 * 1024,
-                 uint64_t max_keys=131072):
+                 uint64_t max_keys=131072, int64_t spin_us=0):
         cdef epoll_event ev
         cdef int fd
         cdef uint64_t i = 0
         self._owner_pid = getpid()
+        self._spin.budget_ns = spin_us * 1000 if spin_us > 0 else 0
         self._max_key = max_key
         self._max_value = max_value
         self._max_keys = max_keys
@@ -190,6 +194,18 @@ cdef class KVServer:
 
     # ----------------------------------------------------------------------------- the loop
 
+    cdef int _wait(self, epoll_event *events) noexcept nogil:
+        """epoll_wait() for the next round: polls for up to the spin budget, then blocks."""
+        cdef int64_t until = spin_deadline(&self._spin)
+        cdef int n
+        if until:
+            n = epoll_wait(self._epfd, events, MAX_EVENTS, 0)
+            while n == 0 and spin_again(&self._spin, until):
+                n = epoll_wait(self._epfd, events, MAX_EVENTS, 0)
+            if n != 0:
+                return n
+        return epoll_wait(self._epfd, events, MAX_EVENTS, -1)
+
     cdef int _loop(self) except -1 nogil:
         cdef epoll_event events[MAX_EVENTS]
         cdef int n, i, fd
@@ -197,7 +213,7 @@ cdef class KVServer:
         cdef Conn *c
         cdef Waiter w
         while not self._stopping:
-            n = epoll_wait(self._epfd, events, MAX_EVENTS, -1)
+            n = self._wait(events)
             if n < 0:
                 if errno == EINTR:
                     continue

@@ -16,7 +16,7 @@ from typing import Iterable, Optional, Union
 
 from fastelastic._native.kvclient import KVClient
 from fastelastic.errors import StoreConnectionError, StoreTimeoutError
-from fastelastic.store._hosting import ServerHandle, host_server, raise_fd_limit
+from fastelastic.store._hosting import ServerHandle, host_server, raise_fd_limit, spin_us
 
 __all__ = ["Store", "TCPStore", "PrefixStore", "connect_socket", "raise_fd_limit"]
 
@@ -124,7 +124,9 @@ class TCPStore(KVClient, Store):
         self._port = port
         sock = connect_socket(connect_host, port, time.monotonic() + seconds)
         try:
-            KVClient.__init__(self, sock.detach(), f"{host_name}:{port}", seconds)
+            KVClient.__init__(
+                self, sock.detach(), f"{host_name}:{port}", seconds, spin_us=spin_us()
+            )
         except BaseException:
             if self._server is not None:
                 self._server.release()

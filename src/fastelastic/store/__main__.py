@@ -9,7 +9,7 @@ import sys
 import threading
 
 from fastelastic.errors import StoreError
-from fastelastic.store._hosting import host_server
+from fastelastic.store._hosting import SPIN_ENV, host_server, spin_us
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,13 +23,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-value", type=int, default=8 << 20, help="longest value, bytes")
     parser.add_argument("--max-keys", type=int, default=131072,
                         help="most keys in one multi-key request")
+    parser.add_argument("--spin-us", type=int, default=None,
+                        help="how long the loop polls before it sleeps, microseconds "
+                             f"(default: ${SPIN_ENV} or 50; 0: never)")
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be in 0..65535, got {args.port}")
+    if args.spin_us is not None and args.spin_us < 0:
+        parser.error(f"--spin-us must be 0 or more, got {args.spin_us}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
+        spin = spin_us() if args.spin_us is None else args.spin_us
         handle = host_server(args.host, args.port, max_key=args.max_key,
-                             max_value=args.max_value, max_keys=args.max_keys)
+                             max_value=args.max_value, max_keys=args.max_keys, spin_us=spin)
     except StoreError as e:
         print(f"fastelastic.store: error: {e}", file=sys.stderr)
         return 1

@@ -19,6 +19,34 @@ _lock = threading.RLock()
 _tenants: dict[int, "ServerHandle"] = {}
 
 
+SPIN_ENV = "FASTELASTIC_STORE_SPIN_US"
+DEFAULT_SPIN_US = 50
+_MAX_SPIN_US = 100_000
+
+
+def spin_us() -> int:
+    """The store's spin budget in microseconds, from ``FASTELASTIC_STORE_SPIN_US``.
+
+    Before a server or client thread sleeps waiting for the socket, it polls for this long
+    (yielding the CPU between polls), because waking a sleeping thread costs more than a
+    loopback round trip; a spin that finds nothing makes the next few waits sleep at once.
+    0 turns spinning off.
+    """
+    raw = os.environ.get(SPIN_ENV, "").strip()
+    if not raw:
+        return DEFAULT_SPIN_US
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= _MAX_SPIN_US:
+        raise StoreError(
+            f"{SPIN_ENV}={raw!r}: expected microseconds as a whole number from 0 (no spinning) "
+            f"to {_MAX_SPIN_US}; the default is {DEFAULT_SPIN_US}"
+        )
+    return value
+
+
 def raise_fd_limit() -> int:
     """Raises the soft RLIMIT_NOFILE to the hard limit (connections are fds); returns it."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -89,6 +117,7 @@ class ServerHandle:
         self.sock = sock
         self.family = sock.family
         self.port: int = sock.getsockname()[1]
+        limits.setdefault("spin_us", spin_us())
         self.server = KVServer([sock.fileno()], **limits)
         self._refs = 1
         self._thread: Optional[threading.Thread] = threading.Thread(

@@ -260,3 +260,4 @@ cdef extern from "<sched.h>" nogil:
         SCHED_FIFO
     int sched_setscheduler(pid_t pid, int policy, const sched_param *param)
     int sched_get_priority_min(int policy)
+    int sched_yield()
