@@ -1,27 +1,27 @@
 """Store-benchmark helpers: server subprocesses, /proc readings, the light raw client, workers.
 
-Run as a script it is one of two helper processes the benchmarks start:
+The benchmarks start two kinds of helper process:
 
-* ``_storebench.py worker`` -- reads JSON commands on stdin and answers one JSON line each.
-  It drives real store clients (torch's ``TCPStore`` or ours) from threads, so the clients of a
-  throughput run live in several processes, and a run that may never end (torch's 100,000-key
-  ``multi_get``) can be bounded by killing the worker.
-* ``_storebench.py storm PORT N`` -- the light client of the connection storm: N raw
-  non-blocking sockets on one epoll, each sending the pre-encoded VALIDATE+PING+ADD in one write
-  and reading the 4+8 byte reply. Lines on stdin (``go``, ``close``) pace it; it answers JSON.
+* ``_storebench.py worker`` (this file run as a script) -- reads JSON commands on stdin and
+  answers one JSON line each. It drives real store clients (torch's ``TCPStore`` or ours) from
+  threads, so the clients of a throughput run live in several processes, and a run that may
+  never end (torch's 100,000-key ``multi_get``) can be bounded by killing the worker.
+* ``stormclient PORT N KEY`` (``stormclient.c``, compiled with ``cc`` on first use) -- the light
+  client of the connection storm: N raw non-blocking sockets on one epoll, each sending the
+  pre-encoded VALIDATE+PING+ADD in one write and reading the 4+8 byte reply. Lines on stdin
+  (``go``, ``close``) pace it; it answers JSON. It is C so that the clients' own CPU stays out
+  of the figure; nearly all that remains is the kernel's loopback TCP work in connect and send.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
 import resource
 import select
+import shutil
 import signal
-import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -29,7 +29,6 @@ import threading
 import time
 from typing import Optional
 
-MAGIC = 0x3C85F7CE
 VALUE64 = "v" * 64
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -40,21 +39,6 @@ def raise_nofile() -> int:
     if soft < hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-
-
-# ------------------------------------------------------------------------------- wire bytes
-
-def blob(b: bytes) -> bytes:
-    return struct.pack("<Q", len(b)) + b
-
-
-def enc_handshake(nonce: int) -> bytes:
-    """VALIDATE + PING exactly as torch's client sends them (protocol section 3)."""
-    return b"\x00" + struct.pack("<I", MAGIC) + b"\x0d" + struct.pack("<I", nonce)
-
-
-def enc_add(key: bytes, delta: int) -> bytes:
-    return b"\x04" + blob(key) + struct.pack("<q", delta)
 
 
 # ------------------------------------------------------------------------------- /proc
@@ -95,9 +79,9 @@ def listen_drops() -> int:
     """TcpExt ListenDrops (system-wide): SYNs/ACKs dropped because an accept queue was full."""
     with open("/proc/net/netstat") as f:
         lines = f.read().splitlines()
-    for head, vals in zip(lines[::2], lines[1::2]):
+    for head, vals in zip(lines[::2], lines[1::2], strict=False):
         if head.startswith("TcpExt:"):
-            return int(dict(zip(head.split()[1:], vals.split()[1:]))["ListenDrops"])
+            return int(dict(zip(head.split()[1:], vals.split()[1:], strict=True))["ListenDrops"])
     return 0
 
 
@@ -361,14 +345,48 @@ def _worker_main() -> None:
 
 # ------------------------------------------------------------------------------- storm client
 
-_CONNECTING, _READING = 0, 1
-_REPLY = 12  # 4-byte PING echo + 8-byte ADD result
-_IP_BIND_ADDRESS_NO_PORT = 24  # linux/in.h
-_SOURCE_ADDRS = 16
+STORM_SOURCE = os.path.join(HERE, "stormclient.c")
+
+
+def storm_binary() -> str:
+    """Path of the compiled ``stormclient.c``, built with ``cc -O2`` on first use and rebuilt
+    when the source is newer than the binary.
+
+    It lives in ``$XDG_CACHE_HOME/fastelastic-bench`` (default ``~/.cache``); the build writes a
+    temporary file and renames it, so concurrent sessions never run a half-written binary.
+
+    Raises:
+        RuntimeError: there is no ``cc`` on PATH, or the build failed.
+    """
+    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                         "fastelastic-bench")
+    exe = os.path.join(cache, "stormclient")
+    try:
+        if os.stat(exe).st_mtime >= os.stat(STORM_SOURCE).st_mtime:
+            return exe
+    except FileNotFoundError:
+        pass
+    cc = shutil.which("cc")
+    if cc is None:
+        raise RuntimeError("!!! the storm benchmarks need a C compiler: no `cc` on PATH to "
+                           f"build {STORM_SOURCE}")
+    os.makedirs(cache, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix="stormclient.", dir=cache)
+    os.close(fd)
+    try:
+        out = subprocess.run([cc, "-O2", "-o", tmp, STORM_SOURCE], capture_output=True,
+                             text=True)
+        if out.returncode != 0:
+            raise RuntimeError(f"cc -O2 {STORM_SOURCE} failed:\n{out.stderr}")
+        os.replace(tmp, exe)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return exe
 
 
 class StormClient:
-    """A separate process holding N light clients (``storm`` mode of this file).
+    """A separate process holding N light clients: the compiled ``stormclient.c``.
 
     Protocol: the process creates N non-blocking sockets and prints ``{"ready": ...}``; on
     ``go`` it storms and prints the result; on ``close`` it closes every socket (RST, so no
@@ -377,9 +395,9 @@ class StormClient:
 
     def __init__(self, port: int, n: int, key: str) -> None:
         self._err = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "_storebench.py"), "storm", str(port), str(n),
-             key], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, bufsize=0)
+        self.proc = subprocess.Popen([storm_binary(), str(port), str(n), key],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._err, bufsize=0)
         self._buf = b""
 
     def line(self, timeout: float) -> dict:
@@ -413,129 +431,8 @@ class StormClient:
                 self.proc.wait(10)
 
 
-def _storm_main(port: int, n: int, key: str, limit_s: float = 120.0) -> None:
-    raise_nofile()
-    addr = ("127.0.0.1", port)
-    payload = enc_handshake(os.getpid() & 0xFFFFFF) + enc_add(key.encode(), 1)
-    nonce = payload[6:10]
-    socks = []
-    for i in range(n):
-        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
-        # Spread the clients over 16 loopback source addresses, the port picked at connect():
-        # with one source address, 16,384 connections exhaust the even half of the ephemeral
-        # range that connect() prefers, and the kernel's port search (client CPU) dominates.
-        s.setsockopt(socket.IPPROTO_IP, _IP_BIND_ADDRESS_NO_PORT, 1)
-        s.bind((f"127.0.0.{2 + i % _SOURCE_ADDRS}", 0))
-        socks.append(s)
-    byfd = {s.fileno(): s for s in socks}
-    state = dict.fromkeys(byfd, _CONNECTING)
-    got: dict[int, bytes] = {}
-    ep = select.epoll(sizehint=n)
-    print(json.dumps({"ready": n}), flush=True)
-    if sys.stdin.readline().strip() != "go":
-        return
-    counts = {"done": 0, "refused": 0, "reset": 0, "closed": 0, "bad_reply": 0, "other": 0}
-    t0 = time.monotonic()
-    deadline = t0 + limit_s
-    pending = 0
-    last_done = t0
-    idx = 0
-    batch = 256
-
-    def fail(fd: int, kind: str) -> None:
-        nonlocal pending
-        counts[kind] += 1
-        pending -= 1
-        ep.unregister(fd)
-        state.pop(fd)
-
-    while (idx < n or pending) and time.monotonic() < deadline:
-        # Connect in batches, handling replies in between, so early clients are not held back.
-        for s in socks[idx:idx + batch]:
-            rc = s.connect_ex(addr)
-            fd = s.fileno()
-            if rc not in (0, errno.EINPROGRESS):
-                counts["refused" if rc == errno.ECONNREFUSED else "other"] += 1
-                state.pop(fd)
-                continue
-            pending += 1
-            # On loopback the handshake has usually completed inside connect(): send at once
-            # and wait for EPOLLOUT only if it has not (client work kept out of the figure).
-            try:
-                s.send(payload)
-            except BlockingIOError:
-                ep.register(fd, select.EPOLLOUT)
-                continue
-            except OSError as e:
-                counts["refused" if e.errno == errno.ECONNREFUSED else
-                       "reset" if e.errno == errno.ECONNRESET else "other"] += 1
-                pending -= 1
-                state.pop(fd)
-                continue
-            state[fd] = _READING
-            ep.register(fd, select.EPOLLIN)
-        idx += batch
-        events = ep.poll(0 if idx < n else min(1.0, max(0.0, deadline - time.monotonic())))
-        for fd, ev in events:
-            st = state.get(fd)
-            if st is None:
-                continue
-            s = byfd[fd]
-            if st == _CONNECTING:
-                err = s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-                if err:
-                    fail(fd, "refused" if err == errno.ECONNREFUSED else
-                         "reset" if err == errno.ECONNRESET else "other")
-                    continue
-                try:
-                    s.send(payload)
-                except ConnectionResetError:
-                    fail(fd, "reset")
-                    continue
-                except OSError:
-                    fail(fd, "other")
-                    continue
-                state[fd] = _READING
-                ep.modify(fd, select.EPOLLIN)
-                continue
-            try:
-                data = s.recv(64)
-            except BlockingIOError:
-                continue
-            except ConnectionResetError:
-                fail(fd, "reset")
-                continue
-            if not data:
-                fail(fd, "closed")
-                continue
-            buf = got.get(fd, b"") + data
-            if len(buf) < _REPLY:
-                got[fd] = buf
-                continue
-            if buf[:4] != nonce or len(buf) != _REPLY:
-                fail(fd, "bad_reply")
-                continue
-            counts["done"] += 1
-            pending -= 1
-            ep.unregister(fd)
-            state.pop(fd)
-            last_done = time.monotonic()
-    counts["unfinished"] = pending + max(0, n - idx)
-    print(json.dumps({"t0": t0, "t1": last_done, **counts}), flush=True)
-    sys.stdin.readline()  # "close" (or EOF)
-    linger = struct.pack("ii", 1, 0)
-    for s in socks:
-        try:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
-        except OSError:
-            pass
-        s.close()
-
-
 if __name__ == "__main__":
     if sys.argv[1] == "worker":
         _worker_main()
-    elif sys.argv[1] == "storm":
-        _storm_main(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
     else:
-        sys.exit(f"usage: {sys.argv[0]} worker | storm PORT N KEY")
+        sys.exit(f"usage: {sys.argv[0]} worker")

@@ -15,7 +15,8 @@ schedstat sum where a phase is too short for 10 ms ticks) and RSS can be read. F
 * ``tp``: set+get throughput of 16 and 64 torch clients in 4 processes, on each server.
 * ``tp_user``: the same with each implementation's own client on its own server.
 * ``multi_*``: multi_set then multi_get of 10,000 and 100,000 keys with 64-byte values.
-* ``storm``: N light raw clients (separate processes) connect, handshake and ADD at once.
+* ``storm``: N light raw clients (``stormclient.c``, in 1-2 processes) connect, handshake and
+  ADD at once.
 * ``rss``: server RSS holding 10,000 idle connections (a fresh server per implementation).
 
 Run: ``python -m pytest benchmarks/bench_store.py --benchmark-only -q`` (about 5 minutes);
@@ -245,7 +246,7 @@ def _multi(benchmark, sizes, pool, servers, server_impl, client_kind, n, rounds,
     else:
         sets = [s for r in out for s in r["set_s"]]
         gets = [g for r in out for g in r["get_s"]]
-        tot = [s + g for s, g in zip(sets, gets)]
+        tot = [s + g for s, g in zip(sets, gets, strict=True)]
         best = min(range(len(tot)), key=tot.__getitem__)
         m = {"total_s": tot[best], "total_median_s": statistics.median(tot),
              "total_max_s": max(tot), "set_s": sets[best], "get_s": gets[best],
