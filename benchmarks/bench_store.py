@@ -11,7 +11,11 @@ schedstat sum where a phase is too short for 10 ms ticks) and RSS can be read. F
   The three ``rt_*`` families are interleaved A/B runs: both sides' clients and servers are
   alive at once and rounds of 100 operations alternate between them, so a change in the VM's
   CPU idle states or other load hits both sides alike; p50/p99 are over each side's pooled
-  samples.
+  samples. Each runs in two placements, every thread of the client and of both servers pinned:
+  ``1cpu`` (client and server share CPU 0) and ``2cpu`` (client on CPU 0, server on CPU 1).
+  Left to the scheduler, a pair lands in one or the other at random, and a round trip here
+  costs ~15 µs in the first and ~57 µs in the second (waking an idle vCPU), which swamped
+  every difference between the implementations.
 * ``tp``: set+get throughput of 16 and 64 torch clients in 4 processes, on each server.
 * ``tp_user``: the same with each implementation's own client on its own server.
 * ``multi_*``: multi_set then multi_get of 10,000 and 100,000 keys with 64-byte values.
@@ -25,6 +29,8 @@ smoke: ``python -m pytest benchmarks/bench_store.py --benchmark-disable -q`` (sm
 
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
 import time
 
@@ -111,10 +117,47 @@ class _Side:
                 "interleaved_chunk": RT_CHUNK}
 
 
-def _roundtrip(benchmark, sizes, setups: dict, op: str, family: str, results) -> None:
+PLACEMENTS = ["1cpu", "2cpu"]
+
+
+def _pin(pid: int, cpus: set[int]) -> None:
+    """Pins every thread of pid (a store server's loop runs in a thread of its own)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except (ProcessLookupError, FileNotFoundError):
+            pass  # a thread that just ended
+
+
+@contextlib.contextmanager
+def _placed(placement: str, server_pids: list[int]):
+    """This process (the clients) on CPU 0; the servers on CPU 0 (1cpu) or CPU 1 (2cpu)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip(f"placement {placement} needs 2 CPUs, this process may use {cpus}")
+    client, server = {cpus[0]}, {cpus[0] if placement == "1cpu" else cpus[1]}
+    _pin(os.getpid(), client)
+    for pid in server_pids:
+        _pin(pid, server)
+    try:
+        yield
+    finally:
+        for pid in [os.getpid(), *server_pids]:
+            _pin(pid, set(cpus))
+
+
+def _roundtrip(benchmark, sizes, setups: dict, op: str, family: str, results,
+               placement: str) -> None:
     """Interleaved A/B: both clients and servers alive at once; rounds of RT_CHUNK operations
     alternate between the two sides (the side going first alternates too), so both see the same
     machine state (CPU idle states, other load); p50/p99 over each side's pooled samples."""
+    pids = sorted({server.pid for server, _ in setups.values()})
+    with _placed(placement, pids):
+        _roundtrip_placed(benchmark, sizes, setups, op, f"{op}@{placement}", family, results)
+
+
+def _roundtrip_placed(benchmark, sizes, setups: dict, op: str, case: str, family: str,
+                      results) -> None:
     sides = {impl: _Side(server, kind, op) for impl, (server, kind) in setups.items()}
     chunk = min(RT_CHUNK, sizes["rt_rounds"])
     order = [list(IMPLS)]
@@ -131,29 +174,34 @@ def _roundtrip(benchmark, sizes, setups: dict, op: str, family: str, results) ->
     benchmark.pedantic(one_round, rounds=max(1, sizes["rt_rounds"] // chunk), iterations=1)
     for impl, side in sides.items():
         info = benchmark.extra_info.setdefault(impl, {})
-        results.add(family, op, impl, side.metrics(), info)
+        results.add(family, case, impl, side.metrics(), info)
 
 
+@pytest.mark.parametrize("placement", PLACEMENTS)
 @pytest.mark.parametrize("op", OPS)
-def test_rt_user(benchmark, sizes, servers, results, op):
+def test_rt_user(benchmark, sizes, servers, results, op, placement):
     """Own client on own server: the latency a user of each store sees (interleaved A/B)."""
     _roundtrip(benchmark, sizes, {"fastelastic": (servers["fastelastic"], "fastelastic"),
-                                  "torch": (servers["torch"], "torch")}, op, "rt_user", results)
+                                  "torch": (servers["torch"], "torch")}, op, "rt_user", results,
+               placement)
 
 
+@pytest.mark.parametrize("placement", PLACEMENTS)
 @pytest.mark.parametrize("op", OPS)
-def test_rt_server(benchmark, sizes, servers, results, op):
+def test_rt_server(benchmark, sizes, servers, results, op, placement):
     """torch's client on each server: the servers compared, with the server's CPU per op."""
     _roundtrip(benchmark, sizes, {"fastelastic": (servers["fastelastic"], "torch"),
-                                  "torch": (servers["torch"], "torch")}, op, "rt_server", results)
+                                  "torch": (servers["torch"], "torch")}, op, "rt_server", results,
+               placement)
 
 
+@pytest.mark.parametrize("placement", PLACEMENTS)
 @pytest.mark.parametrize("op", OPS)
-def test_rt_client(benchmark, sizes, servers, results, op):
+def test_rt_client(benchmark, sizes, servers, results, op, placement):
     """Each client on our server: the clients compared (ours gets in one round trip)."""
     _roundtrip(benchmark, sizes, {"fastelastic": (servers["fastelastic"], "fastelastic"),
                                   "torch": (servers["fastelastic"], "torch")}, op, "rt_client",
-               results)
+               results, placement)
 
 
 # ------------------------------------------------------------------------------ throughput

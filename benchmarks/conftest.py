@@ -152,19 +152,23 @@ def results() -> Results:
     return _RESULTS
 
 
+_OPS = ("set", "get", "add", "compare_set")
+# Round trips run with client and server on one CPU and on two (see bench_store.py).
+_PL = ("1cpu", "2cpu")
 # (family, case, metric, label, unit, scale, direction, target ratio or None)
 # direction "<=": fastelastic/torch must be <= target; ">=": must be >= target.
 _ROWS = [
-    *[("rt_user", op, "p50_us", f"{op} p50, own client on own server", "µs", 1, "<=",
-       0.6 if op == "get" else 0.8) for op in ("set", "get", "add", "compare_set")],
-    *[("rt_user", op, "p99_us", f"{op} p99, own client on own server", "µs", 1, "", None)
-      for op in ("set", "get", "add", "compare_set")],
-    *[("rt_server", op, "p50_us", f"{op} p50, torch client on each server", "µs", 1, "", None)
-      for op in ("set", "get", "add", "compare_set")],
-    *[("rt_server", op, "cpu_s_per_1k", f"{op}: server CPU per 1k ops, torch client", "ms",
-       1000, "", None) for op in ("set", "get", "add", "compare_set")],
-    *[("rt_client", op, "p50_us", f"{op} p50, each client on our server", "µs", 1, "", None)
-      for op in ("set", "get", "add", "compare_set")],
+    *[("rt_user", f"{op}@{pl}", "p50_us", f"{op} p50, own client on own server, {pl}", "µs",
+       1, "<=", 0.6 if op == "get" else 0.8) for pl in _PL for op in _OPS],
+    *[("rt_user", f"{op}@{pl}", "p99_us", f"{op} p99, own client on own server, {pl}", "µs",
+       1, "", None) for pl in _PL for op in _OPS],
+    *[("rt_server", f"{op}@{pl}", "p50_us", f"{op} p50, torch client on each server, {pl}",
+       "µs", 1, "", None) for pl in _PL for op in _OPS],
+    *[("rt_server", f"{op}@{pl}", "cpu_s_per_1k",
+       f"{op}: server CPU per 1k ops, torch client, {pl}", "ms", 1000, "", None)
+      for pl in _PL for op in _OPS],
+    *[("rt_client", f"{op}@{pl}", "p50_us", f"{op} p50, each client on our server, {pl}", "µs",
+       1, "", None) for pl in _PL for op in _OPS],
     *[("tp", str(n), m, f"set+get, {n} torch clients in 4 processes: {lab}", u, sc, d, t)
       for n in (16, 64) for (m, lab, u, sc, d, t) in (
           ("ops_per_s", "throughput", "ops/s", 1, ">=", 1.3),
