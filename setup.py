@@ -12,6 +12,7 @@ from setuptools import Extension, setup
 
 HERE = Path(__file__).parent
 NATIVE = HERE / "native"
+INCLUDES = NATIVE / "fastelastic" / "_native" / "includes"  # C/C++ headers: rebuild on change
 DEBUG = os.environ.get("FASTELASTIC_DEBUG") == "1"
 
 
@@ -24,7 +25,8 @@ def _extensions():
             Extension(
                 name,
                 [str(pyx.relative_to(HERE))],
-                include_dirs=[str(NATIVE / "fastelastic" / "_native" / "includes")],
+                include_dirs=[str(INCLUDES.relative_to(HERE))],
+                depends=[str(h.relative_to(HERE)) for h in sorted(INCLUDES.glob("*.h"))],
                 extra_compile_args=["-O2", "-Wall", "-Wno-unused-function", "-Wno-unreachable-code"]
                 + (["-DFE_DEBUG=1", "-O0", "-g"] if DEBUG else []),
                 define_macros=[("CYTHON_TRACE_NOGIL", "1")] if DEBUG else [],

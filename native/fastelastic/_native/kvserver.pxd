@@ -12,6 +12,38 @@ from fastelastic._native.includes.linux cimport epoll_event
 from fastelastic._native.spin cimport Spinner
 
 
+cdef extern from "kvmap.h" nogil:
+    cdef cppclass fe_entry:
+        size_t vlen
+        size_t klen
+        char *key()
+        char *val()
+
+    cdef cppclass fe_kvmap:
+        @staticmethod
+        uint64_t hash(const char *k, size_t n)
+        size_t size()
+        size_t capacity()
+        fe_entry *at(size_t i)
+        void prefetch_slot(uint64_t h)
+        void prefetch_entry(uint64_t h)
+        fe_entry *find(const char *k, size_t n, uint64_t h)
+        fe_entry *find(const string &k)
+        cbool set(const char *k, size_t n, uint64_t h, const char *v, size_t vn)
+        cbool set(const string &k, const char *v, size_t vn)
+        cbool append(const string &k, const char *v, size_t vn)
+        cbool erase(const char *k, size_t n)
+        cbool reserve(size_t n)
+        void clear()
+
+
+cdef struct KeyRef:
+    const char *k           # a key in the request buffer
+    size_t n
+    uint64_t h              # fe_kvmap.hash(k, n)
+    const char *v           # MULTI_SET: its value blob (length, then bytes)
+
+
 cdef struct Waiter:
     int fd
     uint64_t cid
@@ -21,9 +53,11 @@ cdef struct Waiter:
 cdef cppclass Conn:
     int fd
     uint64_t cid
-    string rbuf             # unparsed input (only what one recv could not complete)
-    size_t need             # rbuf must hold this many bytes before a parse can succeed
-    size_t scan_off         # a partial multi-key request in rbuf is measured up to here
+    char *rb                # unparsed input: a request one recv could not complete
+    size_t rb_len           # ... its bytes so far (rb[0:rb_len]; PyMem_Raw-allocated)
+    size_t rb_cap
+    size_t need             # rb must hold this many bytes before a parse can succeed
+    size_t scan_off         # a partial multi-key request in rb is measured up to here
     uint64_t scan_i         # ... and this many of its blobs
     string wbuf             # replies not yet accepted by the kernel
     size_t wpos
@@ -51,7 +85,7 @@ cdef class KVServer:
     cdef uint64_t _next_cid
     cdef vector[Conn *] _conns
     cdef vector[Waiter] _dirty
-    cdef unordered_map[string, string] _kv
+    cdef fe_kvmap _kv
     cdef unordered_map[string, deque[string]] _queues
     cdef unordered_map[string, vector[Waiter]] _waiters
     cdef char *_rdbuf
@@ -71,6 +105,7 @@ cdef class KVServer:
     cdef int _loop(self) except -1 nogil
     cdef void _on_accept(self, int lfd) noexcept nogil
     cdef void _on_readable(self, Conn *c) noexcept nogil
+    cdef bint _grow_rb(self, Conn *c, size_t want) noexcept nogil
     cdef int _consume(self, Conn *c, const char *p, size_t n, size_t *used) noexcept nogil
     cdef ssize_t _measure(self, const char *p, size_t n, size_t *need, size_t *scan_off,
                           uint64_t *scan_i) noexcept nogil
@@ -81,6 +116,7 @@ cdef class KVServer:
                    int64_t *result) noexcept nogil
     cdef void _notify(self, const string &key) noexcept nogil
     cdef void _notify_one(self, const string &key) noexcept nogil
+    cdef int _out_of_memory(self, Conn *c) noexcept nogil
     cdef int _missing(self, const string &key) noexcept nogil
     cdef void _register_wait(self, Conn *c, const string &key) noexcept nogil
     cdef void _drop_wait(self, Conn *c) noexcept nogil

@@ -13,9 +13,9 @@ Invariants:
 """
 
 cimport cython
-from cpython.mem cimport PyMem_RawFree, PyMem_RawMalloc
+from cpython.mem cimport PyMem_RawFree, PyMem_RawMalloc, PyMem_RawRealloc
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
-from libc.string cimport memcmp
+from libc.string cimport memcmp, memcpy, memmove
 from libcpp.pair cimport pair
 from libcpp.string cimport string
 from libcpp.unordered_set cimport unordered_set
@@ -62,19 +62,31 @@ cdef inline void _set_events(int epfd, Conn *c, bint out) noexcept nogil:
     c.want_out = out
 
 
-cdef inline void _read_keys(const char *q, uint64_t count, vector[string] &keys,
-                            vector[size_t] *values, const char *p) noexcept nogil:
-    """Copies the keys of a measured multi-key request at q; with values (MULTI_SET), also
-    records where each key's value blob starts, as an offset from the request start p."""
+cdef inline void _read_keys(const char *q, uint64_t count, vector[string] &keys) noexcept nogil:
+    """Copies the keys of a measured CHECK or WAIT request at q (waits keep their keys)."""
     cdef uint64_t _j, ln
     keys.reserve(count)
     for _j in range(count):
         ln = load_u64(q)
         keys.push_back(string(q + 8, ln))
         q += 8 + ln
-        if values != NULL:
-            values.push_back(<size_t>(q - p))
+
+
+cdef inline void _ref_keys(const char *q, uint64_t count, vector[KeyRef] &refs,
+                           bint with_values) noexcept nogil:
+    """Points at (and hashes) the keys of a measured MULTI_GET, or MULTI_SET with values."""
+    cdef uint64_t _j
+    cdef KeyRef r
+    refs.reserve(count)
+    for _j in range(count):
+        r.n = load_u64(q)
+        r.k = q + 8
+        r.h = fe_kvmap.hash(r.k, r.n)
+        q += 8 + r.n
+        if with_values:
+            r.v = q
             q += 8 + load_u64(q)
+        refs.push_back(r)
 
 
 cdef class KVServer:
@@ -171,6 +183,7 @@ cdef class KVServer:
         for i in range(self._conns.size()):
             if self._conns[i] != NULL:
                 close(self._conns[i].fd)
+                PyMem_RawFree(self._conns[i].rb)
                 del self._conns[i]
                 self._conns[i] = NULL
         self._conns.clear()
@@ -278,6 +291,9 @@ cdef class KVServer:
             c.fd = fd
             c.cid = self._next_cid
             self._next_cid += 1
+            c.rb = NULL
+            c.rb_len = 0
+            c.rb_cap = 0
             c.need = 0
             c.scan_off = 0
             c.scan_i = 0
@@ -304,9 +320,20 @@ cdef class KVServer:
         cdef int rounds = 0
         cdef int fd = c.fd
         cdef uint64_t cid = c.cid
+        cdef char *buf
+        cdef size_t room
         while rounds < READ_BUDGET:
             rounds += 1
-            got = recv(fd, self._rdbuf, self._rdbuf_cap, 0)
+            if c.rb_len == 0:
+                buf, room = self._rdbuf, self._rdbuf_cap
+            else:
+                # A request is partly here: read straight in behind it (no copy), growing the
+                # buffer geometrically (realloc of a large block remaps, it does not copy).
+                if c.rb_cap - c.rb_len < RDBUF_SIZE and not self._grow_rb(c, c.rb_len + RDBUF_SIZE):
+                    self._close_conn(c, "out of memory buffering a request")
+                    return
+                buf, room = c.rb + c.rb_len, c.rb_cap - c.rb_len
+            got = recv(fd, buf, room, 0)
             if got < 0:
                 if errno == EINTR:
                     continue
@@ -317,25 +344,48 @@ cdef class KVServer:
             if got == 0:
                 self._close_conn(c, NULL)
                 return
-            if c.rbuf.size() == 0:
+            if c.rb_len == 0:
                 # Common case: parse straight from the read buffer; keep only an incomplete tail.
                 if self._consume(c, self._rdbuf, <size_t>got, &used) < 0:
                     return
                 if used < <size_t>got:
-                    c.rbuf.assign(self._rdbuf + used, <size_t>got - used)
-            else:
-                c.rbuf.append(self._rdbuf, <size_t>got)
-                if c.rbuf.size() >= c.need:
-                    if self._consume(c, c.rbuf.data(), c.rbuf.size(), &used) < 0:
+                    if not self._grow_rb(c, max(<size_t>got - used, c.need)):
+                        self._close_conn(c, "out of memory buffering a request")
                         return
-                    c.rbuf.erase(0, used)
-                    if c.rbuf.size() == 0 and c.rbuf.capacity() > SHRINK_ABOVE:
-                        string().swap(c.rbuf)
+                    memcpy(c.rb, self._rdbuf + used, <size_t>got - used)
+                    c.rb_len = <size_t>got - used
+            else:
+                c.rb_len += <size_t>got
+                if c.rb_len >= c.need:
+                    if self._consume(c, c.rb, c.rb_len, &used) < 0:
+                        return
+                    if used > 0:
+                        memmove(c.rb, c.rb + used, c.rb_len - used)
+                        c.rb_len -= used
+                    if c.rb_len == 0 and c.rb_cap > SHRINK_ABOVE:
+                        PyMem_RawFree(c.rb)
+                        c.rb = NULL
+                        c.rb_cap = 0
             if self._lookup(fd, cid) == NULL:
                 return
-            if <size_t>got < self._rdbuf_cap:
+            if <size_t>got < room:
                 break
         self._flush(c)
+
+    cdef bint _grow_rb(self, Conn *c, size_t want) noexcept nogil:
+        """Makes c.rb hold at least want bytes; False when out of memory."""
+        cdef size_t cap = c.rb_cap * 2
+        cdef char *grown
+        if want <= c.rb_cap:
+            return True
+        if cap < want:
+            cap = want
+        grown = <char *>PyMem_RawRealloc(c.rb, cap)
+        if grown == NULL:
+            return False
+        c.rb = grown
+        c.rb_cap = cap
+        return True
 
     cdef int _consume(self, Conn *c, const char *p, size_t n, size_t *used) noexcept nogil:
         """Executes every complete request in p[0:n]; returns -1 if the connection was closed.
@@ -448,8 +498,10 @@ cdef class KVServer:
         cdef string key, val
         cdef vector[string] keys
         cdef unordered_set[string] seen
-        cdef vector[const string *] vals
-        cdef vector[size_t] bounds
+        cdef vector[KeyRef] refs
+        cdef vector[fe_entry *] found_vals
+        cdef fe_entry *e
+        cdef bint stored
         cdef size_t total
         cdef bint found
         cdef pair[string, string] action
@@ -466,26 +518,28 @@ cdef class KVServer:
             q += 8 + ln
             ln2 = load_u64(q)
             if cmd == CMD_SET:
-                self._kv[key].assign(q + 8, ln2)
+                stored = self._kv.set(key, q + 8, ln2)
             else:
-                self._kv[key].append(q + 8, ln2)
+                stored = self._kv.append(key, q + 8, ln2)
+            if not stored:
+                return self._out_of_memory(c)
             self._notify(key)
         elif cmd == CMD_GET:
             ln = load_u64(q)
             key.assign(q + 8, ln)
-            it = self._kv.find(key)
-            if it == self._kv.end():
+            e = self._kv.find(key)
+            if e == NULL:
                 put_u64(c.wbuf, 0)
             else:
-                put_blob(c.wbuf, deref_data(it), deref_size(it))
+                put_blob(c.wbuf, e.val(), e.vlen)
         elif cmd == CMD_EXT_WAIT_GET:
             # torch's get is WAIT then GET: two round trips even for a key that is there.
             ln = load_u64(q)
             key.assign(q + 8, ln)
-            it = self._kv.find(key)
-            if it != self._kv.end():
+            e = self._kv.find(key)
+            if e != NULL:
                 put_u8(c.wbuf, REPLY_VALUE)
-                put_blob(c.wbuf, deref_data(it), deref_size(it))
+                put_blob(c.wbuf, e.val(), e.vlen)
             else:
                 self._drop_wait(c)
                 self._register_wait(c, key)
@@ -505,25 +559,20 @@ cdef class KVServer:
             q += 8 + ln
             ln2 = load_u64(q)
             ln3 = load_u64(q + 8 + ln2)
-            it = self._kv.find(key)
-            if it == self._kv.end():
-                if ln2 == 0:
-                    self._kv[key].assign(q + 16 + ln2, ln3)
-                    put_blob(c.wbuf, q + 16 + ln2, ln3)
-                    self._notify(key)
-                else:
-                    put_blob(c.wbuf, q + 8, ln2)
-            else:
-                if deref_size(it) == ln2 and memcmp(deref_data(it), q + 8, ln2) == 0:
-                    self._kv[key].assign(q + 16 + ln2, ln3)
-                    put_blob(c.wbuf, q + 16 + ln2, ln3)
-                else:
-                    put_blob(c.wbuf, deref_data(it), deref_size(it))
+            e = self._kv.find(key)
+            if e == NULL and ln2 != 0:
+                put_blob(c.wbuf, q + 8, ln2)
+            elif e != NULL and not (e.vlen == ln2 and memcmp(e.val(), q + 8, ln2) == 0):
+                put_blob(c.wbuf, e.val(), e.vlen)
                 self._notify(key)
-        elif cmd == CMD_CHECK or cmd == CMD_WAIT or cmd == CMD_MULTI_GET \
-                or cmd == CMD_EXT_TRY_MULTI_GET:
+            else:
+                if not self._kv.set(key, q + 16 + ln2, ln3):
+                    return self._out_of_memory(c)
+                put_blob(c.wbuf, q + 16 + ln2, ln3)
+                self._notify(key)
+        elif cmd == CMD_CHECK or cmd == CMD_WAIT:
             count = load_u64(q)
-            _read_keys(q + 8, count, keys, NULL, p)
+            _read_keys(q + 8, count, keys)
             if cmd == CMD_CHECK:
                 found = True
                 for i in range(count):
@@ -531,7 +580,7 @@ cdef class KVServer:
                         found = False
                         break
                 put_u8(c.wbuf, REPLY_READY if found else REPLY_NOT_READY)
-            elif cmd == CMD_WAIT:
+            else:
                 self._drop_wait(c)
                 c.wait_gen += 1
                 c.wait_left = 0
@@ -544,50 +593,52 @@ cdef class KVServer:
                 else:
                     c.waiting = True
                     self.waiting += 1
-            else:
-                # Look every key up once, with the buckets of the next keys prefetched: at
-                # 100k keys the map no longer fits the caches and misses dominate.
-                vals.reserve(count)
-                for i in range(count):
-                    if i + PREFETCH_AHEAD < count:
-                        fe_prefetch_key(self._kv, keys[i + PREFETCH_AHEAD])
-                    it = self._kv.find(keys[i])
-                    if it == self._kv.end():
-                        if cmd == CMD_EXT_TRY_MULTI_GET:
-                            put_u8(c.wbuf, 0)
-                            return 0
-                        vals.push_back(NULL)
-                    else:
-                        vals.push_back(deref_val_ptr(it))
-                if cmd == CMD_EXT_TRY_MULTI_GET:
-                    put_u8(c.wbuf, 1)
-                total = 0
-                for i in range(count):
-                    total += 8 + (vals[i].size() if vals[i] != NULL else 0)
-                c.wbuf.reserve(c.wbuf.size() + total)
-                for i in range(count):
-                    if vals[i] == NULL:
-                        put_u64(c.wbuf, 0)
-                    else:
-                        put_blob(c.wbuf, vals[i].data(), vals[i].size())
+        elif cmd == CMD_MULTI_GET or cmd == CMD_EXT_TRY_MULTI_GET:
+            count = load_u64(q)
+            _ref_keys(q + 8, count, refs, False)
+            # Pipelined lookups (see kvmap.h): slots PREFETCH_SLOT keys ahead, entries
+            # PREFETCH_ENTRY ahead, so the misses of many keys overlap.
+            found_vals.reserve(count)
+            total = 0
+            for i in range(count):
+                if i + PREFETCH_SLOT < count:
+                    self._kv.prefetch_slot(refs[i + PREFETCH_SLOT].h)
+                if i + PREFETCH_ENTRY < count:
+                    self._kv.prefetch_entry(refs[i + PREFETCH_ENTRY].h)
+                e = self._kv.find(refs[i].k, refs[i].n, refs[i].h)
+                if e == NULL and cmd == CMD_EXT_TRY_MULTI_GET:
+                    put_u8(c.wbuf, 0)
+                    return 0
+                found_vals.push_back(e)
+                total += 8 + (e.vlen if e != NULL else 0)
+            if cmd == CMD_EXT_TRY_MULTI_GET:
+                put_u8(c.wbuf, 1)
+            c.wbuf.reserve(c.wbuf.size() + total)
+            for i in range(count):
+                e = found_vals[i]
+                if e == NULL:
+                    put_u64(c.wbuf, 0)
+                else:
+                    put_blob(c.wbuf, e.val(), e.vlen)
         elif cmd == CMD_MULTI_SET:
             count = load_u64(q)
-            _read_keys(q + 8, count, keys, &bounds, p)
-            if self._kv.size() + count > self._kv.bucket_count():
-                self._kv.reserve(self._kv.size() + count)
+            _ref_keys(q + 8, count, refs, True)
             for i in range(count):
-                if i + PREFETCH_AHEAD < count:
-                    fe_prefetch_key(self._kv, keys[i + PREFETCH_AHEAD])
-                q = p + bounds[i]
-                self._kv[keys[i]].assign(q + 8, load_u64(q))
+                if i + PREFETCH_SLOT < count:
+                    self._kv.prefetch_slot(refs[i + PREFETCH_SLOT].h)
+                if i + PREFETCH_ENTRY < count:
+                    self._kv.prefetch_entry(refs[i + PREFETCH_ENTRY].h)
+                if not self._kv.set(refs[i].k, refs[i].n, refs[i].h, refs[i].v + 8,
+                                    load_u64(refs[i].v)):
+                    return self._out_of_memory(c)
                 if not self._waiters.empty():
-                    self._notify(keys[i])
+                    key.assign(refs[i].k, refs[i].n)
+                    self._notify(key)
         elif cmd == CMD_GETNUMKEYS:
             put_u64(c.wbuf, self._kv.size())
         elif cmd == CMD_DELETE_KEY:
             ln = load_u64(q)
-            key.assign(q + 8, ln)
-            put_u64(c.wbuf, 1 if self._kv.erase(key) > 0 else 0)
+            put_u64(c.wbuf, 1 if self._kv.erase(q + 8, ln) else 0)
         elif cmd == CMD_CANCEL_WAIT:
             self._drop_wait(c)
             put_u8(c.wbuf, REPLY_WAIT_CANCELED)
@@ -620,10 +671,10 @@ cdef class KVServer:
                     self._queues.erase(qit)
         elif cmd == CMD_LIST_KEYS:
             put_u64(c.wbuf, self._kv.size())
-            it = self._kv.begin()
-            while it != self._kv.end():
-                put_blob(c.wbuf, deref_kdata(it), deref_ksize(it))
-                inc(it)
+            for i in range(self._kv.capacity()):
+                e = self._kv.at(i)
+                if e != NULL:
+                    put_blob(c.wbuf, e.key(), e.klen)
         elif cmd == CMD_BARRIER:
             ln = load_u64(q)
             key.assign(q + 8, ln)
@@ -657,19 +708,25 @@ cdef class KVServer:
         """
         cdef int64_t old = 0
         cdef string num
-        it = self._kv.find(key)
-        if it != self._kv.end() and parse_decimal(deref_data(it), deref_size(it), &old) < 0:
+        cdef fe_entry *e = self._kv.find(key)
+        if e != NULL and parse_decimal(e.val(), e.vlen, &old) < 0:
             self._close_conn(c, "ADD or BARRIER on a value that is not a decimal integer")
             return -1
         result[0] = <int64_t>(<uint64_t>old + <uint64_t>delta)
         format_decimal(num, result[0])
-        self._kv[key].swap(num)
+        if not self._kv.set(key, num.data(), num.size()):
+            return self._out_of_memory(c)
         return 0
+
+    cdef int _out_of_memory(self, Conn *c) noexcept nogil:
+        """A write the server could not allocate for: the writer's connection is closed."""
+        self._close_conn(c, "out of memory storing the request's key or value")
+        return -1
 
     # ----------------------------------------------------------------------------- waiting
 
     cdef int _missing(self, const string &key) noexcept nogil:
-        if self._kv.find(key) != self._kv.end():
+        if self._kv.find(key) != NULL:
             return 0
         qit = self._queues.find(key)
         if qit != self._queues.end() and deref_qsize(qit) > 0:
@@ -734,12 +791,12 @@ cdef class KVServer:
         if c.wait_get:
             key = c.wait_keys[0]
             self._drop_wait(c)
-            it = self._kv.find(key)
+            e = self._kv.find(key)
             put_u8(c.wbuf, REPLY_VALUE)
-            if it == self._kv.end():    # woken by a queue push of the same name
+            if e == NULL:    # woken by a queue push of the same name
                 put_u64(c.wbuf, 0)
             else:
-                put_blob(c.wbuf, deref_data(it), deref_size(it))
+                put_blob(c.wbuf, e.val(), e.vlen)
         else:
             self._drop_wait(c)
             put_u8(c.wbuf, REPLY_STOP_WAITING)
@@ -802,6 +859,7 @@ cdef class KVServer:
         epoll_ctl(self._epfd, EPOLL_CTL_DEL, fd, NULL)
         close(fd)
         self._conns[fd] = NULL
+        PyMem_RawFree(c.rb)
         del c
         self.closed += 1
         if why != NULL:
@@ -816,39 +874,24 @@ cdef class KVServer:
                     pass
         # A disconnect is an event others may wait for (a peer that died).
         for i in range(actions.size()):
-            self._kv[actions[i].first].append(actions[i].second)
-            self._notify(actions[i].first)
+            # out of memory here loses the action; there is no connection left to tell
+            if self._kv.append(actions[i].first, actions[i].second.data(),
+                               actions[i].second.size()):
+                self._notify(actions[i].first)
 
 
-# Small C++ iterator helpers: Cython cannot spell ``it->second.data()`` directly.
+# Small C++ iterator helpers: Cython cannot spell ``it->second.size()`` directly.
 cdef extern from *:
     """
-    #define deref_data(it) ((it)->second.data())
-    #define deref_size(it) ((it)->second.size())
-    #define deref_kdata(it) ((it)->first.data())
-    #define deref_ksize(it) ((it)->first.size())
     #define deref_qsize(it) ((it)->second.size())
     #define deref_waiters(it) ((it)->second)
     #define pop_front_into(it, out) \
         do { (out).swap((it)->second.front()); (it)->second.pop_front(); } while (0)
-    #define inc(it) (++(it))
-    #define deref_val_ptr(it) (&(it)->second)
-    #define PREFETCH_AHEAD 8
-    template <class M>
-    static inline void fe_prefetch_key(const M &m, const std::string &k) {
-        size_t b = m.bucket(k);
-        auto it = m.begin(b);
-        if (it != m.end(b)) __builtin_prefetch(&*it);
-    }
+    #define PREFETCH_SLOT 16
+    #define PREFETCH_ENTRY 8
     """
-    const char *deref_data(...) nogil
-    size_t deref_size(...) nogil
-    const char *deref_kdata(...) nogil
-    size_t deref_ksize(...) nogil
     size_t deref_qsize(...) nogil
     vector[Waiter] &deref_waiters(...) nogil
     void pop_front_into(...) nogil
-    void inc(...) nogil
-    const string *deref_val_ptr(...) nogil
-    size_t PREFETCH_AHEAD
-    void fe_prefetch_key(...) nogil
+    size_t PREFETCH_SLOT
+    size_t PREFETCH_ENTRY
