@@ -33,7 +33,6 @@ cdef extern from "kvmap.h" nogil:
         cbool set(const string &k, const char *v, size_t vn)
         cbool append(const string &k, const char *v, size_t vn)
         cbool erase(const char *k, size_t n)
-        cbool reserve(size_t n)
         void clear()
 
 
@@ -76,6 +75,7 @@ cdef cppclass Conn:
 cdef class KVServer:
     cdef int _epfd
     cdef Spinner _spin
+    cdef cbool _replied       # the last loop round sent a reply (see _loop)
     cdef int _wakefd
     cdef vector[int] _listen_fds
     cdef int _spare_fd
@@ -101,7 +101,7 @@ cdef class KVServer:
     cdef readonly int64_t waiting      # connections with a WAIT or BARRIER pending
     cdef object _last_error
 
-    cdef int _wait(self, epoll_event *events) noexcept nogil
+    cdef int _wait(self, epoll_event *events, bint may_spin) noexcept nogil
     cdef int _loop(self) except -1 nogil
     cdef void _on_accept(self, int lfd) noexcept nogil
     cdef void _on_readable(self, Conn *c) noexcept nogil

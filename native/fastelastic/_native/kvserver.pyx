@@ -207,9 +207,9 @@ cdef class KVServer:
 
     # ----------------------------------------------------------------------------- the loop
 
-    cdef int _wait(self, epoll_event *events) noexcept nogil:
+    cdef int _wait(self, epoll_event *events, bint may_spin) noexcept nogil:
         """epoll_wait() for the next round: polls for up to the spin budget, then blocks."""
-        cdef int64_t until = spin_deadline(&self._spin)
+        cdef int64_t until = spin_deadline(&self._spin) if may_spin else 0
         cdef int n
         if until:
             n = epoll_wait(self._epfd, events, MAX_EVENTS, 0)
@@ -226,7 +226,10 @@ cdef class KVServer:
         cdef Conn *c
         cdef Waiter w
         while not self._stopping:
-            n = self._wait(events)
+            # Spin only after a round that answered someone: a client waiting on a reply sends
+            # its next request right after. After fire-and-forget writes (SET) nobody waits.
+            n = self._wait(events, self._replied)
+            self._replied = False
             if n < 0:
                 if errno == EINTR:
                     continue
@@ -843,6 +846,7 @@ cdef class KVServer:
                 self._close_conn(c, NULL)
                 return
             c.wpos += <size_t>sent
+            self._replied = True
         c.wbuf.clear()
         c.wpos = 0
         if c.wbuf.capacity() > SHRINK_ABOVE:

@@ -137,13 +137,6 @@ class fe_kvmap {
         return true;
     }
 
-    /* Makes room for n keys in all without growing in between; false when out of memory. */
-    bool reserve(size_t n) {
-        size_t cap = capacity();
-        while (n * 2 > cap) cap *= 2;
-        return cap == capacity() || rehash(cap);
-    }
-
     void clear() {
         for (size_t i = 0; i <= mask_; ++i) {
             std::free(slots_[i].e);
