@@ -368,8 +368,11 @@ def _harness_floor(store, i, nodes, spec):
     return [types.SimpleNamespace(world_size=-2)]
 
 
-def _rank_sim_process(impl, port, first, count, nodes, prefix, ready, go, out):
-    """One simulated host: ``count`` agents (one thread and one connection each)."""
+def _rank_sim_process(impl, port, host, hosts, count, nodes, prefix, ready, go, out):
+    """One simulated host: ``count`` agents (one thread and one connection each), group ranks
+    ``host, host + hosts, ...``: dealt round-robin, so that the release (agent 0's multi_set
+    in rank order) wakes every host process at once instead of one process's 512 threads after
+    another, each convoy queueing on that process's GIL while the other CPU idles."""
     if impl == "torch":
         from torch.distributed import PrefixStore, TCPStore
         from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
@@ -397,9 +400,10 @@ def _rank_sim_process(impl, port, first, count, nodes, prefix, ready, go, out):
         for _ in range(count)
     ]
     results: list = [None] * count
+    done_ns = [0] * count  # when each agent held its ranks (thread teardown is not timed)
 
     def agent(j):
-        i = first + j
+        i = host + j * hosts
         spec = types.SimpleNamespace(
             role=("trainer", "ps", "eval")[i % 3], local_world_size=1 + i % 4
         )
@@ -408,6 +412,7 @@ def _rank_sim_process(impl, port, first, count, nodes, prefix, ready, go, out):
             results[j] = _harness_floor(stores[j], i, nodes, spec)
         else:
             results[j] = SimpleElasticAgent._assign_worker_ranks(None, stores[j], i, nodes, spec)
+        done_ns[j] = time.monotonic_ns()
 
     threads = [threading.Thread(target=agent, args=(j,)) for j in range(count)]
     for t in threads:
@@ -417,7 +422,7 @@ def _rank_sim_process(impl, port, first, count, nodes, prefix, ready, go, out):
         t.join(120)
     ok = all(r is not None for r in results)
     last_join = max(s.set_done for s in stores)
-    out.put((time.monotonic_ns(), ok, results[-1][0].world_size if ok else -1, last_join))
+    out.put((max(done_ns), ok, results[-1][0].world_size if ok else -1, last_join))
 
 
 @pytest.mark.timeout(900)
@@ -449,7 +454,7 @@ def test_slow_path_rank_assignment(benchmark, impl, nodes):
         procs = [
             ctx.Process(
                 target=_rank_sim_process,
-                args=(impl, server.port, h * per_host, per_host, nodes, prefix, ready, go, out),
+                args=(impl, server.port, h, hosts, per_host, nodes, prefix, ready, go, out),
             )
             for h in range(hosts)
         ]
@@ -469,7 +474,7 @@ def test_slow_path_rank_assignment(benchmark, impl, nodes):
             p.join(60)
         assert all(e[1] and e[2] == expected_world for e in ends), ends
 
-    benchmark.pedantic(run, setup=setup, rounds=3, iterations=1)
+    benchmark.pedantic(run, setup=setup, rounds=7, iterations=1)
     record(benchmark, f"slow-path ranks, {nodes} agents", impl, summary(samples))
     # The release itself wakes N threads on 2 cores; this part starts once the last agent
     # has published its role info (its ``set`` returned).
