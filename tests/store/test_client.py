@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -302,3 +303,41 @@ def test_no_fd_leak():
         del c, m
     gc.collect()
     assert fds() == before
+
+
+@pytest.mark.timeout(60)
+def test_lost_reply_times_out_even_under_a_stream_of_signals():
+    """A server that never answers: the reply deadline holds although a signal interrupts the
+    wait every 50 ms (each interrupted recv would restart the socket's own timeout)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    got_request = threading.Event()
+    release = threading.Event()
+
+    def silent_server():
+        conn, _ = listener.accept()
+        with conn:
+            hs = b""
+            while len(hs) < 10:  # VALIDATE + PING(nonce)
+                hs += conn.recv(10 - len(hs))
+            conn.sendall(hs[6:10])  # echo the nonce: a plain TCPStore, no extensions
+            conn.recv(64)  # the ADD, never answered
+            got_request.set()
+            release.wait(30)
+
+    server = threading.Thread(target=silent_server, daemon=True)
+    server.start()
+    old = signal.signal(signal.SIGALRM, lambda *_: None)
+    try:
+        c = TCPStore("127.0.0.1", listener.getsockname()[1], timeout=timedelta(seconds=1))
+        signal.setitimer(signal.ITIMER_REAL, 0.05, 0.05)
+        t0 = time.monotonic()
+        with pytest.raises(StoreConnectionError, match="did not answer"):
+            c.add("k", 1)
+        took = time.monotonic() - t0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0, 0)
+        signal.signal(signal.SIGALRM, old)
+        release.set()
+        listener.close()
+    assert got_request.is_set()
+    assert 0.9 < took < 3.0, f"a 1 s reply timeout took {took:.2f} s"

@@ -19,6 +19,7 @@ cdef class KVClient:
     cdef size_t _in_len
     cdef size_t _in_cap
     cdef int64_t _timeout_ms
+    cdef int64_t _reply_by    # monotonic ns: the current request's reply deadline
     cdef Spinner _spin
     cdef cbool _ext
     cdef cbool _broken
@@ -37,6 +38,7 @@ cdef class KVClient:
     cdef void _apply_socket_timeouts(self) noexcept
     cdef int _check_signals(self) except -1
     cdef int _need_intr(self, size_t n, int64_t deadline) except -1
+    cdef int64_t _after_signal(self, int64_t deadline) noexcept
     cdef int _transact(self, size_t n, int64_t deadline) except -1
     cdef int _wait_reply(self, int64_t timeout_ms) except -1
     cdef object _fail(self, int rc, str what)

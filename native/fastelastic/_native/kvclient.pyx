@@ -274,6 +274,7 @@ cdef class KVClient:
         if self._broken or self._fd < 0:
             raise StoreConnectionError(f"the connection to the store at {self._peer} is closed")
         self._out_pos = 0
+        self._reply_by = fe_monotonic_ns() + max(self._timeout_ms, 1) * 1000000
         while True:
             with nogil:
                 rc = self._send_all(deadline)
@@ -282,9 +283,16 @@ cdef class KVClient:
             if rc != IO_INTR:
                 break
             self._check_signals()
+            deadline = self._after_signal(deadline)
         if rc != IO_OK:
             raise self._fail(rc, "request")
         return 0
+
+    cdef inline int64_t _after_signal(self, int64_t deadline) noexcept:
+        # SO_RCVTIMEO restarts with every recv, so signals arriving faster than the timeout
+        # would keep a lost reply waiting forever: once interrupted, a reply waits (poll)
+        # for what is left of the request's own deadline instead.
+        return self._reply_by if deadline == REPLY else deadline
 
     cdef int _check_signals(self) except -1:
         # A signal arrived mid-request: run Python's handlers (Ctrl-C). If one raises, the
@@ -304,6 +312,7 @@ cdef class KVClient:
             if rc != IO_INTR:
                 return rc
             self._check_signals()
+            deadline = self._after_signal(deadline)
 
     cdef object _fail(self, int rc, str what):
         cdef int err = errno
@@ -411,6 +420,7 @@ cdef class KVClient:
             if rc != IO_INTR:
                 break
             self._check_signals()
+            deadline = self._after_signal(deadline)
         if rc != IO_OK:
             raise self._fail(rc, "read")
         return [self._take_blob() for _ in range(count)]

@@ -16,6 +16,7 @@ cimport cython
 from cpython.mem cimport PyMem_RawFree, PyMem_RawMalloc, PyMem_RawRealloc
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcmp, memcpy, memmove
+from libcpp cimport bool as cbool
 from libcpp.pair cimport pair
 from libcpp.string cimport string
 from libcpp.unordered_set cimport unordered_set
@@ -52,6 +53,7 @@ cdef enum:
     READ_BUDGET = 4                 # recv calls per readiness event, for fairness
     MAX_EVENTS = 512
     SHRINK_ABOVE = 1 << 20          # give buffers back once they are idle and this large
+    DIRECT_READ_ABOVE = 64 * 1024   # a partial request this large is read straight into c.rb
 
 
 cdef inline void _set_events(int epfd, Conn *c, bint out) noexcept nogil:
@@ -225,6 +227,7 @@ cdef class KVServer:
         cdef uint64_t tag, drain
         cdef Conn *c
         cdef Waiter w
+        cdef size_t d
         while not self._stopping:
             # Spin only after a round that answered someone: a client waiting on a reply sends
             # its next request right after. After fire-and-forget writes (SET) nobody waits.
@@ -252,9 +255,13 @@ cdef class KVServer:
                     c = self._conns[fd]
                 if c != NULL and (events[i].events & EPOLLOUT):
                     self._flush(c)
-            # Replies queued for other connections by this round's writes (wake-ups).
-            for i in range(<int>self._dirty.size()):
-                w = self._dirty[i]
+            # Replies queued for other connections by this round's writes (wake-ups). A flush
+            # that fails closes its connection, whose disconnect actions may wake (and queue)
+            # more waiters: the list can grow while it is walked.
+            d = 0
+            while d < self._dirty.size():
+                w = self._dirty[d]
+                d += 1
                 c = self._lookup(w.fd, w.cid)
                 if c != NULL:
                     c.dirty = False
@@ -325,17 +332,19 @@ cdef class KVServer:
         cdef uint64_t cid = c.cid
         cdef char *buf
         cdef size_t room
+        cdef bint direct
         while rounds < READ_BUDGET:
             rounds += 1
-            if c.rb_len == 0:
-                buf, room = self._rdbuf, self._rdbuf_cap
-            else:
-                # A request is partly here: read straight in behind it (no copy), growing the
-                # buffer geometrically (realloc of a large block remaps, it does not copy).
+            direct = c.rb_len >= DIRECT_READ_ABOVE
+            if direct:
+                # A large request is partly here: read straight in behind it (no copy), growing
+                # the buffer geometrically (realloc of a large block remaps, it does not copy).
                 if c.rb_cap - c.rb_len < RDBUF_SIZE and not self._grow_rb(c, c.rb_len + RDBUF_SIZE):
                     self._close_conn(c, "out of memory buffering a request")
                     return
                 buf, room = c.rb + c.rb_len, c.rb_cap - c.rb_len
+            else:
+                buf, room = self._rdbuf, self._rdbuf_cap
             got = recv(fd, buf, room, 0)
             if got < 0:
                 if errno == EINTR:
@@ -352,12 +361,18 @@ cdef class KVServer:
                 if self._consume(c, self._rdbuf, <size_t>got, &used) < 0:
                     return
                 if used < <size_t>got:
-                    if not self._grow_rb(c, max(<size_t>got - used, c.need)):
+                    # Only what arrived: a length prefix claiming megabytes reserves nothing.
+                    if not self._grow_rb(c, <size_t>got - used):
                         self._close_conn(c, "out of memory buffering a request")
                         return
                     memcpy(c.rb, self._rdbuf + used, <size_t>got - used)
                     c.rb_len = <size_t>got - used
             else:
+                if not direct:
+                    if not self._grow_rb(c, c.rb_len + <size_t>got):
+                        self._close_conn(c, "out of memory buffering a request")
+                        return
+                    memcpy(c.rb + c.rb_len, self._rdbuf, <size_t>got)
                 c.rb_len += <size_t>got
                 if c.rb_len >= c.need:
                     if self._consume(c, c.rb, c.rb_len, &used) < 0:
@@ -365,7 +380,7 @@ cdef class KVServer:
                     if used > 0:
                         memmove(c.rb, c.rb + used, c.rb_len - used)
                         c.rb_len -= used
-                    if c.rb_len == 0 and c.rb_cap > SHRINK_ABOVE:
+                    if c.rb_len == 0:   # the buffer lives only while a request is partial
                         PyMem_RawFree(c.rb)
                         c.rb = NULL
                         c.rb_cap = 0
@@ -616,7 +631,9 @@ cdef class KVServer:
                 total += 8 + (e.vlen if e != NULL else 0)
             if cmd == CMD_EXT_TRY_MULTI_GET:
                 put_u8(c.wbuf, 1)
-            c.wbuf.reserve(c.wbuf.size() + total)
+            if total > MAX_REPLY or not fe_reserve(c.wbuf, c.wbuf.size() + total):
+                self._close_conn(c, "MULTI_GET reply too large for memory")
+                return -1
             for i in range(count):
                 e = found_vals[i]
                 if e == NULL:
@@ -893,9 +910,15 @@ cdef extern from *:
         do { (out).swap((it)->second.front()); (it)->second.pop_front(); } while (0)
     #define PREFETCH_SLOT 16
     #define PREFETCH_ENTRY 8
+    #define FE_MAX_REPLY ((size_t)1 << 32)
+    static inline bool fe_reserve(std::string &s, size_t n) {
+        try { s.reserve(n); return true; } catch (...) { return false; }
+    }
     """
     size_t deref_qsize(...) nogil
     vector[Waiter] &deref_waiters(...) nogil
     void pop_front_into(...) nogil
     size_t PREFETCH_SLOT
     size_t PREFETCH_ENTRY
+    cbool fe_reserve(string &s, size_t n) nogil
+    size_t MAX_REPLY "FE_MAX_REPLY"   # largest MULTI_GET reply built (4 GiB)
