@@ -10,6 +10,13 @@ import os
 import sys
 import time
 
+
+def publish(path: str, text: str) -> None:
+    """Writes a file that readers polling for its existence never see half-written."""
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.rename(path + ".tmp", path)
+
 ENV_KEYS = [
     "RANK",
     "GROUP_RANK",
@@ -77,8 +84,7 @@ def main(argv: list[str]) -> int:
     if mode == "fail_until":  # fail_until N LOGDIR: exit 3 while restart count < N
         n, logdir = int(argv[1]), argv[2]
         count = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-        with open(os.path.join(logdir, f"r{os.environ['RANK']}_{count}"), "w") as f:
-            f.write(str(os.getpid()))
+        publish(os.path.join(logdir, f"r{os.environ['RANK']}_{count}"), str(os.getpid()))
         if count >= n:
             return 0
         # Fail only once every worker of this attempt has logged, so none is stopped first.
@@ -97,8 +103,7 @@ def main(argv: list[str]) -> int:
     if mode == "wait":  # wait FLAG: run until the flag file exists
         return 0 if wait_for(argv[1]) else 9
     if mode == "pidwait":  # pidwait DIR FLAG: write our pid then wait
-        with open(os.path.join(argv[1], f"pid{os.environ['LOCAL_RANK']}"), "w") as f:
-            f.write(str(os.getpid()))
+        publish(os.path.join(argv[1], f"pid{os.environ['LOCAL_RANK']}"), str(os.getpid()))
         return 0 if wait_for(argv[2], 60) else 9
     if mode == "timer":  # timer FLAG: arm a 0.3 s watchdog timer, then hang until FLAG
         from fastelastic import timer
@@ -120,24 +125,21 @@ def main(argv: list[str]) -> int:
         import signal
 
         def on_signal(signum, frame):
-            with open(os.path.join(argv[1], f"sig{os.environ['LOCAL_RANK']}"), "w") as f:
-                f.write(signal.Signals(signum).name)
+            publish(os.path.join(argv[1], f"sig{os.environ['LOCAL_RANK']}"),
+                    signal.Signals(signum).name)
             os._exit(0)
 
         for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
             signal.signal(sig, on_signal)
-        with open(os.path.join(argv[1], f"pid{os.environ['LOCAL_RANK']}"), "w") as f:
-            f.write(str(os.getpid()))
+        publish(os.path.join(argv[1], f"pid{os.environ['LOCAL_RANK']}"), str(os.getpid()))
         wait_for(os.path.join(argv[1], "never"), 60)
         return 9
     if mode == "grandchild":  # grandchild DIR: start a sleeping child, write both pids, hang
         import subprocess
 
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-        path = os.path.join(argv[1], f"pids{os.environ['LOCAL_RANK']}")
-        with open(path + ".tmp", "w") as f:
-            f.write(f"{os.getpid()} {child.pid}")
-        os.rename(path + ".tmp", path)
+        pids = f"{os.getpid()} {child.pid}"
+        publish(os.path.join(argv[1], f"pids{os.environ['LOCAL_RANK']}"), pids)
         wait_for(os.path.join(argv[1], "never"), 60)
         return 9
     if mode == "gloo":
