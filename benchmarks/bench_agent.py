@@ -25,6 +25,8 @@ import types
 
 import pytest
 
+from _storebench import cpu_seconds_precise
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 IMPLS = ["fastelastic", "torch"]
 
@@ -300,24 +302,13 @@ def test_idle_cpu_monitoring_64_workers(benchmark, impl, backend, tmp_path):
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     out = {}
 
-    def cpu_ns(pid: int) -> int:
-        """CPU time of every thread of ``pid`` (schedstat: nanosecond resolution)."""
-        total = 0
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                    total += int(f.read().split()[0])
-            except (FileNotFoundError, ProcessLookupError):
-                pass
-        return total
-
     def measure():
         proc, _pids = _start_agent_proc(impl, tmp_path, 64, 60, backend)
         try:
             time.sleep(1.0)  # let start-up settle; this is the quantity measured, not a sync
-            c0, t0 = cpu_ns(proc.pid), time.monotonic_ns()
+            c0, t0 = cpu_seconds_precise(proc.pid), time.monotonic()
             time.sleep(10.0)
-            c1, t1 = cpu_ns(proc.pid), time.monotonic_ns()
+            c1, t1 = cpu_seconds_precise(proc.pid), time.monotonic()
             out["cpu_pct"] = round(100 * (c1 - c0) / (t1 - t0), 4)
             out["agent_threads"] = len(os.listdir(f"/proc/{proc.pid}/task"))
         finally:

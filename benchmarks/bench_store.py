@@ -177,31 +177,25 @@ def _roundtrip_placed(benchmark, sizes, setups: dict, op: str, case: str, family
         results.add(family, case, impl, side.metrics(), info)
 
 
-@pytest.mark.parametrize("placement", PLACEMENTS)
-@pytest.mark.parametrize("op", OPS)
-def test_rt_user(benchmark, sizes, servers, results, op, placement):
-    """Own client on own server: the latency a user of each store sees (interleaved A/B)."""
-    _roundtrip(benchmark, sizes, {"fastelastic": (servers["fastelastic"], "fastelastic"),
-                                  "torch": (servers["torch"], "torch")}, op, "rt_user", results,
-               placement)
+# family -> ((server, client) of the fastelastic side, (server, client) of the torch side)
+RT_FAMILIES = {
+    # own client on own server: the latency a user of each store sees
+    "rt_user": (("fastelastic", "fastelastic"), ("torch", "torch")),
+    # torch's client on each server: the servers compared, with the server's CPU per op
+    "rt_server": (("fastelastic", "torch"), ("torch", "torch")),
+    # each client on our server: the clients compared (ours gets in one round trip)
+    "rt_client": (("fastelastic", "fastelastic"), ("fastelastic", "torch")),
+}
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
 @pytest.mark.parametrize("op", OPS)
-def test_rt_server(benchmark, sizes, servers, results, op, placement):
-    """torch's client on each server: the servers compared, with the server's CPU per op."""
-    _roundtrip(benchmark, sizes, {"fastelastic": (servers["fastelastic"], "torch"),
-                                  "torch": (servers["torch"], "torch")}, op, "rt_server", results,
-               placement)
-
-
-@pytest.mark.parametrize("placement", PLACEMENTS)
-@pytest.mark.parametrize("op", OPS)
-def test_rt_client(benchmark, sizes, servers, results, op, placement):
-    """Each client on our server: the clients compared (ours gets in one round trip)."""
-    _roundtrip(benchmark, sizes, {"fastelastic": (servers["fastelastic"], "fastelastic"),
-                                  "torch": (servers["fastelastic"], "torch")}, op, "rt_client",
-               results, placement)
+@pytest.mark.parametrize("family", list(RT_FAMILIES))
+def test_rt(benchmark, sizes, servers, results, family, op, placement):
+    """One op at a time, interleaved A/B, in one placement (see the module docstring)."""
+    setups = {impl: (servers[server], client)
+              for impl, (server, client) in zip(IMPLS, RT_FAMILIES[family], strict=True)}
+    _roundtrip(benchmark, sizes, setups, op, family, results, placement)
 
 
 # ------------------------------------------------------------------------------ throughput
