@@ -520,6 +520,7 @@ cdef class KVServer:
         cdef vector[fe_entry *] found_vals
         cdef fe_entry *e
         cdef bint stored
+        cdef uint64_t h
         cdef size_t total
         cdef bint found
         cdef pair[string, string] action
@@ -577,14 +578,15 @@ cdef class KVServer:
             q += 8 + ln
             ln2 = load_u64(q)
             ln3 = load_u64(q + 8 + ln2)
-            e = self._kv.find(key)
+            h = fe_kvmap.hash(key.data(), key.size())   # once, for the lookup and the write
+            e = self._kv.find(key.data(), key.size(), h)
             if e == NULL and ln2 != 0:
                 put_blob(c.wbuf, q + 8, ln2)
             elif e != NULL and not (e.vlen == ln2 and memcmp(e.val(), q + 8, ln2) == 0):
                 put_blob(c.wbuf, e.val(), e.vlen)
                 self._notify(key)
             else:
-                if not self._kv.set(key, q + 16 + ln2, ln3):
+                if not self._kv.set(key.data(), key.size(), h, q + 16 + ln2, ln3):
                     return self._out_of_memory(c)
                 put_blob(c.wbuf, q + 16 + ln2, ln3)
                 self._notify(key)
@@ -728,13 +730,14 @@ cdef class KVServer:
         """
         cdef int64_t old = 0
         cdef string num
-        cdef fe_entry *e = self._kv.find(key)
+        cdef uint64_t h = fe_kvmap.hash(key.data(), key.size())   # once, for find and set
+        cdef fe_entry *e = self._kv.find(key.data(), key.size(), h)
         if e != NULL and parse_decimal(e.val(), e.vlen, &old) < 0:
             self._close_conn(c, "ADD or BARRIER on a value that is not a decimal integer")
             return -1
         result[0] = <int64_t>(<uint64_t>old + <uint64_t>delta)
         format_decimal(num, result[0])
-        if not self._kv.set(key, num.data(), num.size()):
+        if not self._kv.set(key.data(), key.size(), h, num.data(), num.size()):
             return self._out_of_memory(c)
         return 0
 
