@@ -91,6 +91,15 @@ cdef inline void _ref_keys(const char *q, uint64_t count, vector[KeyRef] &refs,
         refs.push_back(r)
 
 
+cdef inline void _prefetch(fe_kvmap &kv, vector[KeyRef] &refs, size_t i) noexcept nogil:
+    """Pipelined lookups (see kvmap.h): before key i is looked up, key i+PREFETCH_SLOT's slot
+    and key i+PREFETCH_ENTRY's entry are fetched, so the misses of many keys overlap."""
+    if i + PREFETCH_SLOT < refs.size():
+        kv.prefetch_slot(refs[i + PREFETCH_SLOT].h)
+    if i + PREFETCH_ENTRY < refs.size():
+        kv.prefetch_entry(refs[i + PREFETCH_ENTRY].h)
+
+
 cdef class KVServer:
     """The store's server: an epoll loop over already-listening sockets.
 
@@ -340,7 +349,6 @@ cdef class KVServer:
                 # A large request is partly here: read straight in behind it (no copy), growing
                 # the buffer geometrically (realloc of a large block remaps, it does not copy).
                 if c.rb_cap - c.rb_len < RDBUF_SIZE and not self._grow_rb(c, c.rb_len + RDBUF_SIZE):
-                    self._close_conn(c, "out of memory buffering a request")
                     return
                 buf, room = c.rb + c.rb_len, c.rb_cap - c.rb_len
             else:
@@ -363,14 +371,12 @@ cdef class KVServer:
                 if used < <size_t>got:
                     # Only what arrived: a length prefix claiming megabytes reserves nothing.
                     if not self._grow_rb(c, <size_t>got - used):
-                        self._close_conn(c, "out of memory buffering a request")
                         return
                     memcpy(c.rb, self._rdbuf + used, <size_t>got - used)
                     c.rb_len = <size_t>got - used
             else:
                 if not direct:
                     if not self._grow_rb(c, c.rb_len + <size_t>got):
-                        self._close_conn(c, "out of memory buffering a request")
                         return
                     memcpy(c.rb + c.rb_len, self._rdbuf, <size_t>got)
                 c.rb_len += <size_t>got
@@ -391,7 +397,7 @@ cdef class KVServer:
         self._flush(c)
 
     cdef bint _grow_rb(self, Conn *c, size_t want) noexcept nogil:
-        """Makes c.rb hold at least want bytes; False when out of memory."""
+        """Makes c.rb hold at least want bytes; out of memory, closes c and returns False."""
         cdef size_t cap = c.rb_cap * 2
         cdef char *grown
         if want <= c.rb_cap:
@@ -400,6 +406,7 @@ cdef class KVServer:
             cap = want
         grown = <char *>PyMem_RawRealloc(c.rb, cap)
         if grown == NULL:
+            self._close_conn(c, "out of memory buffering a request")
             return False
         c.rb = grown
         c.rb_cap = cap
@@ -616,15 +623,10 @@ cdef class KVServer:
         elif cmd == CMD_MULTI_GET or cmd == CMD_EXT_TRY_MULTI_GET:
             count = load_u64(q)
             _ref_keys(q + 8, count, refs, False)
-            # Pipelined lookups (see kvmap.h): slots PREFETCH_SLOT keys ahead, entries
-            # PREFETCH_ENTRY ahead, so the misses of many keys overlap.
             found_vals.reserve(count)
             total = 0
             for i in range(count):
-                if i + PREFETCH_SLOT < count:
-                    self._kv.prefetch_slot(refs[i + PREFETCH_SLOT].h)
-                if i + PREFETCH_ENTRY < count:
-                    self._kv.prefetch_entry(refs[i + PREFETCH_ENTRY].h)
+                _prefetch(self._kv, refs, i)
                 e = self._kv.find(refs[i].k, refs[i].n, refs[i].h)
                 if e == NULL and cmd == CMD_EXT_TRY_MULTI_GET:
                     put_u8(c.wbuf, 0)
@@ -646,10 +648,7 @@ cdef class KVServer:
             count = load_u64(q)
             _ref_keys(q + 8, count, refs, True)
             for i in range(count):
-                if i + PREFETCH_SLOT < count:
-                    self._kv.prefetch_slot(refs[i + PREFETCH_SLOT].h)
-                if i + PREFETCH_ENTRY < count:
-                    self._kv.prefetch_entry(refs[i + PREFETCH_ENTRY].h)
+                _prefetch(self._kv, refs, i)
                 if not self._kv.set(refs[i].k, refs[i].n, refs[i].h, refs[i].v + 8,
                                     load_u64(refs[i].v)):
                     return self._out_of_memory(c)
