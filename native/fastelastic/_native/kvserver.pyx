@@ -91,15 +91,6 @@ cdef inline void _ref_keys(const char *q, uint64_t count, vector[KeyRef] &refs,
         refs.push_back(r)
 
 
-cdef inline void _prefetch(fe_kvmap &kv, vector[KeyRef] &refs, size_t i) noexcept nogil:
-    """Pipelined lookups (see kvmap.h): before key i is looked up, key i+PREFETCH_SLOT's slot
-    and key i+PREFETCH_ENTRY's entry are fetched, so the misses of many keys overlap."""
-    if i + PREFETCH_SLOT < refs.size():
-        kv.prefetch_slot(refs[i + PREFETCH_SLOT].h)
-    if i + PREFETCH_ENTRY < refs.size():
-        kv.prefetch_entry(refs[i + PREFETCH_ENTRY].h)
-
-
 cdef class KVServer:
     """The store's server: an epoll loop over already-listening sockets.
 
@@ -625,8 +616,13 @@ cdef class KVServer:
             _ref_keys(q + 8, count, refs, False)
             found_vals.reserve(count)
             total = 0
+            # Pipelined lookups (see kvmap.h): slots PREFETCH_SLOT keys ahead, entries
+            # PREFETCH_ENTRY ahead, so the misses of many keys overlap.
             for i in range(count):
-                _prefetch(self._kv, refs, i)
+                if i + PREFETCH_SLOT < count:
+                    self._kv.prefetch_slot(refs[i + PREFETCH_SLOT].h)
+                if i + PREFETCH_ENTRY < count:
+                    self._kv.prefetch_entry(refs[i + PREFETCH_ENTRY].h)
                 e = self._kv.find(refs[i].k, refs[i].n, refs[i].h)
                 if e == NULL and cmd == CMD_EXT_TRY_MULTI_GET:
                     put_u8(c.wbuf, 0)
@@ -647,8 +643,11 @@ cdef class KVServer:
         elif cmd == CMD_MULTI_SET:
             count = load_u64(q)
             _ref_keys(q + 8, count, refs, True)
-            for i in range(count):
-                _prefetch(self._kv, refs, i)
+            for i in range(count):   # pipelined like MULTI_GET's
+                if i + PREFETCH_SLOT < count:
+                    self._kv.prefetch_slot(refs[i + PREFETCH_SLOT].h)
+                if i + PREFETCH_ENTRY < count:
+                    self._kv.prefetch_entry(refs[i + PREFETCH_ENTRY].h)
                 if not self._kv.set(refs[i].k, refs[i].n, refs[i].h, refs[i].v + 8,
                                     load_u64(refs[i].v)):
                     return self._out_of_memory(c)
