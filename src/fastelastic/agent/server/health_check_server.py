@@ -1,5 +1,10 @@
 """HTTP health endpoint of the agent (``GET /health``), as Kubernetes liveness probes expect.
 
+``GET /metrics`` on the same port answers in Prometheus's text exposition format: every metric
+the process publishes with ``put_metric`` (torch's names, see ``fastelastic.metrics.prometheus``),
+the agent's live status and the process's CPU and memory. It needs ``prometheus_client``
+(``pip install 'fastelastic[metrics]'``); without it ``/metrics`` answers 501 and says so.
+
 The server never holds up the agent: each connection is served by a daemon thread, at most
 ``max_connections`` at a time (more get a 503 at once), and a connection that has not been
 answered ``request_timeout`` seconds after it was accepted is cut off, however slowly its client
@@ -18,6 +23,8 @@ import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler
 from typing import Any
+
+from fastelastic.metrics import prometheus
 
 __all__ = ["HealthCheckServer", "create_healthcheck_server"]
 
@@ -84,6 +91,8 @@ class HealthCheckServer:
         max_connections: connections served at once; more are answered 503 and closed.
         request_timeout: seconds from accepting a connection to the end of its answer; a client
             still sending its request (or not reading the answer) then is disconnected.
+        metrics_handler: what ``GET /metrics`` exports; default: the process-wide exporter
+            (``fastelastic.metrics.prometheus.exporter()``), attached when the server starts.
     """
 
     def __init__(
@@ -95,6 +104,7 @@ class HealthCheckServer:
         host: str | None = None,
         max_connections: int = 16,
         request_timeout: float = 5.0,
+        metrics_handler: prometheus.PrometheusMetricHandler | None = None,
     ) -> None:
         if not 0 <= int(port) <= 65535:
             raise ValueError(f"health check port out of range: {port}")
@@ -110,7 +120,8 @@ class HealthCheckServer:
         self._max_connections = int(max_connections)
         self._request_timeout = float(request_timeout)
         # Extra GET routes: path -> () -> (status, content type, body).
-        self._routes: dict[str, Callable[[], tuple[int, str, bytes]]] = {}
+        self._routes: dict[str, Callable[[], tuple[int, str, bytes]]] = {"/metrics": self._metrics}
+        self._metrics_handler = metrics_handler
         self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._wake_r, self._wake_w = -1, -1
@@ -155,6 +166,18 @@ class HealthCheckServer:
         body["healthy"] = healthy
         return (200 if healthy else 503), body
 
+    def _metrics(self) -> tuple[int, str, bytes]:
+        """``GET /metrics``: the Prometheus text format, or 501 without prometheus_client."""
+        try:
+            ctype, data = prometheus.generate_latest(
+                self._metrics_handler or prometheus.exporter(),
+                prometheus.AgentStatusCollector(self.status),
+                prometheus.process_collector(),
+            )
+        except prometheus.PrometheusUnavailableError as e:
+            return 501, "text/plain; charset=utf-8", f"{e}\n".encode()
+        return 200, ctype, data
+
     def start(self) -> None:
         """Binds the port and serves in a daemon thread.
 
@@ -163,6 +186,8 @@ class HealthCheckServer:
         """
         if self._listener is not None:
             return
+        if self._metrics_handler is None and prometheus.available():
+            self._metrics_handler = prometheus.exporter()  # records from now on
         family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
         listener = socket.create_server((self._host, self._port), family=family, backlog=64)
         listener.setblocking(False)
