@@ -19,10 +19,10 @@ parser = pytest.importorskip(
 )
 
 
-def fetch(port: int, path: str = "/metrics") -> tuple[int, str, str]:
+def fetch(port: int, path: str = "/metrics", accept: str | None = None) -> tuple[int, str, str]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     try:
-        conn.request("GET", path)
+        conn.request("GET", path, headers={"Accept": accept} if accept else {})
         resp = conn.getresponse()
         return resp.status, resp.getheader("Content-Type") or "", resp.read().decode()
     finally:
@@ -77,7 +77,7 @@ def test_torch_metric_names_become_labelled_families(server):
         h.emit(point(name, value))
     h.emit(point("custom.thing", "not a number"))
     code, ctype, text = fetch(srv.port)
-    assert code == 200 and ctype.startswith("text/plain"), (code, ctype)
+    assert code == 200 and ctype.startswith("text/plain; version=0.0.4"), (code, ctype)
     s = parse(text)
     r = (("role", "trainer"),)
     assert s[("torchelastic_workers_remaining_restarts", r)] == 2
@@ -111,6 +111,23 @@ def test_torch_metric_names_become_labelled_families(server):
     s = parse(fetch(srv.port)[2])
     assert s[("fastelastic_agent_healthy", ())] == 0
     assert s[("fastelastic_agent_state", (("state", "FAILED"),))] == 1
+
+
+def test_openmetrics_when_the_scraper_asks_for_it(server):
+    srv, h, _ = server
+    h.emit(point("workers.trainer.watchdog_kills", 1))
+    accept = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"
+    code, ctype, text = fetch(srv.port, accept=accept)
+    assert code == 200 and ctype.startswith("application/openmetrics-text"), ctype
+    assert text.endswith("# EOF\n")
+    from prometheus_client.openmetrics import parser as om
+
+    fams = {f.name: f for f in om.text_string_to_metric_families(text)}
+    kills = fams["torchelastic_workers_watchdog_kills"]
+    assert kills.type == "counter"
+    assert [(s.labels, s.value) for s in kills.samples if s.name.endswith("_total")] == [
+        ({"role": "trainer"}, 1.0)
+    ]
 
 
 def test_series_are_bounded_and_overflow_is_counted(server):

@@ -289,20 +289,27 @@ class PrometheusMetricHandler(MetricHandler):
         yield out
 
 
-def generate_latest(*collectors: Any) -> tuple[str, bytes]:
-    """Renders ``collectors`` (e.g. a handler) in the text exposition format.
+def generate_latest(*collectors: Any, accept: str = "") -> tuple[str, bytes]:
+    """Renders ``collectors`` (e.g. a handler) for an HTTP answer.
+
+    Args:
+        accept: the request's ``Accept`` header: the text exposition format (version 0.0.4)
+            unless it asks for OpenMetrics, as ``prometheus_client``'s own server negotiates.
 
     Returns:
-        ``(content_type, body)`` for an HTTP answer.
+        ``(content_type, body)``.
 
     Raises:
         PrometheusUnavailableError: ``prometheus_client`` is not installed.
     """
     prom = _prom()
+    from prometheus_client.exposition import choose_encoder
+
     registry = prom.CollectorRegistry(auto_describe=False)
     for c in collectors:
         registry.register(c)
-    return prom.CONTENT_TYPE_LATEST, prom.generate_latest(registry)
+    encoder, content_type = choose_encoder(accept)
+    return content_type, encoder(registry)
 
 
 # torch's WorkerState values, as the health status reports the group's state.

@@ -61,9 +61,9 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             route = self.server._routes.get(path)
             if route is None:
-                self.send_error(404, "try GET /health")
+                self.send_error(404, "try GET /health or GET /metrics")
                 return
-            code, ctype, data = route()
+            code, ctype, data = route(self.headers.get("Accept", ""))
         self.send_response(code)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(data)))
@@ -119,8 +119,10 @@ class HealthCheckServer:
         self._host = host if host is not None else os.environ.get(FASTELASTIC_HEALTH_CHECK_ADDR, "")
         self._max_connections = int(max_connections)
         self._request_timeout = float(request_timeout)
-        # Extra GET routes: path -> () -> (status, content type, body).
-        self._routes: dict[str, Callable[[], tuple[int, str, bytes]]] = {"/metrics": self._metrics}
+        # Extra GET routes: path -> (Accept header) -> (status, content type, body).
+        self._routes: dict[str, Callable[[str], tuple[int, str, bytes]]] = {
+            "/metrics": self._metrics
+        }
         self._metrics_handler = metrics_handler
         self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
@@ -166,13 +168,15 @@ class HealthCheckServer:
         body["healthy"] = healthy
         return (200 if healthy else 503), body
 
-    def _metrics(self) -> tuple[int, str, bytes]:
-        """``GET /metrics``: the Prometheus text format, or 501 without prometheus_client."""
+    def _metrics(self, accept: str) -> tuple[int, str, bytes]:
+        """``GET /metrics``: the Prometheus text format (OpenMetrics if the client asks for it),
+        or 501 without prometheus_client."""
         try:
             ctype, data = prometheus.generate_latest(
                 self._metrics_handler or prometheus.exporter(),
                 prometheus.AgentStatusCollector(self.status),
                 prometheus.process_collector(),
+                accept=accept,
             )
         except prometheus.PrometheusUnavailableError as e:
             return 501, "text/plain; charset=utf-8", f"{e}\n".encode()
