@@ -110,14 +110,14 @@ def _trickle(s: socket.socket, data: bytes, gap: float, stop: threading.Event) -
 
 def test_trickling_and_silent_clients_are_cut_at_the_absolute_deadline():
     srv = HealthCheckServer(lambda: int(time.time()), 0, 30, host="127.0.0.1",
-                            request_timeout=1.0)
+                            request_timeout=2.0)
     srv.start()
     stop = threading.Event()
     try:
         slow = _connect(srv.port)
         silent = _connect(srv.port)
         # A byte every 0.2 s: every single recv completes well within any per-read timeout,
-        # and the whole request would need 4 s.
+        # and the whole request would need 5 s.
         t = threading.Thread(
             target=_trickle, args=(slow, b"GET /health HTTP/1.0\r\n\r\n", 0.2, stop), daemon=True
         )
@@ -125,13 +125,13 @@ def test_trickling_and_silent_clients_are_cut_at_the_absolute_deadline():
         t.start()
         # Meanwhile the server answers others at once.
         assert get(srv.port)[0] == 200
-        assert time.monotonic() - start < 0.5
+        assert time.monotonic() - start < 1.5
         got = _read_all(slow)
         cut_after = time.monotonic() - start
         assert got == b"", got  # cut off before its request was complete: no answer at all
-        assert 0.8 <= cut_after <= 2.5, f"trickling client cut after {cut_after:.2f}s"
+        assert 1.8 <= cut_after <= 3.5, f"trickling client cut after {cut_after:.2f}s"
         assert _read_all(silent) == b""
-        assert time.monotonic() - start <= 2.5
+        assert time.monotonic() - start <= 3.5
         assert get(srv.port)[0] == 200
     finally:
         stop.set()
@@ -190,7 +190,7 @@ def test_stop_returns_promptly_with_slow_clients_connected():
         start = time.monotonic()
         srv.stop()
         took = time.monotonic() - start
-        assert took < 1.5, f"stop() took {took:.2f}s with slow clients connected"
+        assert took < 3.0, f"stop() took {took:.2f}s with slow clients connected"
         for c in clients[:4]:
             assert _read_all(c, 5.0) == b""  # cut, not left hanging
     finally:
