@@ -115,7 +115,10 @@ def _check_script(args: Namespace) -> None:
 
 def _validate(args: Namespace) -> None:
     """Checks everything that can be checked before anything starts; raises ValueError."""
-    min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
+    try:
+        min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--nnodes {args.nnodes}: expected N or MIN:MAX with integers") from None
     if not 0 < min_nodes <= max_nodes:
         raise ValueError(
             f"--nnodes {args.nnodes}: need 0 < MIN <= MAX (got min={min_nodes}, max={max_nodes})"
@@ -194,16 +197,22 @@ def config_from_args(args: Namespace) -> tuple[Any, Callable[..., Any] | str, li
     when it is unset and there is more than one worker per node, as torchrun does.
 
     Raises:
-        ValueError: an invalid flag value.
+        RuntimeError: ``--nnodes`` has more than two parts (as torch).
+        AssertionError: ``--nnodes`` MIN > MAX or < 1, or ``--max-restarts`` < 0 (as torch).
+        ValueError: any other invalid flag value.
     """
     from fastelastic.launcher.api import LaunchConfig
     from fastelastic.multiprocessing import Std
 
     min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
+    # torch's error types for these two (AssertionError); fastrun's _validate says ValueError first
     if not 0 < min_nodes <= max_nodes:
-        raise ValueError(f"--nnodes {args.nnodes}: need 0 < MIN <= MAX")
+        raise AssertionError(
+            f"min_nodes must be > 0 and <= max_nodes, got min_nodes={min_nodes}, "
+            f"max_nodes={max_nodes}"
+        )
     if args.max_restarts < 0:
-        raise ValueError("max_restarts must be >= 0")
+        raise AssertionError("max_restarts must be >= 0")
     if args.rdzv_backend != "static" and not args.rdzv_endpoint:
         logger.warning(
             "master_addr is only used for static rdzv_backend and when rdzv_endpoint "

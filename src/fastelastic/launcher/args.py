@@ -171,11 +171,12 @@ def parse_min_max_nnodes(nnodes: str) -> tuple[int, int]:
     """Parses ``N`` or ``MIN:MAX``.
 
     Raises:
-        ValueError: not an integer or a MIN:MAX pair of integers.
+        RuntimeError: more than two ``:``-separated parts (torch's error type).
+        ValueError: a part is not an integer.
     """
     parts = nnodes.split(":")
     if len(parts) not in (1, 2):
-        raise ValueError(f'nnodes={nnodes} is not in "MIN:MAX" format')
+        raise RuntimeError(f'nnodes={nnodes} is not in "MIN:MAX" format')
     try:
         nums = [int(x) for x in parts]
     except ValueError:
