@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import sys
 from argparse import REMAINDER, Action, ArgumentParser, Namespace
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
 __all__ = [
@@ -19,6 +21,9 @@ __all__ = [
 ]
 
 NUMA_MODES = ("node", "socket", "exclusive", "core-complex")
+
+# argparse's test for a word that is a negative number rather than an option
+_NEGATIVE_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
 
 
 class env(Action):  # noqa: N801 - torch's spelling (torch.distributed.argparse_util.env)
@@ -57,10 +62,70 @@ class check_env(Action):  # noqa: N801 - torch's spelling
 
 
 class FastrunArgumentParser(ArgumentParser):
-    """An ``ArgumentParser`` whose errors are one line on stderr and exit status 2."""
+    """An ``ArgumentParser`` whose errors are one line on stderr and exit status 2.
+
+    Only the words before the training script (or ``-m module``) are parsed: the first word
+    that is not an option or an option's value is the script, and every word after it goes
+    to the script verbatim, whatever it looks like (``--``, ``-h``, a fastrun flag or an
+    abbreviation of one). torchrun gives those words to argparse too, which fails on the ones
+    that abbreviate two of its flags and drops a ``--`` right after the script.
+    """
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: Namespace | None = None
+    ) -> tuple[Namespace, list[str]]:
+        argv = list(sys.argv[1:] if args is None else args)
+        at = self._script_index(argv)
+        if at is None:  # no script: argparse says what is missing
+            return super().parse_known_args(argv, namespace)
+        ns, extras = super().parse_known_args(argv[: at + 1], namespace)
+        ns.training_script_args = argv[at + 1:]
+        return ns, extras
+
+    def _takes_value(self, option: str) -> bool | None:
+        """Whether ``option`` (a full option string or an abbreviation) takes a value.
+
+        None when it names no option of this parser; for an ambiguous abbreviation (which
+        argparse rejects anyway) whether any of its candidates does.
+        """
+        table = self._option_string_actions
+        if option in table:
+            return table[option].nargs != 0
+        if not (self.allow_abbrev and option.startswith("--")):
+            return None
+        found = [a for s, a in table.items() if s.startswith(option)]
+        return any(a.nargs != 0 for a in found) if found else None
+
+    def _script_index(self, argv: list[str]) -> int | None:
+        """Index of the training script in ``argv``, classifying words as argparse does."""
+        i = 0
+        while i < len(argv):
+            word = argv[i]
+            if word == "--":
+                return i + 1 if i + 1 < len(argv) else None
+            if (len(word) < 2 or word[0] not in self.prefix_chars
+                    or (word not in self._option_string_actions
+                        and (_NEGATIVE_NUMBER.match(word) or " " in word))):
+                return i
+            i += 1 + self._values_after(word)
+        return None
+
+    def _values_after(self, word: str) -> int:
+        """How many of the following words the option ``word`` consumes (0 or 1)."""
+        if word[1] in self.prefix_chars:  # --long, --long=value, --abbrev
+            name, eq, _ = word.partition("=")
+            return 0 if eq else int(bool(self._takes_value(name)))
+        # -x, -xVALUE, or flags chained as -abc
+        for k in range(1, len(word)):
+            takes = self._takes_value(word[0] + word[k])
+            if takes is None:
+                return 0
+            if takes:
+                return 1 if k == len(word) - 1 else 0
+        return 0
 
 
 def comma_separated_list(value: str) -> list[str]:
