@@ -9,9 +9,13 @@ the static to the c10d rendezvous are torchrun's (torch 2.13). Two flags are new
   to that address, where ``fastelastic watch tcp://HOST:PORT`` listens (the watcher binds,
   the agents connect, so all agents of a job can share one endpoint).
 
-Bad flags exit with status 2 and one line on stderr. A failed job ends with a report naming
-the root-cause rank, its host, exit code or signal, its traceback and where the logs are.
-torch is never imported by the launcher.
+Everything after the training script (or ``-m module``) goes to the script verbatim.
+
+The ``fastrun`` command (:func:`console_main`) exits with status 2 and one line on stderr on
+bad flags, and ends a failed job with a report naming the root-cause rank, its host, exit code
+or signal, its traceback and where the logs are. :func:`main` is torchrun's, for calling from
+Python: it returns None on success and raises instead of exiting. torch is never imported by
+the launcher.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import sys
 import uuid
 from argparse import ArgumentParser, Namespace
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from fastelastic.launcher.args import (
     check_env,
@@ -33,10 +37,12 @@ from fastelastic.launcher.args import (
     parse_args,
     parse_min_max_nnodes,
 )
+from fastelastic.multiprocessing.errors import record
 
 __all__ = [
     "check_env",
     "config_from_args",
+    "console_main",
     "determine_local_world_size",
     "env",
     "get_args_parser",
@@ -152,6 +158,7 @@ def _validate(args: Namespace) -> None:
     _std("--tee", args.tee, Std)
     _local_ranks(args.local_ranks_filter)
     _parse_rdzv_conf(args.rdzv_conf)
+    determine_local_world_size(args.nproc_per_node)
     _check_script(args)
 
 
@@ -326,25 +333,57 @@ def _apply_rendezvous_defaults(args: Namespace) -> None:
         args.master_port = 29500
 
 
+def _fill_defaults(args: Namespace) -> None:
+    """Gives a Namespace built by torch's parser or by hand fastrun's defaults where it has none.
+
+    Only options are filled (flags fastrun adds, like ``--exit-barrier-timeout``, and any
+    other a hand-built Namespace omits); the script and its arguments must be there.
+    """
+    for action in get_args_parser()._actions:
+        if action.option_strings and action.dest != "help" and not hasattr(args, action.dest):
+            setattr(args, action.dest, action.default)
+
+
 def run(args: Namespace) -> Any:
-    """Launches the job described by parsed ``args``; returns rank -> return value.
+    """Launches the job described by ``args``; returns rank -> return value.
+
+    ``args`` is what :func:`parse_args` returns, or a Namespace built by torch's
+    ``torch.distributed.run.get_args_parser()`` or by hand: options it lacks take fastrun's
+    defaults (which honour ``PET_<NAME>``).
 
     Raises:
         ChildFailedError: a worker failed (after the allowed restarts).
+        SignalException: the launcher received one of ``--signals-to-handle``.
         ValueError: an invalid flag value.
     """
     from fastelastic.launcher.api import elastic_launch
 
+    _fill_defaults(args)
     _apply_rendezvous_defaults(args)
     config, cmd, cmd_args = config_from_args(args)
     return elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
 
 
+@record
 def main(args: list[str] | None = None) -> None:
-    """Console entry point: parse, validate (exit 2 on bad flags), launch, report.
+    """torchrun's ``main``, for calling from Python: parse, check, launch; None on success.
+
+    Raises:
+        SystemExit: an unknown or malformed flag (status 2, from argparse, as torch).
+        ValueError: an invalid flag value, or a script or module that does not exist.
+        ChildFailedError: the job failed (after the allowed restarts).
+        SignalException: the launcher received one of ``--signals-to-handle``.
+    """
+    ns = parse_args(args)
+    _validate(ns)
+    run(ns)
+
+
+def console_main(args: list[str] | None = None) -> NoReturn:
+    """The ``fastrun`` command: parse, check, launch, report, and exit.
 
     Exit status: 0 on success, 1 when the job failed (after the failure report), 2 on bad
-    flags, 128+N when stopped by signal N.
+    flags (one line on stderr), 128+N when stopped by signal N.
     """
     from fastelastic.launcher.report import run_and_report
 
@@ -352,11 +391,10 @@ def main(args: list[str] | None = None) -> None:
     ns = parser.parse_args(args)
     try:
         _validate(ns)
-        determine_local_world_size(ns.nproc_per_node)
     except ValueError as e:
         parser.error(str(e))
     sys.exit(run_and_report(lambda: run(ns), parser))
 
 
 if __name__ == "__main__":
-    main()
+    console_main()
