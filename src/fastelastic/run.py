@@ -142,11 +142,15 @@ def _validate(args: Namespace) -> None:
     if args.run_path and not os.path.isabs(args.training_script):
         raise ValueError(f"--run-path needs an absolute script path, got {args.training_script!r}")
     if not args.standalone:
+        from fastelastic.rendezvous.registry import _register_out_of_tree_handler
+
         known = _known_backends()
-        if args.rdzv_backend not in known:
+        if args.rdzv_backend not in known and not _register_out_of_tree_handler(
+            args.rdzv_backend
+        ):
             raise ValueError(
                 f"unknown rendezvous backend {args.rdzv_backend!r} "
-                f"(known: {', '.join(sorted(known))})"
+                f"(known: {', '.join(sorted(known))}, or a torchrun.handlers entry point)"
             )
     if args.events_endpoint and not _EVENTS_ENDPOINT_RE.match(args.events_endpoint):
         raise ValueError(
