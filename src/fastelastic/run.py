@@ -391,7 +391,11 @@ def console_main(args: list[str] | None = None) -> NoReturn:
     """
     from fastelastic.launcher.report import run_and_report
 
-    parser: ArgumentParser = get_args_parser()
+    try:
+        parser: ArgumentParser = get_args_parser()
+    except ValueError as e:  # a PET_<NAME> variable that cannot be parsed
+        print(f"fastrun: error: {e}", file=sys.stderr)
+        sys.exit(2)
     ns = parser.parse_args(args)
     try:
         _validate(ns)

@@ -89,3 +89,17 @@ def test_console_entry_point_exits(tmp_path):
     with pytest.raises(SystemExit) as ei:
         console_main(["--nnodes", "3:2", str(ok)])
     assert ei.value.code == 2
+
+
+def test_main_raises_value_error_for_a_bad_pet_variable(monkeypatch, tmp_path):
+    from fastelastic.run import main
+
+    monkeypatch.setenv("PET_STANDALONE", "yes")
+    with pytest.raises(ValueError, match="PET_STANDALONE='yes'"):
+        main([str(tmp_path / "s.py")])
+    try:
+        from torch.distributed.run import main as torch_main
+    except ImportError:  # pragma: no cover - CI installs torch
+        pytest.skip("!!! torch is not installed: not compared with torch's main")
+    with pytest.raises(ValueError):
+        torch_main([str(tmp_path / "s.py")])

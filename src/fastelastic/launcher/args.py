@@ -43,18 +43,18 @@ class env(Action):  # noqa: N801 - torch's spelling (torch.distributed.argparse_
 
 
 class check_env(Action):  # noqa: N801 - torch's spelling
-    """A boolean flag that is also on when ``PET_<DEST>`` holds a non-zero integer."""
+    """A boolean flag that is also on when ``PET_<DEST>`` holds a non-zero integer.
+
+    Raises:
+        ValueError: ``PET_<DEST>`` is not an integer (when the parser is built, as torch's).
+    """
 
     def __init__(self, dest: str, default: bool = False, **kwargs: Any):
         raw = os.environ.get(f"PET_{dest.upper()}", "1" if default else "0")
         try:
             value = bool(int(raw))
         except ValueError:
-            print(
-                f"fastrun: error: PET_{dest.upper()}={raw!r} must be an integer (0 or 1)",
-                file=sys.stderr,
-            )
-            raise SystemExit(2) from None
+            raise ValueError(f"PET_{dest.upper()}={raw!r} must be an integer (0 or 1)") from None
         super().__init__(dest=dest, const=True, default=value, nargs=0, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[no-untyped-def]
