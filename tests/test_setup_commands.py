@@ -17,6 +17,8 @@ def _pip_installs(command_text: str) -> list[list[str]]:
     """The package arguments of every ``pip install`` in a shell text (options dropped)."""
     out = []
     for part in re.split(r"&&|;|\n", command_text):
+        if not re.search(r"\bpip\b.*\binstall\b", part):
+            continue  # other shell lines may hold quoting that spans a split point
         words = shlex.split(part, comments=True)
         if "pip" in words and "install" in words:
             args = words[words.index("install") + 1:]
