@@ -55,7 +55,9 @@ print("RESULT " + json.dumps(out))
 def test_main_returns_none_and_raises_like_torch(tmp_path):
     ok = tmp_path / "ok.py"
     # one write(2) per line: workers share the stdout pipe, and print() may split a line
-    ok.write_text("import os\nos.write(1, b\"worker \" + os.environ[\"RANK\"].encode() + b\"\\n\")\n")
+    ok.write_text(
+        "import os\nos.write(1, b'worker ' + os.environ['RANK'].encode() + b'\\n')\n"
+    )
     bad = tmp_path / "bad.py"
     bad.write_text("import os, sys\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
     try:
