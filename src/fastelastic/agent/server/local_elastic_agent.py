@@ -200,6 +200,7 @@ class LocalElasticAgent(SimpleElasticAgent):
                 max_interval=0.1,
                 daemon=True,
                 log_event=self._log_watchdog_event,
+                allow_same_user=False,  # only this agent's workers (its descendants)
             )
             self._worker_watchdog.start()
             logger.info("FileTimerServer started on %s", path)
