@@ -13,6 +13,7 @@ from fastelastic.errors import (
     RendezvousStateError,
     StoreTimeoutError,
 )
+from fastelastic.store._torch import maybe_torch_store
 
 from .api import RendezvousParameters
 from .dynamic_rendezvous import RendezvousBackend, Token
@@ -137,4 +138,5 @@ def create_backend(params: RendezvousParameters) -> tuple[C10dRendezvousBackend,
         raise ValueError("The read timeout must be a positive integer.")
     store, _server = _host_store(host, port, params.get_as_bool("is_host"),
                                  timedelta(seconds=read_timeout))
+    store = maybe_torch_store(store)  # accepted by torch wherever it takes a Store
     return C10dRendezvousBackend(store, params.run_id), store
