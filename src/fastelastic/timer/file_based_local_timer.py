@@ -25,6 +25,7 @@ from fastelastic._native.watchdog import (
     FifoWatchdog,
 )
 from fastelastic.timer.api import TimerClient, TimerRequest
+from fastelastic.timer.debug_info_logging import log_debug_info_for_expired_timers
 from fastelastic.timer.stacks import dump_stacks
 
 __all__ = ["FileTimerClient", "FileTimerRequest", "FileTimerServer", "default_timer_file"]
@@ -431,7 +432,7 @@ class FileTimerServer:
                 logger.info("Worker pid=%s exited with %d pending timer(s); cleared them", pid, err)
                 self._emit("worker exited", None)
         if expired:
-            logger.info("Timers expired for run:[%s] [%s].", self._run_id, expired)
+            log_debug_info_for_expired_timers(self._run_id, expired)
 
     def _dump_then_reap(self, request: FileTimerRequest) -> None:
         pid = request.worker_pid
