@@ -45,7 +45,7 @@ cdef enum WdEventKind:
 
 cdef enum WdAdmit:
     WD_OK = 0
-    WD_REFUSED = 1        # alive but not allow-listed, not our descendant, not admissible as same user
+    WD_REFUSED = 1        # alive, but not allow-listed, our descendant or (if asked) our user's
     WD_GONE = 2           # no such process (or it exited while being admitted)
     WD_BAD_PID = 3        # pid <= 0 or our own pid
 

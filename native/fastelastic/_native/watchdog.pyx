@@ -23,7 +23,8 @@ from fastelastic._native.includes.linux cimport (
     EPOLL_CTL_ADD, EPOLL_CTL_DEL, EPOLLIN, ESRCH, O_CLOEXEC, O_NONBLOCK, O_RDONLY, O_RDWR,
     POLLIN, TFD_CLOEXEC, TFD_NONBLOCK, TFD_TIMER_ABSTIME, clock_gettime, close, epoll_create1,
     epoll_ctl, epoll_event, epoll_wait, errno, eventfd, fe_monotonic_ns, fe_pidfd_open,
-    fe_pidfd_send_signal, geteuid, getpid, getuid, uid_t, itimerspec, open, pid_t, poll, pollfd, pthread_mutex_destroy,
+    fe_pidfd_send_signal, geteuid, getpid, getuid, uid_t, itimerspec, open, pid_t, poll, pollfd,
+    pthread_mutex_destroy,
     pthread_mutex_init, pthread_mutex_lock, pthread_mutex_unlock, read, SCHED_FIFO, SCHED_OTHER,
     sched_get_priority_min, sched_param, sched_setscheduler, timerfd_create, timerfd_settime,
     timespec, write,
@@ -170,7 +171,8 @@ cdef class FifoWatchdog:
     Invariants: every entry of ``_timers`` has exactly one ``(deadline_ns, key)`` in
     ``_deadlines`` and its pid is in ``_procs``, whose pidfd is registered in ``_epfd``; a pid
     enters ``_procs`` only if it is allow-listed, descends from this process (``allow_descendants``)
-    or runs as our user (``allow_same_user``: torch's rule), checked after its pidfd was opened (so a recycled pid can never be signalled: signals go through the pidfd).
+    or runs as our user (``allow_same_user``: torch's rule), checked after its pidfd was opened
+    (so a recycled pid can never be signalled: signals go through the pidfd).
     All tables are guarded by ``_mu``; the loop holds it only between two ``epoll_wait`` calls and
     never while it holds the GIL-taking callback. The timerfd is armed (CLOCK_MONOTONIC, absolute)
     at the earliest deadline, so a timer fires at its deadline, not at the next sweep.

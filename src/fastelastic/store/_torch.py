@@ -71,7 +71,7 @@ def as_torch_store(store: Any) -> Any:
     return cls(store)
 
 
-def _adapter_class(base: type, wrapped: type) -> type:
+def _adapter_class(base: Any, wrapped: type) -> type:
     """Builds the ``torch.distributed.Store`` subclass that wraps instances of ``wrapped``."""
 
     def __init__(self: Any, store: Any) -> None:  # noqa: N807 - a method body
