@@ -74,7 +74,16 @@ def as_torch_store(store: Any) -> Any:
 def _adapter_class(base: Any, wrapped: type) -> type:
     """Builds the ``torch.distributed.Store`` subclass that wraps instances of ``wrapped``."""
 
-    def __init__(self: Any, store: Any) -> None:  # noqa: N807 - a method body
+    def __new__(cls: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N807 - a method body
+        if len(args) == 1 and not kwargs and isinstance(args[0], wrapped):
+            return base.__new__(cls)
+        # type(store)(host, port, ...): a new store of the wrapped class, wrapped
+        return as_torch_store(wrapped(*args, **kwargs))
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
+        if _INNER in self.__dict__:
+            return  # built by __new__ from the wrapped class's arguments
+        (store,) = args
         base.__init__(self)
         object.__setattr__(self, _INNER, store)
         _alive[id(self)] = self
@@ -169,7 +178,7 @@ def _adapter_class(base: Any, wrapped: type) -> type:
         return f"<torch.distributed.Store over {_s(self)!r}>"
 
     methods = (
-        __init__, set, get, add, compare_set, wait, check, multi_get, multi_set, append,
+        __new__, __init__, set, get, add, compare_set, wait, check, multi_get, multi_set, append,
         delete_key, num_keys, list_keys, queue_push, queue_pop, queue_len, has_extended_api,
         clone, set_timeout, close, shutdown_server, __getattr__, __repr__,
     )
