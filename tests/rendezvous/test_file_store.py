@@ -130,3 +130,25 @@ def test_create_backend_file_store_and_errors(tmp_path):
     os.remove(tmp_store.path)
     with pytest.raises(ValueError, match="only supports file and tcp"):
         create_backend(RendezvousParameters("c10d", "x", "r", 1, 1, store_type="hash"))
+
+
+@pytest.mark.timeout(180)
+def test_two_fastrun_nodes_on_a_file_store(tmp_path):
+    script = tmp_path / "w.py"
+    script.write_text("import os\nprint('RANK', os.environ['RANK'], os.environ['WORLD_SIZE'])\n")
+    cmd = [sys.executable, "-m", "fastelastic.run", "--nnodes", "2", "--nproc-per-node", "1",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", str(tmp_path / "rdzv"),
+           "--rdzv-conf", "store_type=file", "--rdzv-id", uuid.uuid4().hex, str(script)]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    lines = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=150)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        assert p.returncode == 0, err[-3000:]
+        lines += [ln.split()[-2:] for ln in out.splitlines() if "RANK" in ln]
+    assert sorted(lines) == [["0", "2"], ["1", "2"]]
