@@ -85,6 +85,28 @@ def listen_drops() -> int:
     return 0
 
 
+def write_results_json(path: str, benchmark: str, payload: dict) -> None:
+    """Writes a benchmark's figures as JSON (``benchmarks/plot.py`` reads them), atomically.
+
+    ``payload`` is the benchmark's own layout; the file adds which benchmark, when, and where.
+    """
+    import platform
+    from datetime import datetime, timezone
+
+    doc = {
+        "benchmark": benchmark,
+        "written_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                    "loadavg": [round(x, 2) for x in os.getloadavg()]},
+        **payload,
+    }
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
 def pct(data, q: float) -> float:
     """Nearest-rank percentile, q in [0, 100]."""
     s = sorted(data)

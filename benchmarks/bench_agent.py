@@ -5,7 +5,8 @@ the agent -> every worker gone; slow-path rank assignment for 1,024 and 4,096 si
 the agent's own CPU while idle-monitoring 64 workers.
 
 Run: ``python3 -m pytest benchmarks/bench_agent.py -q -s`` (add ``--benchmark-disable`` for a
-smoke run). Also runnable as ``python3 bench_agent.py --agent IMPL JSON`` (one agent process,
+smoke run); ``FE_AGENT_JSON=benchmarks/results/agent.json`` also writes the figures there (read
+by ``plot.py``). Also runnable as ``python3 bench_agent.py --agent IMPL JSON`` (one agent process,
 used by the SIGTERM and idle-CPU benchmarks).
 """
 
@@ -80,6 +81,17 @@ def summary(values_ms: list[float]) -> dict:
 
 
 _RESULTS: dict[tuple[str, str], dict] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _write_json():
+    yield
+    path = os.environ.get("FE_AGENT_JSON")
+    if path and _RESULTS:
+        from _storebench import write_results_json
+
+        rows = [{"op": op, "impl": impl, **stats} for (op, impl), stats in _RESULTS.items()]
+        write_results_json(path, "agent", {"results": rows})
 
 
 def record(benchmark, op: str, impl: str, stats: dict) -> None:

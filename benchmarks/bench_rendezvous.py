@@ -7,7 +7,7 @@ processes); the round's time is the last finish minus GO. Store messages per nod
 by a proxy around each node's store (for torch: around its rendezvous backend's store).
 
 Run: ``python -m pytest benchmarks/bench_rendezvous.py --benchmark-only -s``.
-Writes the table to ``benchmarks/results/rendezvous.md``.
+Writes the table to ``benchmarks/results/rendezvous.md`` and its figures to ``rendezvous.json``.
 """
 
 from __future__ import annotations
@@ -222,6 +222,13 @@ def _write_table(request):
         out = HERE / "results" / "rendezvous.md"
         out.parent.mkdir(exist_ok=True)
         out.write_text("\n".join(lines) + "\n")
+        import _storebench
+
+        _storebench.write_results_json(str(out.with_suffix(".json")), "rendezvous", {
+            "limit_s": TORCH_LIMIT_S,
+            "formation": [{"impl": impl, "n": n, **r} for (impl, n), r in sorted(_RESULTS.items())],
+            "detect": _DETECT,
+        })
 
 
 _CASES = [("fastelastic", n) for n in NS] + [("torch", n) for n in sorted(TORCH_NS)]

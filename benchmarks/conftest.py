@@ -2,7 +2,8 @@
 
 Sizes: full by default; small ("smoke") when run with ``--benchmark-disable``; the environment
 variable ``FE_BENCH_SIZE=full|smoke`` overrides either. ``--store-table PATH`` writes the
-markdown table of the run to PATH (it is always printed in the terminal summary).
+markdown table of the run to PATH (it is always printed in the terminal summary), and its figures
+as JSON beside it (``store.md`` -> ``store.json``, read by ``plot.py``).
 """
 
 from __future__ import annotations
@@ -286,3 +287,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         with open(path, "w") as f:
             f.write(table)
         terminalreporter.write_line(f"table written to {path}")
+        # The same figures for benchmarks/plot.py, beside the table (store.md -> store.json).
+        rows = [{"family": fam, "case": case, "impl": impl, **m}
+                for (fam, case), impls in _RESULTS.data.items() for impl, m in impls.items()]
+        jpath = os.path.splitext(path)[0] + ".json"
+        sb.write_results_json(jpath, "store", {"size": size_mode(config), "results": rows})
+        terminalreporter.write_line(f"figures written to {jpath}")

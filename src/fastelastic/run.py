@@ -9,9 +9,13 @@ the static to the c10d rendezvous are torchrun's (torch 2.13). Two flags are new
   to that address, where ``fastelastic watch tcp://HOST:PORT`` listens (the watcher binds,
   the agents connect, so all agents of a job can share one endpoint).
 
-Bad flags exit with status 2 and one line on stderr. A failed job ends with a report naming
-the root-cause rank, its host, exit code or signal, its traceback and where the logs are.
-torch is never imported by the launcher.
+Everything after the training script (or ``-m module``) goes to the script verbatim.
+
+The ``fastrun`` command (:func:`console_main`) exits with status 2 and one line on stderr on
+bad flags, and ends a failed job with a report naming the root-cause rank, its host, exit code
+or signal, its traceback and where the logs are. :func:`main` is torchrun's, for calling from
+Python: it returns None on success and raises instead of exiting. torch is never imported by
+the launcher.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import sys
 import uuid
 from argparse import ArgumentParser, Namespace
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from fastelastic.launcher.args import (
     check_env,
@@ -33,10 +37,12 @@ from fastelastic.launcher.args import (
     parse_args,
     parse_min_max_nnodes,
 )
+from fastelastic.multiprocessing.errors import record
 
 __all__ = [
     "check_env",
     "config_from_args",
+    "console_main",
     "determine_local_world_size",
     "env",
     "get_args_parser",
@@ -115,7 +121,10 @@ def _check_script(args: Namespace) -> None:
 
 def _validate(args: Namespace) -> None:
     """Checks everything that can be checked before anything starts; raises ValueError."""
-    min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
+    try:
+        min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--nnodes {args.nnodes}: expected N or MIN:MAX with integers") from None
     if not 0 < min_nodes <= max_nodes:
         raise ValueError(
             f"--nnodes {args.nnodes}: need 0 < MIN <= MAX (got min={min_nodes}, max={max_nodes})"
@@ -133,11 +142,15 @@ def _validate(args: Namespace) -> None:
     if args.run_path and not os.path.isabs(args.training_script):
         raise ValueError(f"--run-path needs an absolute script path, got {args.training_script!r}")
     if not args.standalone:
+        from fastelastic.rendezvous.registry import _register_out_of_tree_handler
+
         known = _known_backends()
-        if args.rdzv_backend not in known:
+        if args.rdzv_backend not in known and not _register_out_of_tree_handler(
+            args.rdzv_backend
+        ):
             raise ValueError(
                 f"unknown rendezvous backend {args.rdzv_backend!r} "
-                f"(known: {', '.join(sorted(known))})"
+                f"(known: {', '.join(sorted(known))}, or a torchrun.handlers entry point)"
             )
     if args.events_endpoint and not _EVENTS_ENDPOINT_RE.match(args.events_endpoint):
         raise ValueError(
@@ -149,6 +162,7 @@ def _validate(args: Namespace) -> None:
     _std("--tee", args.tee, Std)
     _local_ranks(args.local_ranks_filter)
     _parse_rdzv_conf(args.rdzv_conf)
+    determine_local_world_size(args.nproc_per_node)
     _check_script(args)
 
 
@@ -194,16 +208,22 @@ def config_from_args(args: Namespace) -> tuple[Any, Callable[..., Any] | str, li
     when it is unset and there is more than one worker per node, as torchrun does.
 
     Raises:
-        ValueError: an invalid flag value.
+        RuntimeError: ``--nnodes`` has more than two parts (as torch).
+        AssertionError: ``--nnodes`` MIN > MAX or < 1, or ``--max-restarts`` < 0 (as torch).
+        ValueError: any other invalid flag value.
     """
     from fastelastic.launcher.api import LaunchConfig
     from fastelastic.multiprocessing import Std
 
     min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
+    # torch's error types for these two (AssertionError); fastrun's _validate says ValueError first
     if not 0 < min_nodes <= max_nodes:
-        raise ValueError(f"--nnodes {args.nnodes}: need 0 < MIN <= MAX")
+        raise AssertionError(
+            f"min_nodes must be > 0 and <= max_nodes, got min_nodes={min_nodes}, "
+            f"max_nodes={max_nodes}"
+        )
     if args.max_restarts < 0:
-        raise ValueError("max_restarts must be >= 0")
+        raise AssertionError("max_restarts must be >= 0")
     if args.rdzv_backend != "static" and not args.rdzv_endpoint:
         logger.warning(
             "master_addr is only used for static rdzv_backend and when rdzv_endpoint "
@@ -317,37 +337,72 @@ def _apply_rendezvous_defaults(args: Namespace) -> None:
         args.master_port = 29500
 
 
+def _fill_defaults(args: Namespace) -> None:
+    """Gives a Namespace built by torch's parser or by hand fastrun's defaults where it has none.
+
+    Only options are filled (flags fastrun adds, like ``--exit-barrier-timeout``, and any
+    other a hand-built Namespace omits); the script and its arguments must be there.
+    """
+    for action in get_args_parser()._actions:
+        if action.option_strings and action.dest != "help" and not hasattr(args, action.dest):
+            setattr(args, action.dest, action.default)
+
+
 def run(args: Namespace) -> Any:
-    """Launches the job described by parsed ``args``; returns rank -> return value.
+    """Launches the job described by ``args``; returns rank -> return value.
+
+    ``args`` is what :func:`parse_args` returns, or a Namespace built by torch's
+    ``torch.distributed.run.get_args_parser()`` or by hand: options it lacks take fastrun's
+    defaults (which honour ``PET_<NAME>``).
 
     Raises:
         ChildFailedError: a worker failed (after the allowed restarts).
+        SignalException: the launcher received one of ``--signals-to-handle``.
         ValueError: an invalid flag value.
     """
     from fastelastic.launcher.api import elastic_launch
 
+    _fill_defaults(args)
     _apply_rendezvous_defaults(args)
     config, cmd, cmd_args = config_from_args(args)
     return elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
 
 
+@record
 def main(args: list[str] | None = None) -> None:
-    """Console entry point: parse, validate (exit 2 on bad flags), launch, report.
+    """torchrun's ``main``, for calling from Python: parse, check, launch; None on success.
+
+    Raises:
+        SystemExit: an unknown or malformed flag (status 2, from argparse, as torch).
+        ValueError: an invalid flag value, or a script or module that does not exist.
+        ChildFailedError: the job failed (after the allowed restarts).
+        SignalException: the launcher received one of ``--signals-to-handle``.
+    """
+    ns = parse_args(args)
+    _validate(ns)
+    run(ns)
+
+
+def console_main(args: list[str] | None = None) -> NoReturn:
+    """The ``fastrun`` command: parse, check, launch, report, and exit.
 
     Exit status: 0 on success, 1 when the job failed (after the failure report), 2 on bad
-    flags, 128+N when stopped by signal N.
+    flags (one line on stderr), 128+N when stopped by signal N.
     """
     from fastelastic.launcher.report import run_and_report
 
-    parser: ArgumentParser = get_args_parser()
+    try:
+        parser: ArgumentParser = get_args_parser()
+    except ValueError as e:  # a PET_<NAME> variable that cannot be parsed
+        print(f"fastrun: error: {e}", file=sys.stderr)
+        sys.exit(2)
     ns = parser.parse_args(args)
     try:
         _validate(ns)
-        determine_local_world_size(ns.nproc_per_node)
     except ValueError as e:
         parser.error(str(e))
     sys.exit(run_and_report(lambda: run(ns), parser))
 
 
 if __name__ == "__main__":
-    main()
+    console_main()

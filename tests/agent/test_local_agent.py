@@ -175,7 +175,9 @@ def test_failure_after_restarts_exhausted(tmp_path):
     agent = make_agent(binary_spec("exit", "5", max_restarts=1), tmp_path)
     result = agent.run()
     assert result.is_failed() and agent.restart_count == 1
-    assert {f.exitcode for f in result.failures.values()} == {5}
+    # a rank stopped before its own exit 5 is listed with -15, as torch lists it
+    assert {f.exitcode for f in result.failures.values()} <= {5, -signal.SIGTERM}
+    assert ChildFailedError("exit", result.failures).get_first_failure()[1].exitcode == 5
 
 
 def get_health(port):

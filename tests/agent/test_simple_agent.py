@@ -291,3 +291,23 @@ def test_exit_barrier_timeout_is_configurable(store_server, caplog, monkeypatch)
     assert 1.0 <= elapsed < 15, elapsed
     assert not agent._in_exit_barrier
     assert "Error waiting on exit barrier" in caplog.text
+
+
+
+class ClosedWhileWaiting(StoreRendezvous):
+    """A node left waiting (redundant) when the job closed its rendezvous, as torch raises it."""
+
+    def next_rendezvous(self):
+        from fastelastic.rendezvous import RendezvousGracefulExitError
+
+        self.rounds += 1
+        raise RendezvousGracefulExitError("The rendezvous 'test' is closed, terminating pending")
+
+
+def test_run_returns_none_on_a_graceful_rendezvous_exit(store_server, tmp_path):
+    """As torch: run() returns None (no RunResult) and starts no worker."""
+    marker = tmp_path / "ran"
+    handler = ClosedWhileWaiting(store_server, rank=0, world_size=1)
+    agent = PopenAgent(make_spec(handler, f"open({str(marker)!r}, 'w')", nproc=1))
+    assert agent.run() is None
+    assert handler.rounds == 1 and not marker.exists() and agent.procs == {}

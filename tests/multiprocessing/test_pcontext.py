@@ -163,7 +163,9 @@ def test_binary_traceback_without_record_reaches_the_user(capfd, logs_dir, tmp_p
         DefaultLogsSpecs(log_dir=logs_dir),
     )
     result = pc.wait(30)
-    assert set(result.failures) == {0}  # rank 1 was stopped by us, not a failure
+    # as torch: rank 1, stopped because rank 0 failed, is listed too; rank 0 is the root cause
+    assert {r: f.exitcode for r, f in result.failures.items()} == {0: 1, 1: -signal.SIGTERM}
+    assert ChildFailedError("plain", result.failures).get_first_failure()[0] == 0
     failure = result.failures[0]
     assert failure.exitcode == 1 and failure.error_file == "<N/A>"
     assert "KeyError: 'no-record-here'" in failure.message
@@ -540,3 +542,86 @@ def test_worker_surviving_sigkill_is_reported_not_waited_for(monkeypatch, tmp_pa
         os.killpg(pid, signal.SIGKILL)
         pc.subprocess_handlers[0].proc.wait(10)
         guardian.unregister(pid)  # close() left the survivor registered; it is gone now
+
+
+# ---------------------------------------------------------------- failures as torch lists them
+
+_SIBLINGS_ARGS = {0: ("-c", "exit 3"), 1: ("-c", "exec sleep 60"), 2: ("-c", "exec sleep 60")}
+
+
+def _binary_failures(start, logs_specs):
+    pc = start("sib", "/bin/sh", _SIBLINGS_ARGS, _envs(3), logs_specs)
+    try:
+        result = pc.wait(30, period=0.05)
+    finally:
+        pc.close()
+    return result
+
+
+def test_binary_failure_lists_the_stopped_siblings_as_torch(tmp_path):
+    ours = _binary_failures(start_processes, DefaultLogsSpecs(log_dir=str(tmp_path / "ours")))
+    expected = {0: 3, 1: -signal.SIGTERM, 2: -signal.SIGTERM}
+    assert {r: f.exitcode for r, f in ours.failures.items()} == expected
+    assert list(ours.failures)[0] == 0  # the root cause first
+    assert ChildFailedError("sib", ours.failures).get_first_failure()[0] == 0
+    assert ours.failures[0].timestamp <= min(f.timestamp for f in ours.failures.values())
+    try:
+        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs as TorchLogs
+        from torch.distributed.elastic.multiprocessing import start_processes as torch_start
+    except ImportError:  # pragma: no cover - CI installs torch
+        pytest.skip("!!! torch is not installed: the failures are not compared with torch's")
+    theirs = _binary_failures(torch_start, TorchLogs(log_dir=str(tmp_path / "torch")))
+    assert {r: f.exitcode for r, f in theirs.failures.items()} == expected
+
+
+def test_root_cause_is_the_first_failure_when_a_stopped_sibling_writes_an_error_file(tmp_path):
+    """A sibling that records an error while being stopped (later) never hides the root cause."""
+    sibling = tmp_path / "sibling.py"
+    sibling.write_text(
+        "import signal, sys, time\n"
+        "from fastelastic.multiprocessing.errors import record\n"
+        "def stop(*_):\n"
+        "    time.sleep(1.1)  # its error file is stamped at least a second after the failure\n"
+        "    raise RuntimeError('stopped by the agent')\n"
+        "@record\n"
+        "def main():\n"
+        "    signal.signal(signal.SIGTERM, stop)\n"
+        "    open(sys.argv[1], 'w').close()\n"
+        "    time.sleep(60)\n"
+        "main()\n"
+    )
+    ready = tmp_path / "ready"
+    root = ("import os, sys, time\n"
+            "deadline = time.monotonic() + 30\n"  # fail once the sibling handles SIGTERM
+            "while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:\n"
+            "    time.sleep(0.01)\n"
+            "sys.exit(5)\n")
+    pc = start_processes(
+        "rc", PY, {0: ("-c", root, ready), 1: (sibling, ready)},
+        {r: {**e, "PYTHONPATH": os.pathsep.join(sys.path)} for r, e in _envs(2).items()},
+        DefaultLogsSpecs(log_dir=str(tmp_path / "logs")),
+    )
+    result = pc.wait(30)
+    assert {r: f.exitcode for r, f in result.failures.items()} == {0: 5, 1: 1}
+    assert result.failures[1].error_file != "<N/A>"  # the sibling's @record wrote its file
+    assert result.failures[1].timestamp > result.failures[0].timestamp
+    rank, root = ChildFailedError("rc", result.failures).get_first_failure()
+    assert rank == 0 and root.exitcode == 5
+
+
+def test_function_failure_lists_only_the_failed_as_torch():
+    """torch's MultiprocessContext reports the failed process only, not the stopped ones."""
+    fail_r, fail_w = os.pipe()
+    block_r, block_w = os.pipe()
+    os.write(fail_w, b"\x04")
+    try:
+        pc = start_processes(
+            "fn", mpworkers.block_on_fd, {0: (fail_r,), 1: (block_r,)}, _envs(2),
+            DefaultLogsSpecs(log_dir=os.devnull), start_method="fork",
+        )
+        result = pc.wait(30)
+        assert {k: f.exitcode for k, f in result.failures.items()} == {0: 4}
+        assert pc.exitcodes()[1] == -signal.SIGTERM  # rank 1 was stopped, and not listed
+    finally:
+        for fd in (fail_r, fail_w, block_r, block_w):
+            os.close(fd)

@@ -308,3 +308,33 @@ def test_each_round_gives_workers_a_fresh_store(server, nodes):
         TCPStore(boots[0][0], boots[0][1], timeout=0.5)
     for h in handlers:
         h.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["c10d", "fastelastic", "c10d-v2"])
+def test_hosting_on_an_unresolvable_endpoint_is_a_connection_error(backend):
+    """As torch's c10d backend (which needs read_timeout to find out): fails, and at once."""
+    params = RendezvousParameters(backend=backend, endpoint="no-such-host.invalid:0",
+                                  run_id="unresolvable", min_nodes=1, max_nodes=1,
+                                  is_host="true", read_timeout="5")
+    t0 = time.monotonic()
+    with pytest.raises(RendezvousConnectionError, match="no-such-host.invalid"):
+        get_rendezvous_handler(params)
+    assert time.monotonic() - t0 < 3
+
+
+def test_c10d_create_backend_on_an_unresolvable_endpoint_like_torch():
+    from fastelastic.rendezvous.c10d_rendezvous_backend import create_backend
+
+    conf = {"is_host": "true", "read_timeout": "1"}
+    with pytest.raises(RendezvousConnectionError):
+        create_backend(RendezvousParameters("c10d", "no-such-host.invalid:0", "u", 1, 1, **conf))
+    try:
+        from torch.distributed.elastic.rendezvous import RendezvousParameters as TorchParams
+        from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as torch_c10d
+        from torch.distributed.elastic.rendezvous.api import (
+            RendezvousConnectionError as TorchConnectionError,
+        )
+    except ImportError:  # pragma: no cover - CI installs torch
+        pytest.skip("!!! torch is not installed: not compared with torch's c10d backend")
+    with pytest.raises(TorchConnectionError):
+        torch_c10d.create_backend(TorchParams("c10d", "no-such-host.invalid:0", "u", 1, 1, **conf))

@@ -111,8 +111,8 @@ def test_new_flags_env_and_defaults(monkeypatch):
 def test_nnodes_and_nproc_values(torch_run):
     for text in ("1", "2:5", "3:3"):
         assert parse_min_max_nnodes(text) == torch_run.parse_min_max_nnodes(text)
-    with pytest.raises(ValueError):
-        parse_min_max_nnodes("1:2:3")
+    with pytest.raises(RuntimeError, match="MIN:MAX"):
+        parse_min_max_nnodes("2:20:30")
     with pytest.raises(ValueError):
         parse_min_max_nnodes("a:b")
     assert determine_local_world_size("7") == 7
@@ -171,3 +171,37 @@ def test_pet_standalone_not_integer_is_one_line(tmp_path):
     assert r.stderr.strip().splitlines() == [
         "fastrun: error: PET_STANDALONE='yes' must be an integer (0 or 1)"
     ]
+
+
+def _error_type(fn, *a):
+    try:
+        fn(*a)
+    except Exception as e:
+        return type(e)
+    return None
+
+
+@pytest.mark.parametrize("text", ["2:20:30", "1:2:3:4", "::", "a", "a:b", "1:", "", "1.5"])
+def test_nnodes_errors_have_torchs_types(torch_run, text):
+    theirs = _error_type(torch_run.parse_min_max_nnodes, text)
+    assert theirs is not None
+    assert _error_type(parse_min_max_nnodes, text) is theirs
+
+
+@pytest.mark.parametrize("argv", [
+    ["--nnodes", "2:20:30", "s.py"],
+    ["--nnodes", "3:2", "s.py"],
+    ["--nnodes", "0", "s.py"],
+    ["--max-restarts", "-1", "s.py"],
+    ["--local-ranks-filter", "a", "s.py"],
+    ["--nproc-per-node", "x", "s.py"],
+    ["-r", "9", "s.py"],
+    ["--no-python", "-m", "s.py"],
+], ids=lambda a: " ".join(a))
+def test_config_from_args_errors_have_torchs_types(torch_run, argv, monkeypatch):
+    from fastelastic.run import config_from_args
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    theirs = _error_type(torch_run.config_from_args, torch_run.parse_args(argv))
+    assert theirs is not None
+    assert _error_type(config_from_args, get_args_parser().parse_args(argv)) is theirs

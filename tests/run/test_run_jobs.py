@@ -118,6 +118,7 @@ def test_failure_report_with_stderr_traceback(tmp_path):
     assert "failure    : exit code 1" in rep
     assert 'raise ValueError("boom from rank " + os.environ["RANK"])' in rep
     assert "ValueError: boom from rank 1" in rep
+    assert "also failed: rank 0 (local_rank 0) killed by SIGTERM" in rep  # stopped, as torch
     logs_line = next(ln for ln in rep.splitlines() if ln.startswith("logs"))
     logs = Path(logs_line.split(":", 1)[1].strip())
     assert logs.is_dir() and str(logs).startswith(str(tmp_path / "logs"))

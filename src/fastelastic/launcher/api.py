@@ -293,6 +293,9 @@ def launch_agent(
         metrics.initialize_metrics(metrics.MetricsConfig(config.metrics_cfg))
         result = agent.run()
         events.record(agent.get_event_succeeded(), spec.event_log_handler)
+        if result is None:  # the rendezvous closed before this node joined (torch: AttributeError)
+            final_state = "SUCCEEDED"
+            return {}
         if result.is_failed():
             err = ChildFailedError(name=entrypoint_name, failures=result.failures)
             err.run_log_dir = _run_log_dir(config.logs_specs)  # type: ignore[attr-defined]

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import sys
 from argparse import REMAINDER, Action, ArgumentParser, Namespace
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
 __all__ = [
@@ -19,6 +21,9 @@ __all__ = [
 ]
 
 NUMA_MODES = ("node", "socket", "exclusive", "core-complex")
+
+# argparse's test for a word that is a negative number rather than an option
+_NEGATIVE_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
 
 
 class env(Action):  # noqa: N801 - torch's spelling (torch.distributed.argparse_util.env)
@@ -38,18 +43,18 @@ class env(Action):  # noqa: N801 - torch's spelling (torch.distributed.argparse_
 
 
 class check_env(Action):  # noqa: N801 - torch's spelling
-    """A boolean flag that is also on when ``PET_<DEST>`` holds a non-zero integer."""
+    """A boolean flag that is also on when ``PET_<DEST>`` holds a non-zero integer.
+
+    Raises:
+        ValueError: ``PET_<DEST>`` is not an integer (when the parser is built, as torch's).
+    """
 
     def __init__(self, dest: str, default: bool = False, **kwargs: Any):
         raw = os.environ.get(f"PET_{dest.upper()}", "1" if default else "0")
         try:
             value = bool(int(raw))
         except ValueError:
-            print(
-                f"fastrun: error: PET_{dest.upper()}={raw!r} must be an integer (0 or 1)",
-                file=sys.stderr,
-            )
-            raise SystemExit(2) from None
+            raise ValueError(f"PET_{dest.upper()}={raw!r} must be an integer (0 or 1)") from None
         super().__init__(dest=dest, const=True, default=value, nargs=0, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[no-untyped-def]
@@ -57,10 +62,70 @@ class check_env(Action):  # noqa: N801 - torch's spelling
 
 
 class FastrunArgumentParser(ArgumentParser):
-    """An ``ArgumentParser`` whose errors are one line on stderr and exit status 2."""
+    """An ``ArgumentParser`` whose errors are one line on stderr and exit status 2.
+
+    Only the words before the training script (or ``-m module``) are parsed: the first word
+    that is not an option or an option's value is the script, and every word after it goes
+    to the script verbatim, whatever it looks like (``--``, ``-h``, a fastrun flag or an
+    abbreviation of one). torchrun gives those words to argparse too, which fails on the ones
+    that abbreviate two of its flags and drops a ``--`` right after the script.
+    """
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: Namespace | None = None
+    ) -> tuple[Namespace, list[str]]:
+        argv = list(sys.argv[1:] if args is None else args)
+        at = self._script_index(argv)
+        if at is None:  # no script: argparse says what is missing
+            return super().parse_known_args(argv, namespace)
+        ns, extras = super().parse_known_args(argv[: at + 1], namespace)
+        ns.training_script_args = argv[at + 1:]
+        return ns, extras
+
+    def _takes_value(self, option: str) -> bool | None:
+        """Whether ``option`` (a full option string or an abbreviation) takes a value.
+
+        None when it names no option of this parser; for an ambiguous abbreviation (which
+        argparse rejects anyway) whether any of its candidates does.
+        """
+        table = self._option_string_actions
+        if option in table:
+            return table[option].nargs != 0
+        if not (self.allow_abbrev and option.startswith("--")):
+            return None
+        found = [a for s, a in table.items() if s.startswith(option)]
+        return any(a.nargs != 0 for a in found) if found else None
+
+    def _script_index(self, argv: list[str]) -> int | None:
+        """Index of the training script in ``argv``, classifying words as argparse does."""
+        i = 0
+        while i < len(argv):
+            word = argv[i]
+            if word == "--":
+                return i + 1 if i + 1 < len(argv) else None
+            if (len(word) < 2 or word[0] not in self.prefix_chars
+                    or (word not in self._option_string_actions
+                        and (_NEGATIVE_NUMBER.match(word) or " " in word))):
+                return i
+            i += 1 + self._values_after(word)
+        return None
+
+    def _values_after(self, word: str) -> int:
+        """How many of the following words the option ``word`` consumes (0 or 1)."""
+        if word[1] in self.prefix_chars:  # --long, --long=value, --abbrev
+            name, eq, _ = word.partition("=")
+            return 0 if eq else int(bool(self._takes_value(name)))
+        # -x, -xVALUE, or flags chained as -abc
+        for k in range(1, len(word)):
+            takes = self._takes_value(word[0] + word[k])
+            if takes is None:
+                return 0
+            if takes:
+                return 1 if k == len(word) - 1 else 0
+        return 0
 
 
 def comma_separated_list(value: str) -> list[str]:
@@ -171,11 +236,12 @@ def parse_min_max_nnodes(nnodes: str) -> tuple[int, int]:
     """Parses ``N`` or ``MIN:MAX``.
 
     Raises:
-        ValueError: not an integer or a MIN:MAX pair of integers.
+        RuntimeError: more than two ``:``-separated parts (torch's error type).
+        ValueError: a part is not an integer.
     """
     parts = nnodes.split(":")
     if len(parts) not in (1, 2):
-        raise ValueError(f'nnodes={nnodes} is not in "MIN:MAX" format')
+        raise RuntimeError(f'nnodes={nnodes} is not in "MIN:MAX" format')
     try:
         nums = [int(x) for x in parts]
     except ValueError:

@@ -5,6 +5,9 @@ By default every data point is dropped (``NullMetricHandler``). To see the agent
     from fastelastic import metrics
 
     metrics.configure(metrics.ConsoleMetricHandler(), group="torchelastic")
+
+``fastelastic.metrics.prometheus`` exports them for Prometheus; the agent's health server serves
+them at ``GET /metrics`` (needs ``pip install 'fastelastic[metrics]'``).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from fastelastic.metrics.api import (
     MetricsConfig,
     MetricStream,
     NullMetricHandler,
+    add_observer,
     configure,
     get_elapsed_time_ms,
     getStream,
@@ -23,6 +27,7 @@ from fastelastic.metrics.api import (
     profile,
     publish_metric,
     put_metric,
+    remove_observer,
 )
 
 __all__ = [
@@ -32,6 +37,7 @@ __all__ = [
     "MetricStream",
     "MetricsConfig",
     "NullMetricHandler",
+    "add_observer",
     "configure",
     "getStream",
     "get_elapsed_time_ms",
@@ -40,6 +46,7 @@ __all__ = [
     "profile",
     "publish_metric",
     "put_metric",
+    "remove_observer",
 ]
 
 

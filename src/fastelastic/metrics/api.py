@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import functools
+import logging
 import threading
 import time
 import warnings
@@ -18,6 +19,7 @@ __all__ = [
     "MetricStream",
     "MetricsConfig",
     "NullMetricHandler",
+    "add_observer",
     "configure",
     "getStream",
     "get_elapsed_time_ms",
@@ -25,9 +27,12 @@ __all__ = [
     "profile",
     "publish_metric",
     "put_metric",
+    "remove_observer",
 ]
 
 MetricData = namedtuple("MetricData", ["timestamp", "group_name", "name", "value"])
+
+logger = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -74,11 +79,23 @@ class MetricStream:
         self.handler = handler
 
     def add_value(self, metric_name: str, metric_value: int) -> None:
-        """Emits one data point, stamped with the wall-clock time (a label, not a deadline)."""
-        self.handler.emit(MetricData(time.time(), self.group_name, metric_name, metric_value))
+        """Emits one data point, stamped with the wall-clock time (a label, not a deadline).
+
+        Observers (:func:`add_observer`, e.g. the Prometheus exporter) see it too.
+        """
+        data = MetricData(time.time(), self.group_name, metric_name, metric_value)
+        self.handler.emit(data)
+        for observer in _observers:
+            if observer is not self.handler:
+                try:
+                    observer.emit(data)
+                except Exception:  # an exporter's bug must not fail the agent
+                    logger.exception("metric observer %r failed", observer)
 
 
 _lock = threading.Lock()
+# Ours: handlers that see every data point of every group, whatever handler a group has.
+_observers: tuple[MetricHandler, ...] = ()
 _metrics_map: dict[str, MetricHandler] = {}
 _default_metrics_handler: MetricHandler = NullMetricHandler()
 
@@ -97,6 +114,30 @@ def configure(handler: MetricHandler, group: str | None = None) -> None:
             _default_metrics_handler = handler
         else:
             _metrics_map[group] = handler
+
+
+def add_observer(handler: MetricHandler) -> None:
+    """Ours: ``handler`` also receives every data point of every group (idempotent).
+
+    The configured handlers are unchanged, so a user's ``configure()`` and the Prometheus
+    exporter of the health server coexist.
+
+    Raises:
+        TypeError: ``handler`` is not a MetricHandler.
+    """
+    global _observers
+    if not isinstance(handler, MetricHandler):
+        raise TypeError(f"handler must be a MetricHandler, got {type(handler).__name__}")
+    with _lock:
+        if handler not in _observers:
+            _observers = (*_observers, handler)
+
+
+def remove_observer(handler: MetricHandler) -> None:
+    """Ours: undoes :func:`add_observer` (no-op for a handler that is not observing)."""
+    global _observers
+    with _lock:
+        _observers = tuple(h for h in _observers if h is not handler)
 
 
 def getStream(group: str) -> MetricStream:

@@ -24,7 +24,7 @@ from fastelastic._native.procmon import PidfdMonitor
 from fastelastic.errors import SignalException
 from fastelastic.multiprocessing._guardian import guardian
 from fastelastic.multiprocessing._pump import OutputPump, StdioRouter
-from fastelastic.multiprocessing.errors import ProcessFailure
+from fastelastic.multiprocessing.errors import _NOT_AVAILABLE, ProcessFailure
 from fastelastic.multiprocessing.logs import LogsSpecs
 
 __all__ = ["PContext", "RunProcsResult"]
@@ -95,6 +95,10 @@ class PContext(abc.ABC):
         duplicate_stderr_filters: the same for stderr.
     """
 
+    # torch's SubprocessContext also reports the siblings it had to stop (e.g. exit code -15)
+    # as failures; its MultiprocessContext (function entrypoints) only the failed ones.
+    _stopped_are_failures = True
+
     def __init__(
         self,
         name: str,
@@ -138,6 +142,7 @@ class PContext(abc.ABC):
         self._rank_of: dict[int, int] = {}
         self._exitcodes: dict[int, int | None] = {}
         self._failed_ranks: list[int] = []  # in the order their failures were observed
+        self._exit_times: dict[int, float] = {}  # local rank -> time.time() its exit was seen
         self._exit_seq = 0
         self._seen_seq = 0
         self._lock = threading.RLock()
@@ -202,6 +207,7 @@ class PContext(abc.ABC):
     def _record_exit(self, rank: int, status: int | None) -> None:
         code = self._exitcode(rank, status)
         self._exitcodes[rank] = code
+        self._exit_times[rank] = time.time()
         self._exit_seq += 1
         if code != 0 and not self._closed:
             self._failed_ranks.append(rank)
@@ -272,16 +278,22 @@ class PContext(abc.ABC):
                 failed = [r for r, code in sorted(self._exitcodes.items()) if code != 0]
         if failed:
             self.close()
-            failures = {}
+            if self._stopped_are_failures:
+                with self._lock:
+                    failed += [r for r, code in sorted(self._exitcodes.items())
+                               if code not in (0, None) and r not in failed]
+            failures = {}  # the first observed failure first: it wins timestamp ties
             for rank in failed:
                 sink = self._router.stderr_sinks.get(rank)
-                failures[rank] = ProcessFailure(
+                failures[rank] = f = ProcessFailure(
                     local_rank=rank,
                     pid=self._pids[rank],
                     exitcode=self._exitcodes[rank] or 1,
                     error_file=self.error_files.get(rank, ""),
                     stderr_tail=sink.tail_text() if sink is not None else None,
                 )
+                if f.error_file == _NOT_AVAILABLE and rank in self._exit_times:
+                    f.timestamp = int(self._exit_times[rank])  # when it exited, not now
             first = failures[failed[0]]
             logger.error(
                 "failed (exitcode: %s) local_rank: %s (pid: %s) of %s",

@@ -54,6 +54,8 @@ class MultiprocessContext(PContext):
     are recorded to the error file with ``@record`` automatically.
     """
 
+    _stopped_are_failures = False  # as torch's: only the workers that failed
+
     def __init__(
         self,
         name: str,

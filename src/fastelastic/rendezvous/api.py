@@ -310,6 +310,8 @@ class RendezvousHandlerRegistry:
     """Represent a registry of :py:class:`RendezvousHandler` backends."""
 
     _registry: dict[str, RendezvousHandlerCreator]
+    # the default registry loads a backend it lacks from a torchrun.handlers entry point
+    _load_missing: Callable[[str], bool] | None = None
 
     def __init__(self) -> None:
         self._registry = {}
@@ -337,10 +339,15 @@ class RendezvousHandlerRegistry:
     def create_handler(self, params: RendezvousParameters) -> RendezvousHandler:
         """Create a new :py:class:`RendezvousHandler` for ``params.backend``.
 
+        The default registry first loads a backend it lacks from the ``torchrun.handlers``
+        entry point of that name (third-party plugins, as torchrun registers them).
+
         Raises:
             ValueError: The backend is not registered.
             RuntimeError: The created handler reports a different backend name.
         """
+        if params.backend not in self._registry and self._load_missing is not None:
+            self._load_missing(params.backend)
         try:
             creator = self._registry[params.backend]
         except KeyError as e:

@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 
 _MARK = "/.dc/"
 _MAX_CAS = 10_000
-_RETRY_S = 30.0  # how long a request retries across endpoints / leader elections
+_RETRY_S = 30.0  # how long a request retries across endpoints / leader elections, at most
+_NOTE_EVERY_S = 5.0  # how often a retrying request says what it waits for
 _WATCH_CHECK_S = 2.0
 
 
@@ -57,15 +58,18 @@ class EtcdKV:
         prefix: Key prefix for everything this object reads and writes.
         timeout: Default timeout of ``get``/``wait``.
         lease_ttl: TTL in seconds of the liveness lease behind ``append_on_disconnect``.
+        retry_s: How long one request retries while no member answers (at most 30 s); the
+            handlers pass their join timeout when it is shorter.
     """
 
     supports_extensions = True
 
     def __init__(self, clients: list[Any], prefix: str, timeout: timedelta = timedelta(seconds=60),
-                 lease_ttl: int = 3) -> None:
+                 lease_ttl: int = 3, retry_s: float = _RETRY_S) -> None:
         if not clients:
             raise ValueError("at least one etcd endpoint is required")
         self._clients = list(clients)
+        self.retry_s = max(0.0, min(float(retry_s), _RETRY_S))
         self._cur = 0
         self._prefix = prefix
         self.timeout = timeout
@@ -85,6 +89,10 @@ class EtcdKV:
     def port(self) -> int:
         return int(self._clients[self._cur].port)
 
+    def endpoints(self) -> str:
+        """The members' ``host:port``, comma separated (for messages)."""
+        return ",".join(f"{c.host}:{c.port}" for c in self._clients)
+
     def _k(self, key: str) -> str:
         return self._prefix + key
 
@@ -92,7 +100,9 @@ class EtcdKV:
         """POSTs to the current member, failing over and retrying through elections."""
         from etcd3gw import exceptions as etcd_exc
 
-        deadline = time.monotonic() + _RETRY_S
+        start = time.monotonic()
+        deadline = start + self.retry_s
+        next_note = start
         delay = 0.05
         while True:
             client = self._clients[self._cur]
@@ -101,12 +111,21 @@ class EtcdKV:
             except (etcd_exc.ConnectionFailedError, etcd_exc.ConnectionTimeoutError,
                     etcd_exc.InternalServerError) as e:
                 detail = getattr(e, "detail_text", None) or str(e)
-                if time.monotonic() > deadline or "CERTIFICATE_VERIFY_FAILED" in detail:
+                now = time.monotonic()
+                if now >= deadline or "CERTIFICATE_VERIFY_FAILED" in detail:
                     raise StoreConnectionError(
-                        f"etcd request {path} to {client.host}:{client.port} failed: {detail}"
+                        f"etcd request {path} to {client.host}:{client.port} failed "
+                        f"(no member of {self.endpoints()} answered in {now - start:.1f} s): "
+                        f"{detail}"
                     ) from e
+                if now >= next_note:
+                    log.warning(
+                        "waiting for etcd: no member of %s answers %s (%s); retrying for up to "
+                        "%.1f s more", self.endpoints(), path, detail, deadline - now)
+                    next_note = now + _NOTE_EVERY_S
                 self._cur = (self._cur + 1) % len(self._clients)
-                threading.Event().wait(delay)  # election in progress: back off, bounded
+                # down, or an election in progress: back off, bounded by the deadline
+                threading.Event().wait(min(delay, max(0.0, deadline - now)))
                 delay = min(delay * 2, 1.0)
             except etcd_exc.Etcd3Exception as e:
                 detail = getattr(e, "detail_text", None) or str(e)

@@ -20,7 +20,12 @@ from .fast_rendezvous import FastRendezvousHandler, _prefix_store
 from .timeouts import timeout_from_params
 from .utils import parse_rendezvous_endpoint
 
-__all__ = ["EtcdFastRendezvousHandler", "create_rdzv_handler", "etcd_clients_from_params"]
+__all__ = [
+    "EtcdFastRendezvousHandler",
+    "create_rdzv_handler",
+    "etcd_clients_from_params",
+    "etcd_retry_seconds",
+]
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +91,14 @@ def etcd_clients_from_params(params: RendezvousParameters) -> list[Any]:
     return clients
 
 
+def etcd_retry_seconds(params: RendezvousParameters) -> float:
+    """How long an etcd request retries while no member answers: at most 30 s, ``read_timeout``
+    and the join timeout (a rendezvous never outwaits its own timeouts)."""
+    read_timeout = params.get_as_int("read_timeout", 60) or 60
+    join = timeout_from_params(params).join.total_seconds()
+    return float(min(30, read_timeout, join))
+
+
 def _session(ca_cert: str | None, cert: str | None, key: str | None) -> Any:
     import requests
 
@@ -115,7 +128,8 @@ def create_rdzv_handler(params: RendezvousParameters) -> EtcdFastRendezvousHandl
     read_timeout = params.get_as_int("read_timeout", 60) or 60
     kv = EtcdKV(clients, str(params.get("key_prefix", "/fastelastic/")),
                 timeout=timedelta(seconds=read_timeout),
-                lease_ttl=params.get_as_int("lease_ttl", 3) or 3)
+                lease_ttl=params.get_as_int("lease_ttl", 3) or 3,
+                retry_s=etcd_retry_seconds(params))
     try:
         kv.check(["probe"])
     except StoreError as e:

@@ -146,11 +146,12 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
         ValueError: A malformed option.
         RendezvousConnectionError: etcd cannot be reached.
     """
-    from .etcd_rendezvous import etcd_clients_from_params
+    from .etcd_rendezvous import etcd_clients_from_params, etcd_retry_seconds
 
     clients = etcd_clients_from_params(params)
     read_timeout = params.get_as_int("read_timeout", 60) or 60
-    store = EtcdKV(clients, "/torch/elastic/store/", timeout=timedelta(seconds=read_timeout))
+    store = EtcdKV(clients, "/torch/elastic/store/", timeout=timedelta(seconds=read_timeout),
+                   retry_s=etcd_retry_seconds(params))
     try:
         store.check(["probe"])
     except StoreError as e:

@@ -579,6 +579,15 @@ def _host_store(
     if is_host is None:
         is_host = _matches_machine_hostname(host)
     if is_host:
+        # Our server listens on every interface and its own client connects over loopback, so
+        # check here, once, that the endpoint's host resolves: torch's fails to connect to it.
+        try:
+            socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except (socket.gaierror, UnicodeError) as e:
+            raise RendezvousConnectionError(
+                f"The rendezvous store host {host!r} (of the endpoint {host}:{port}) cannot be "
+                f"resolved: {e}"
+            ) from e
         try:
             server = TCPStore(host, port, is_master=True, multi_tenant=True,
                               wait_for_workers=False, timeout=read_timeout)

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+
 from .api import RendezvousHandler, RendezvousParameters, rendezvous_handler_registry
 
 __all__ = ["get_rendezvous_handler"]
+
+log = logging.getLogger(__name__)
+
+PLUGIN_GROUP = "torchrun.handlers"
 
 
 def _create_static_handler(params: RendezvousParameters) -> RendezvousHandler:
@@ -51,6 +57,34 @@ def _register_default_handlers() -> None:
     rendezvous_handler_registry.register("etcd", _create_etcd_handler)
     rendezvous_handler_registry.register("etcd-v2", _create_etcd_v2_handler)
     rendezvous_handler_registry.register("c10d-v2", _create_c10d_v2_handler)
+    rendezvous_handler_registry._load_missing = _register_out_of_tree_handler
+
+
+def _register_out_of_tree_handler(name: str) -> bool:
+    """Registers the backend ``name`` from a ``torchrun.handlers`` entry point, as torchrun does.
+
+    The entry point is a function returning the handler creator. Only the entry point named
+    ``name`` is loaded, when ``name`` is asked for and not registered (built-in names win, as
+    in torchrun, where registering a clashing plugin fails): plugins nobody uses are never
+    imported. fastelastic's own entry point (its torchrun plugin) is skipped.
+
+    Returns:
+        Whether a creator for ``name`` is registered now.
+    """
+    from importlib import metadata
+
+    for ep in metadata.entry_points(group=PLUGIN_GROUP, name=name):
+        if ep.value.split(".", 1)[0].split(":", 1)[0] == "fastelastic":
+            continue
+        try:
+            rendezvous_handler_registry.register(name, ep.load()())
+            log.info("registered rendezvous backend %r from the %s entry point %s",
+                     name, PLUGIN_GROUP, ep.value)
+            return True
+        except Exception:
+            log.warning("Exception while registering out of tree plugin %s: ", name,
+                        exc_info=True)
+    return False
 
 
 def get_rendezvous_handler(params: RendezvousParameters) -> RendezvousHandler:

@@ -377,8 +377,12 @@ class SimpleElasticAgent(_AgentTelemetry, ElasticAgent):
         self._initialize_workers(worker_group)
 
     @prof
-    def run(self, role: str = DEFAULT_ROLE) -> RunResult:
-        """Runs the workers until success, final failure or a signal (see ``ElasticAgent``)."""
+    def run(self, role: str = DEFAULT_ROLE) -> RunResult | None:  # type: ignore[override]
+        """Runs the workers until success, final failure or a signal (see ``ElasticAgent``).
+
+        Returns None, as torch, when the rendezvous was closed before this node joined a
+        round (``RendezvousGracefulExitError``): the job ended without it.
+        """
         start = time.monotonic()
         shutdown_called = False
         try:
@@ -389,7 +393,7 @@ class SimpleElasticAgent(_AgentTelemetry, ElasticAgent):
             return result
         except RendezvousGracefulExitError as e:
             logger.info("Rendezvous gracefully exited: %s", e)
-            return RunResult(state=WorkerState.SUCCEEDED)
+            return None
         except SignalException as e:
             logger.warning("Received %s death signal, shutting down workers", e.sigval)
             self._shutdown(e.sigval, timeout=self._shutdown_timeout)  # type: ignore[arg-type]

@@ -1,4 +1,15 @@
-"""HTTP health endpoint of the agent (``GET /health``), as Kubernetes liveness probes expect."""
+"""HTTP health endpoint of the agent (``GET /health``), as Kubernetes liveness probes expect.
+
+``GET /metrics`` on the same port answers in Prometheus's text exposition format: every metric
+the process publishes with ``put_metric`` (torch's names, see ``fastelastic.metrics.prometheus``),
+the agent's live status and the process's CPU and memory. It needs ``prometheus_client``
+(``pip install 'fastelastic[metrics]'``); without it ``/metrics`` answers 501 and says so.
+
+The server never holds up the agent: each connection is served by a daemon thread, at most
+``max_connections`` at a time (more get a 503 at once), and a connection that has not been
+answered ``request_timeout`` seconds after it was accepted is cut off, however slowly its client
+trickles bytes. ``stop()`` cuts every open connection and returns within about a second.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +21,10 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
+
+from fastelastic.metrics import prometheus
 
 __all__ = ["HealthCheckServer", "create_healthcheck_server"]
 
@@ -20,6 +33,46 @@ logger = logging.getLogger(__name__)
 # Ours: address the health server binds (default: every interface, so a probe can reach it).
 FASTELASTIC_HEALTH_CHECK_ADDR = "FASTELASTIC_HEALTH_CHECK_ADDR"
 _UNHEALTHY_STATES = frozenset({"FAILED", "UNHEALTHY", "UNKNOWN"})
+# Sent (without blocking) to a client beyond the connection cap, then the socket is closed.
+_BUSY = (
+    b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: 29\r\n"
+    b"Connection: close\r\n\r\ntoo many health check clients"
+)
+# How long stop() waits for the handler threads after cutting their connections.
+_STOP_JOIN_S = 1.0
+
+
+class _Handler(BaseHTTPRequestHandler):
+    """One request per connection (HTTP/1.0); ``server`` is the HealthCheckServer."""
+
+    server: HealthCheckServer  # type: ignore[assignment]
+
+    def do_GET(self) -> None:
+        self._answer(send_body=True)
+
+    def do_HEAD(self) -> None:
+        self._answer(send_body=False)
+
+    def _answer(self, send_body: bool) -> None:
+        path = self.path.split("?", 1)[0].rstrip("/")
+        if path in ("/health", ""):
+            code, body = self.server.status()
+            data, ctype = json.dumps(body).encode(), "application/json"
+        else:
+            route = self.server._routes.get(path)
+            if route is None:
+                self.send_error(404, "try GET /health or GET /metrics")
+                return
+            code, ctype, data = route(self.headers.get("Accept", ""))
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if send_body:
+            self.wfile.write(data)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        logger.debug("health check: " + format, *args)
 
 
 class HealthCheckServer:
@@ -35,6 +88,11 @@ class HealthCheckServer:
         timeout: seconds without progress after which the agent is reported dead.
         status_callback: returns extra JSON fields (state, restart count, workers...).
         host: address to bind; default ``$FASTELASTIC_HEALTH_CHECK_ADDR`` or all interfaces.
+        max_connections: connections served at once; more are answered 503 and closed.
+        request_timeout: seconds from accepting a connection to the end of its answer; a client
+            still sending its request (or not reading the answer) then is disconnected.
+        metrics_handler: what ``GET /metrics`` exports; default: the process-wide exporter
+            (``fastelastic.metrics.prometheus.exporter()``), attached when the server starts.
     """
 
     def __init__(
@@ -44,17 +102,35 @@ class HealthCheckServer:
         timeout: int,
         status_callback: Callable[[], dict[str, Any]] | None = None,
         host: str | None = None,
+        max_connections: int = 16,
+        request_timeout: float = 5.0,
+        metrics_handler: prometheus.PrometheusMetricHandler | None = None,
     ) -> None:
         if not 0 <= int(port) <= 65535:
             raise ValueError(f"health check port out of range: {port}")
+        if int(max_connections) < 1:
+            raise ValueError(f"max_connections must be at least 1, got {max_connections}")
+        if not float(request_timeout) > 0:
+            raise ValueError(f"request_timeout must be positive, got {request_timeout}")
         self._alive_callback = alive_callback
         self._port = int(port)
         self._timeout = timeout
         self._status_callback = status_callback
         self._host = host if host is not None else os.environ.get(FASTELASTIC_HEALTH_CHECK_ADDR, "")
-        self._httpd: ThreadingHTTPServer | None = None
+        self._max_connections = int(max_connections)
+        self._request_timeout = float(request_timeout)
+        # Extra GET routes: path -> (Accept header) -> (status, content type, body).
+        self._routes: dict[str, Callable[[str], tuple[int, str, bytes]]] = {
+            "/metrics": self._metrics
+        }
+        self._metrics_handler = metrics_handler
+        self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._wake_r, self._wake_w = -1, -1
+        # Open connections -> (absolute deadline, handler thread). A connection leaves the map
+        # (under the lock) before its socket is closed, so a cut never hits a reused fd.
+        self._lock = threading.Lock()
+        self._conns: dict[socket.socket, tuple[float, threading.Thread]] = {}
 
     @property
     def alive_callback(self) -> Callable[[], int]:
@@ -92,73 +168,137 @@ class HealthCheckServer:
         body["healthy"] = healthy
         return (200 if healthy else 503), body
 
+    def _metrics(self, accept: str) -> tuple[int, str, bytes]:
+        """``GET /metrics``: the Prometheus text format (OpenMetrics if the client asks for it),
+        or 501 without prometheus_client."""
+        try:
+            ctype, data = prometheus.generate_latest(
+                self._metrics_handler or prometheus.exporter(),
+                prometheus.AgentStatusCollector(self.status),
+                prometheus.process_collector(),
+                accept=accept,
+            )
+        except prometheus.PrometheusUnavailableError as e:
+            return 501, "text/plain; charset=utf-8", f"{e}\n".encode()
+        return 200, ctype, data
+
     def start(self) -> None:
         """Binds the port and serves in a daemon thread.
 
         Raises:
             OSError: the port could not be bound.
         """
-        if self._httpd is not None:
+        if self._listener is not None:
             return
-        server = self
-
-        class _Handler(BaseHTTPRequestHandler):
-            timeout = 5  # a stalled client cannot hold a handler thread forever
-
-            def do_GET(self) -> None:
-                if self.path.split("?", 1)[0].rstrip("/") not in ("/health", ""):
-                    self.send_error(404, "try GET /health")
-                    return
-                code, body = server.status()
-                data = json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                logger.debug("health check: " + format, *args)
-
+        if self._metrics_handler is None and prometheus.available():
+            self._metrics_handler = prometheus.exporter()  # records from now on
         family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
-        # Non-daemon handler threads + block_on_close: stop() returns only once every
-        # connection is closed, so no socket outlives the server.
-        httpd_cls = type(
-            "_HealthHTTPServer",
-            (ThreadingHTTPServer,),
-            {"address_family": family, "daemon_threads": False, "block_on_close": True},
-        )
-        self._httpd = httpd_cls((self._host, self._port), _Handler)
-        self._port = int(self._httpd.server_address[1])
+        listener = socket.create_server((self._host, self._port), family=family, backlog=64)
+        listener.setblocking(False)
+        os.set_inheritable(listener.fileno(), False)
+        self._listener = listener
+        self._port = int(listener.getsockname()[1])
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._thread = threading.Thread(target=self._serve, name="fastelastic-health", daemon=True)
         self._thread.start()
         logger.info("health check server listening on %s:%s", self._host or "*", self._port)
 
     def _serve(self) -> None:
-        httpd = self._httpd
-        assert httpd is not None
-        # Block until a connection or the stop pipe: no periodic wake-ups while idle.
+        listener = self._listener
+        assert listener is not None
+        # Blocks until a connection, the stop pipe, or the earliest request deadline: no
+        # periodic wake-ups while idle.
         with selectors.DefaultSelector() as sel:
-            sel.register(httpd.socket, selectors.EVENT_READ, "accept")
+            sel.register(listener, selectors.EVENT_READ, "accept")
             sel.register(self._wake_r, selectors.EVENT_READ, "stop")
             while True:
-                events = sel.select()
+                with self._lock:
+                    first = min((d for d, _ in self._conns.values()), default=None)
+                timeout = None if first is None else max(0.0, first - time.monotonic())
+                events = sel.select(timeout)
                 if any(key.data == "stop" for key, _ in events):
                     return
-                httpd._handle_request_noblock()  # type: ignore[attr-defined]  # accept + hand to a thread
+                if events:
+                    self._accept(listener)
+                self._cut(time.monotonic())
+
+    def _accept(self, listener: socket.socket) -> None:
+        for _ in range(64):  # bounded per wake-up; the selector reports a non-empty backlog again
+            try:
+                conn, addr = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # EMFILE and friends: refuse this one, keep serving
+                logger.warning("health check server could not accept: %s", e)
+                return
+            with self._lock:
+                full = len(self._conns) >= self._max_connections
+                if not full:
+                    deadline = time.monotonic() + self._request_timeout
+                    conn.settimeout(self._request_timeout)  # and each recv/send within it
+                    t = threading.Thread(
+                        target=self._handle,
+                        args=(conn, addr),
+                        name="fastelastic-health-conn",
+                        daemon=True,
+                    )
+                    self._conns[conn] = (deadline, t)
+                    t.start()
+            if full:
+                try:
+                    conn.send(_BUSY, socket.MSG_DONTWAIT)
+                except OSError:
+                    pass
+                conn.close()
+                logger.warning(
+                    "health check server: %d clients already connected, refused one",
+                    self._max_connections,
+                )
+
+    def _handle(self, conn: socket.socket, addr: Any) -> None:
+        try:
+            _Handler(conn, addr, self)  # type: ignore[arg-type]  # only the attributes it uses
+        except Exception as e:  # noqa: BLE001 - a cut or broken client ends only its connection
+            logger.debug("health check connection from %s ended: %r", addr, e)
+        finally:
+            with self._lock:
+                self._conns.pop(conn, None)
+                try:
+                    conn.close()
+                except OSError:
+                    pass
+
+    def _cut(self, now: float, everyone: bool = False) -> None:
+        """Shuts down the connections past their deadline (all of them if ``everyone``)."""
+        with self._lock:
+            for conn, (deadline, _) in self._conns.items():
+                if everyone or deadline <= now:
+                    try:
+                        conn.shutdown(socket.SHUT_RDWR)  # wakes the handler thread's recv/send
+                    except OSError:
+                        pass
 
     def stop(self) -> None:
-        """Stops serving and closes the socket (idempotent)."""
-        if self._httpd is None:
+        """Stops serving, cuts every open connection and closes the socket (idempotent).
+
+        Returns within about a second whatever the clients do: the handler threads are daemons,
+        and one still busy after its connection was cut is left to finish on its own.
+        """
+        if self._listener is None:
             return
         os.write(self._wake_w, b"x")
         if self._thread is not None:
-            self._thread.join(10)
-        self._httpd.server_close()
+            self._thread.join(_STOP_JOIN_S)
+        self._cut(0.0, everyone=True)
+        with self._lock:
+            threads = [t for _, t in self._conns.values()]
+        deadline = time.monotonic() + _STOP_JOIN_S
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        self._listener.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
-        self._httpd, self._thread = None, None
+        self._listener, self._thread = None, None
         logger.info("health check server stopped")
 
 

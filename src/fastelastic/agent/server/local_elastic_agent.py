@@ -23,7 +23,7 @@ from fastelastic.agent.server.health_check_server import (
     HealthCheckServer,
     create_healthcheck_server,
 )
-from fastelastic.metrics import prof
+from fastelastic.metrics import prof, put_metric
 
 if TYPE_CHECKING:
     from fastelastic.multiprocessing import LogsSpecs, PContext
@@ -225,6 +225,7 @@ class LocalElasticAgent(SimpleElasticAgent):
                 signal=str(request.signal),
             )
         if name == "kill worker process":
+            put_metric(f"workers.{spec.role}.watchdog_kills", 1)
             logger.warning(
                 "watchdog killed worker %s (scope %s)", md.get("worker_pid"), md.get("scope_id")
             )
