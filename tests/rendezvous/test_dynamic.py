@@ -118,7 +118,7 @@ def test_create_backend_from_params(server):
                                   is_host=False, read_timeout=5)
     backend, store = create_backend(params)
     assert backend.name == "c10d" and store.port == server.port
-    with pytest.raises(ValueError, match="only 'tcp'"):
-        create_backend(RendezvousParameters("c10d", "x:1", "p", 1, 1, store_type="file"))
+    with pytest.raises(ValueError, match="only supports file and tcp"):
+        create_backend(RendezvousParameters("c10d", "x:1", "p", 1, 1, store_type="hash"))
     with pytest.raises(ValueError, match="positive"):
         create_backend(RendezvousParameters("c10d", "x:1", "p", 1, 1, read_timeout=0))

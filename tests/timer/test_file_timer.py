@@ -101,7 +101,12 @@ def test_two_workers_each_killed_at_own_deadline(server, fifo_path, events, work
 
 def test_foreign_pid_is_refused_and_not_signalled(fifo_path, events, workers):
     srv = FileTimerServer(
-        fifo_path, "r", max_interval=0.1, log_event=events, allow_descendants=False
+        fifo_path,
+        "r",
+        max_interval=0.1,
+        log_event=events,
+        allow_descendants=False,
+        allow_same_user=False,
     )
     srv.start()
     try:

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+NO_SUCH_PID = 2**30  # above the kernel's PID_MAX_LIMIT (2**22)
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "timer_worker.py")
 
 
@@ -65,14 +66,14 @@ class EventLog:
 def fifo_barrier(path: str, events: EventLog, timeout: float = 30.0) -> None:
     """Returns once the server has processed every line written to ``path`` before this call.
 
-    The FIFO keeps order, so a sentinel request naming our parent process (never ours to signal;
-    signal 0 anyway) is refused only after all earlier lines were read.
+    The FIFO keeps order, so a sentinel request naming a pid no process can have (above any
+    ``pid_max``; signal 0 anyway) is refused only after all earlier lines were read.
     """
     scope = f"barrier-{time.monotonic_ns()}"
     line = json.dumps(
         {
             "version": 1,
-            "pid": os.getppid(),
+            "pid": NO_SUCH_PID,
             "scope_id": scope,
             "expiration_time": time.time() + 3600,
             "signal": 0,

@@ -45,7 +45,7 @@ cdef enum WdEventKind:
 
 cdef enum WdAdmit:
     WD_OK = 0
-    WD_REFUSED = 1        # alive but neither allow-listed nor our descendant
+    WD_REFUSED = 1        # alive, but not allow-listed, our descendant or (if asked) our user's
     WD_GONE = 2           # no such process (or it exited while being admitted)
     WD_BAD_PID = 3        # pid <= 0 or our own pid
 
@@ -89,6 +89,7 @@ cdef class FifoWatchdog:
     cdef bint _rt                # SCHED_FIFO permitted and asked for
     cdef bint _rt_on             # the loop thread is on SCHED_FIFO now
     cdef bint _allow_descendants
+    cdef bint _allow_same_user
     cdef bint _defer_kill
     cdef bint _discarding
     cdef int _heartbeat_ms

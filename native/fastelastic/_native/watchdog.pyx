@@ -11,7 +11,7 @@ from libc.math cimport isfinite
 from libc.stdint cimport int64_t, uint64_t
 from libc.stdio cimport snprintf
 from libc.stdlib cimport strtol
-from libc.string cimport memchr, memset, strrchr
+from libc.string cimport memchr, memset, strrchr, strstr
 from libcpp.pair cimport pair
 from libcpp.string cimport string
 from libcpp.vector cimport vector
@@ -23,7 +23,8 @@ from fastelastic._native.includes.linux cimport (
     EPOLL_CTL_ADD, EPOLL_CTL_DEL, EPOLLIN, ESRCH, O_CLOEXEC, O_NONBLOCK, O_RDONLY, O_RDWR,
     POLLIN, TFD_CLOEXEC, TFD_NONBLOCK, TFD_TIMER_ABSTIME, clock_gettime, close, epoll_create1,
     epoll_ctl, epoll_event, epoll_wait, errno, eventfd, fe_monotonic_ns, fe_pidfd_open,
-    fe_pidfd_send_signal, getpid, itimerspec, open, pid_t, poll, pollfd, pthread_mutex_destroy,
+    fe_pidfd_send_signal, geteuid, getpid, getuid, uid_t, itimerspec, open, pid_t, poll, pollfd,
+    pthread_mutex_destroy,
     pthread_mutex_init, pthread_mutex_lock, pthread_mutex_unlock, read, SCHED_FIFO, SCHED_OTHER,
     sched_get_priority_min, sched_param, sched_setscheduler, timerfd_create, timerfd_settime,
     timespec, write,
@@ -114,6 +115,39 @@ cdef bint _descends_from(pid_t pid, pid_t ancestor) noexcept nogil:
     return False
 
 
+cdef bint _same_user(pid_t pid) noexcept nogil:
+    """The kernel's kill permission without CAP_KILL: our real or effective uid equals the
+    target's real or saved uid (read from the ``Uid:`` line of /proc/<pid>/status)."""
+    cdef char path[64]
+    cdef char buf[2048]
+    cdef const char *p
+    cdef char *end
+    cdef long ids[3]
+    cdef int fd, i
+    cdef Py_ssize_t n
+    cdef uid_t ruid = getuid(), euid = geteuid()
+    snprintf(path, sizeof(path), "/proc/%d/status", <int>pid)
+    fd = open(path, O_RDONLY | O_CLOEXEC)
+    if fd < 0:
+        return False
+    n = read(fd, buf, sizeof(buf) - 1)
+    close(fd)
+    if n <= 0:
+        return False
+    buf[n] = 0
+    p = strstr(buf, "\nUid:")
+    if p == NULL:
+        return False
+    p += 5
+    for i in range(3):           # real, effective, saved
+        ids[i] = strtol(p, &end, 10)
+        if end == p:
+            return False
+        p = end
+    return (<long>ruid == ids[0] or <long>ruid == ids[2]
+            or <long>euid == ids[0] or <long>euid == ids[2])
+
+
 cdef int _set_policy(bint fifo) noexcept nogil:
     """Puts the calling thread (pid 0) on SCHED_FIFO's lowest priority, or back on SCHED_OTHER."""
     cdef sched_param param
@@ -136,8 +170,9 @@ cdef class FifoWatchdog:
 
     Invariants: every entry of ``_timers`` has exactly one ``(deadline_ns, key)`` in
     ``_deadlines`` and its pid is in ``_procs``, whose pidfd is registered in ``_epfd``; a pid
-    enters ``_procs`` only if it is allow-listed or descends from this process, checked after its
-    pidfd was opened (so a recycled pid can never be signalled: signals go through the pidfd).
+    enters ``_procs`` only if it is allow-listed, descends from this process (``allow_descendants``)
+    or runs as our user (``allow_same_user``: torch's rule), checked after its pidfd was opened
+    (so a recycled pid can never be signalled: signals go through the pidfd).
     All tables are guarded by ``_mu``; the loop holds it only between two ``epoll_wait`` calls and
     never while it holds the GIL-taking callback. The timerfd is armed (CLOCK_MONOTONIC, absolute)
     at the earliest deadline, so a timer fires at its deadline, not at the next sweep.
@@ -148,13 +183,14 @@ cdef class FifoWatchdog:
     """
 
     def __cinit__(self, path, double max_interval=10.0, bint allow_descendants=True,
-                  bint defer_kill=False):
+                  bint defer_kill=False, bint allow_same_user=False):
         cdef epoll_event ev
         self._fifo_fd = self._epfd = self._tfd = self._evfd = -1
         self._owner_pid = getpid()
         self._mu_ready = False
         self._buf = NULL
         self._allow_descendants = allow_descendants
+        self._allow_same_user = allow_same_user
         self._defer_kill = defer_kill
         self._heartbeat_ms = <int>min(max(max_interval * 1000.0, 1.0), 1000.0)
         self._last_progress_ns = fe_monotonic_ns()
@@ -396,7 +432,9 @@ cdef class FifoWatchdog:
         fd = fe_pidfd_open(pid, 0)
         if fd < 0:
             return WD_GONE
-        if not listed and not (self._allow_descendants and _descends_from(pid, self._owner_pid)):
+        if (not listed
+                and not (self._allow_descendants and _descends_from(pid, self._owner_pid))
+                and not (self._allow_same_user and _same_user(pid))):
             close(fd)
             return WD_REFUSED
         # The checks above looked the pid up again; if the process our pidfd names had

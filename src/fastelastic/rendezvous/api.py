@@ -103,7 +103,15 @@ class RendezvousInfo:
 
     @property
     def store(self) -> Any:
-        """Store used by the elastic control plane."""
+        """Store used by the elastic control plane.
+
+        A ``torch.distributed.Store`` (wrapping ours) when this process has imported
+        ``torch.distributed``, so it can go to ``init_process_group(store=...)``; our plain store
+        otherwise (the launcher never imports torch).
+        """
+        from fastelastic.store._torch import maybe_torch_store
+
+        self._store = maybe_torch_store(self._store)
         return self._store
 
     @property

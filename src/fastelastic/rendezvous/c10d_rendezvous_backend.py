@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import binascii
 import logging
+import os
+import tempfile
 from base64 import b64decode, b64encode
 from datetime import timedelta
 from typing import Any
 
 from fastelastic.errors import (
     RendezvousConnectionError,
+    RendezvousError,
     RendezvousStateError,
     StoreTimeoutError,
 )
+from fastelastic.store._torch import maybe_torch_store
 
 from .api import RendezvousParameters
 from .dynamic_rendezvous import RendezvousBackend, Token
@@ -118,23 +122,52 @@ class C10dRendezvousBackend(RendezvousBackend):
             ) from e
 
 
-def create_backend(params: RendezvousParameters) -> tuple[C10dRendezvousBackend, Any]:
-    """Create a :class:`C10dRendezvousBackend` and its TCPStore from the parameters.
+def _create_file_store(params: RendezvousParameters) -> Any:
+    """A :class:`~fastelastic.store.file_store.FileStore` on the endpoint's path, or on a new
+    private (0600) temporary file when the endpoint is empty, as torch builds its FileStore."""
+    from fastelastic.store.file_store import FileStore
 
-    ``rdzv_conf`` keys: ``store_type`` (only ``tcp``), ``read_timeout`` (seconds, default 60),
-    ``is_host`` (default: the endpoint names this machine).
+    if params.endpoint:
+        path = params.endpoint
+    else:
+        try:
+            fd, path = tempfile.mkstemp(prefix="fastelastic-rdzv-")
+            os.close(fd)
+        except OSError as e:
+            raise RendezvousError(
+                "The file creation for C10d store has failed. See inner exception for details."
+            ) from e
+    try:
+        return FileStore(path)
+    except (ValueError, RuntimeError, OSError) as e:
+        raise RendezvousConnectionError(
+            "The connection to the C10d store has failed. See inner exception for details."
+        ) from e
+
+
+def create_backend(params: RendezvousParameters) -> tuple[C10dRendezvousBackend, Any]:
+    """Create a :class:`C10dRendezvousBackend` and its store from the parameters.
+
+    ``rdzv_conf`` keys: ``store_type`` (``tcp``, default, or ``file``: a FileStore in torch's
+    format on the file the endpoint names, or on a new temporary file if the endpoint is empty),
+    ``read_timeout`` (seconds, default 60; TCP only), ``is_host`` (TCP only; default: the
+    endpoint names this machine).
 
     Raises:
         ValueError: An unsupported store type or a non-positive read timeout.
-        RendezvousConnectionError: The store cannot be hosted or reached.
+        RendezvousConnectionError: The store cannot be hosted, reached or opened.
     """
     store_type = str(params.get("store_type", "tcp")).strip().lower()
+    if store_type == "file":
+        store = maybe_torch_store(_create_file_store(params))
+        return C10dRendezvousBackend(store, params.run_id), store
     if store_type != "tcp":
-        raise ValueError(f"Invalid store type {store_type!r}: fastelastic supports only 'tcp'.")
+        raise ValueError("Invalid store type given. Currently only supports file and tcp.")
     host, port = parse_rendezvous_endpoint(params.endpoint, DEFAULT_PORT)
     read_timeout = params.get_as_int("read_timeout", 60)
     if read_timeout is None or read_timeout <= 0:
         raise ValueError("The read timeout must be a positive integer.")
     store, _server = _host_store(host, port, params.get_as_bool("is_host"),
                                  timedelta(seconds=read_timeout))
+    store = maybe_torch_store(store)  # accepted by torch wherever it takes a Store
     return C10dRendezvousBackend(store, params.run_id), store

@@ -16,9 +16,13 @@ from typing import Iterable, Optional, Union
 
 from fastelastic._native.kvclient import KVClient
 from fastelastic.errors import StoreConnectionError, StoreTimeoutError
+from fastelastic.store import _torch
 from fastelastic.store._hosting import ServerHandle, host_server, raise_fd_limit, spin_us
+from fastelastic.store._torch import as_torch_store
 
-__all__ = ["Store", "TCPStore", "PrefixStore", "connect_socket", "raise_fd_limit"]
+__all__ = [
+    "Store", "TCPStore", "PrefixStore", "as_torch_store", "connect_socket", "raise_fd_limit"
+]
 
 _DEFAULT_TIMEOUT = timedelta(seconds=300)
 Value = Union[str, bytes]
@@ -92,7 +96,18 @@ class TCPStore(KVClient, Store):
         multi_tenant: masters in one process on the same port share one server.
         master_listen_fd: an already listening socket for the server to use.
         use_libuv: accepted for torch compatibility; our server is always the native one.
+
+    In a process that has imported ``torch.distributed``, the object constructed is a
+    ``torch.distributed.Store`` wrapping this class's instance (see ``as_torch_store``), so torch
+    accepts it; it still answers ``isinstance(x, TCPStore)`` and has every attribute.
     """
+
+    def __new__(cls, *args, **kwargs):
+        if cls is TCPStore and _torch.torch_loaded():
+            plain = super().__new__(cls)
+            plain.__init__(*args, **kwargs)
+            return _torch.as_torch_store(plain)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -195,11 +210,22 @@ class TCPStore(KVClient, Store):
 
 
 class PrefixStore(Store):
-    """Puts every key of ``store`` under ``prefix/`` (torch's ``PrefixStore``)."""
+    """Puts every key of ``store`` under ``prefix/`` (torch's ``PrefixStore``).
+
+    In a process that has imported ``torch.distributed`` the object constructed is a
+    ``torch.distributed.Store`` wrapping this class's instance, as for ``TCPStore``.
+    """
+
+    def __new__(cls, *args, **kwargs):
+        if cls is PrefixStore and _torch.torch_loaded():
+            plain = super().__new__(cls)
+            plain.__init__(*args, **kwargs)
+            return _torch.as_torch_store(plain)
+        return super().__new__(cls)
 
     def __init__(self, prefix: str, store) -> None:
         self._prefix = prefix
-        self._store = store
+        self._store = _torch.unwrap(store)  # one adapter at the top is enough
 
     @property
     def underlying_store(self):

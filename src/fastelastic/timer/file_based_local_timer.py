@@ -25,6 +25,7 @@ from fastelastic._native.watchdog import (
     FifoWatchdog,
 )
 from fastelastic.timer.api import TimerClient, TimerRequest
+from fastelastic.timer.debug_info_logging import log_debug_info_for_expired_timers
 from fastelastic.timer.stacks import dump_stacks
 
 __all__ = ["FileTimerClient", "FileTimerRequest", "FileTimerServer", "default_timer_file"]
@@ -34,7 +35,11 @@ logger = logging.getLogger(__name__)
 _OPEN_RETRIES = 10  # as torch's client: the server may not be up yet
 _OPEN_RETRY_DELAY = 0.1
 _WRITE_TIMEOUT = 5.0  # a full pipe (server stalled) fails the request after this long
-_REFUSAL_REASONS = {1: "not a worker of this agent", 2: "no such process", 3: "invalid pid"}
+_REFUSAL_REASONS = {
+    1: "not ours to signal (not allow-listed, not our descendant, or another user's)",
+    2: "no such process",
+    3: "invalid pid",
+}
 _private_dirs: set[str] = set()
 
 
@@ -177,8 +182,12 @@ class FileTimerServer:
     logs it and calls ``log_event``. ``max_interval`` is kept for compatibility: it only paces
     the heartbeat behind ``get_last_progress_time`` (at most 1 s), never the kill latency.
 
-    Only pids on the allow-list (``set_allowed_pids``) or descendants of this process are ever
-    signalled; other requests are refused and reported (event ``"request refused"``).
+    As torch's, a server constructed directly signals the pid its client names if that process
+    runs as this server's user (``allow_same_user``), wherever it was started; the agent's own
+    server (``allow_same_user=False``) signals only pids on the allow-list (``set_allowed_pids``)
+    or descendants of this process. Either way each pid is pinned by a pidfd opened at its first
+    request and signalled only through it, so a recycled pid is never hit; this process's own pid
+    is never signalled. Other requests are refused and reported (event ``"request refused"``).
     Malformed lines are skipped (``"malformed request"``). A worker that exits loses its timers.
     Unlike torch's, this server does not SIGKILL its own process after reaping a worker.
 
@@ -190,6 +199,7 @@ class FileTimerServer:
         log_event: ``(name, request_or_None)`` callback, called from the watchdog thread.
         allowed_pids: initial allow-list.
         allow_descendants: also accept any process that descends from this one.
+        allow_same_user: also accept any process of this user (torch's behaviour).
         dump_stacks: before a kill, dump the worker's Python stacks (py-spy, else faulthandler
             via ``SIGUSR2`` if the worker called ``enable_stack_dump``); delays that kill.
         realtime: from 200 ms before the earliest deadline until it has fired, run the native
@@ -208,6 +218,7 @@ class FileTimerServer:
         *,
         allowed_pids: Iterable[int] | None = None,
         allow_descendants: bool = True,
+        allow_same_user: bool = True,
         dump_stacks: bool = False,
         realtime: bool = True,
     ) -> None:
@@ -225,7 +236,9 @@ class FileTimerServer:
         self._lock = threading.Lock()
         self._allowed: set[int] = set(allowed_pids or ())
         _make_fifo(file_path)
-        self._wd = FifoWatchdog(file_path, float(max_interval), allow_descendants, dump_stacks)
+        self._wd = FifoWatchdog(
+            file_path, float(max_interval), allow_descendants, dump_stacks, allow_same_user
+        )
         if self._allowed:
             self._wd.set_allowed(self._allowed)
 
@@ -419,7 +432,7 @@ class FileTimerServer:
                 logger.info("Worker pid=%s exited with %d pending timer(s); cleared them", pid, err)
                 self._emit("worker exited", None)
         if expired:
-            logger.info("Timers expired for run:[%s] [%s].", self._run_id, expired)
+            log_debug_info_for_expired_timers(self._run_id, expired)
 
     def _dump_then_reap(self, request: FileTimerRequest) -> None:
         pid = request.worker_pid

@@ -37,6 +37,9 @@ cdef extern from "<unistd.h>" nogil:
     ssize_t write(int fd, const void *buf, size_t count)
     int pipe2(int pipefd[2], int flags)
     pid_t getpid()
+    ctypedef unsigned int uid_t
+    uid_t getuid()
+    uid_t geteuid()
 
 
 cdef extern from "<fcntl.h>" nogil:

@@ -62,10 +62,9 @@ def _resolve_uninterruptible_state_timeout(explicit: float | None) -> float:
 
 def substitute_local_rank(args: tuple, local_rank: int) -> tuple:
     """Replaces ``${local_rank}`` in every string argument (torch's ``macros.substitute``)."""
-    return tuple(
-        Template(a).safe_substitute(local_rank=str(local_rank)) if isinstance(a, str) else a
-        for a in args
-    )
+    from fastelastic.utils.api import macros
+
+    return tuple(macros.substitute(list(args), str(local_rank)))
 
 
 class LocalElasticAgent(SimpleElasticAgent):
@@ -200,6 +199,7 @@ class LocalElasticAgent(SimpleElasticAgent):
                 max_interval=0.1,
                 daemon=True,
                 log_event=self._log_watchdog_event,
+                allow_same_user=False,  # only this agent's workers (its descendants)
             )
             self._worker_watchdog.start()
             logger.info("FileTimerServer started on %s", path)

@@ -10,7 +10,7 @@ from typing import Any
 
 from fastelastic._native.procmon import set_pdeathsig
 
-__all__ = ["SubprocessHandler", "get_subprocess_handler"]
+__all__ = ["SubprocessHandler"]
 
 
 class SubprocessHandler:
@@ -76,16 +76,3 @@ class SubprocessHandler:
             os.killpg(self.proc.pid, death_sig or signal.SIGTERM)
         except ProcessLookupError:
             pass
-
-
-def get_subprocess_handler(
-    entrypoint: str,
-    args: tuple,
-    env: dict[str, str],
-    stdout: str | int | None,
-    stderr: str | int | None,
-    local_rank_id: int,
-    numa_options: Any = None,
-) -> SubprocessHandler:
-    """Starts one binary worker; see :class:`SubprocessHandler`."""
-    return SubprocessHandler(entrypoint, args, env, stdout, stderr, local_rank_id, numa_options)
