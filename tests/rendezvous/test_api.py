@@ -163,3 +163,18 @@ def test_parse_config():
         _parse_rendezvous_config("a=")
     with pytest.raises(ValueError, match="format"):
         _parse_rendezvous_config("=1")
+
+
+@pytest.mark.parametrize("store_type", ["tcp", "file"])
+def test_c10d_v2_handler_answers_to_its_name(tmp_path, store_type):
+    """``c10d-v2`` (torch's dynamic rendezvous over our backend) passes the registry's check."""
+    from fastelastic.rendezvous import RendezvousParameters, get_rendezvous_handler
+
+    endpoint = str(tmp_path / "rdzv") if store_type == "file" else "127.0.0.1:0"
+    params = RendezvousParameters("c10d-v2", endpoint, "v2name", 1, 1, is_host="true",
+                                  store_type=store_type)
+    handler = get_rendezvous_handler(params)
+    try:
+        assert handler.get_backend() == "c10d-v2"
+    finally:
+        handler.shutdown()

@@ -47,7 +47,11 @@ def _create_c10d_v2_handler(params: RendezvousParameters) -> RendezvousHandler:
     from .dynamic_rendezvous import create_handler
 
     backend, store = create_backend(params)
-    return create_handler(store, backend, params)
+    handler = create_handler(store, backend, params)
+    # The handler answers to the name it was asked for ("c10d-v2" is our alias of torch's
+    # dynamic "c10d" path; the registry checks the name, as torch's does)
+    handler._backend_name = params.backend
+    return handler
 
 
 def _register_default_handlers() -> None:
