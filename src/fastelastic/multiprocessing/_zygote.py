@@ -27,7 +27,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,7 +71,9 @@ def parse_preload(value: str | list[str] | tuple[str, ...] | None) -> tuple[str,
     names = tuple(str(i).strip() for i in items if str(i).strip())
     for name in names:
         if not _MODULE_RE.match(name):
-            raise ValueError(f"--preload: {name!r} is not a module name (expected e.g. torch,numpy)")
+            raise ValueError(
+                f"--preload: {name!r} is not a module name (expected e.g. torch,numpy)"
+            )
     return names
 
 
@@ -98,7 +99,8 @@ def python_command(entrypoint: Any, args: tuple) -> PythonCommand | str:
     if not isinstance(entrypoint, str):
         return "the entrypoint is a function (--run-path or the API), not a Python command"
     exe = os.path.basename(entrypoint)
-    if not _PYTHON_RE.match(exe) and os.path.realpath(entrypoint) != os.path.realpath(sys.executable):
+    same = os.path.realpath(entrypoint) == os.path.realpath(sys.executable)
+    if not _PYTHON_RE.match(exe) and not same:
         return f"the entrypoint {entrypoint!r} is not a Python interpreter (--no-python)"
     items = [str(a) for a in args]
     options: list[str] = []
@@ -437,9 +439,10 @@ class ZygoteContext(SubprocessContext):
             in_fd, close_in = _stdin_fd()
             try:
                 cmd = python_command(self.entrypoint, self.args[rank])
-                got: int | str = cmd
+                got: int | str = "the worker's command differs from the zygote's"
                 if isinstance(cmd, PythonCommand) and self._zygote.matches(cmd):
-                    fds = (in_fd, 1 if out_fd is None else out_fd, 2 if err_fd is None else err_fd)
+                    out = 1 if out_fd is None else out_fd
+                    fds = (in_fd, out, 2 if err_fd is None else err_fd)
                     got = self._zygote.spawn(self._request(rank, cmd), fds)
                 if isinstance(got, int):
                     pid = got

@@ -50,17 +50,19 @@ def _threads():
         return 1
 
 
-def _thread_names():
-    names = []
-    for tid in sorted(os.listdir("/proc/self/task")):
-        if int(tid) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                names.append(f.read().strip())
-        except OSError:
-            continue
-    return names
+def _extra_threads(n):
+    """Names the threads besides the main one: Python ones by name, the others counted."""
+    threading = sys.modules.get("threading")
+    py = []
+    if threading is not None:
+        py = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    parts = []
+    if py:
+        parts.append("Python: " + ", ".join(py))
+    native = n - 1 - len(py)
+    if native > 0:
+        parts.append(f"{native} native, e.g. a BLAS/OpenMP pool: OMP_NUM_THREADS=1 avoids it")
+    return "; ".join(parts)
 
 
 def _unfit(boot_env, env):
@@ -68,8 +70,8 @@ def _unfit(boot_env, env):
     n = _threads()
     if n != 1:
         return (
-            f"the zygote has {n} threads after its imports (extra: {', '.join(_thread_names())};"
-            " a BLAS/OpenMP pool? OMP_NUM_THREADS=1 avoids it) and fork copies only one"
+            f"the zygote has {n} threads after its imports ({_extra_threads(n)})"
+            " and a fork copies only one"
         )
     torch = sys.modules.get("torch")
     cuda = getattr(torch, "cuda", None)
@@ -78,7 +80,8 @@ def _unfit(boot_env, env):
     if env is not None:
         theirs = _startup_env(env)
         if theirs != boot_env:
-            diff = sorted(k for k in set(theirs) | set(boot_env) if theirs.get(k) != boot_env.get(k))
+            keys = set(theirs) | set(boot_env)
+            diff = sorted(k for k in keys if theirs.get(k) != boot_env.get(k))
             return f"the worker's {', '.join(diff)} differ from the zygote's (read at startup)"
     return ""
 
@@ -215,12 +218,41 @@ def _serve(cfg):
             _send(ctl, ("spawned", pid))
 
 
-def _trim(tb, path):
-    """The traceback from the first frame of ``path`` (``python script.py`` shows no more)."""
+def _trim(tb, keep):
+    """The traceback from its first frame ``keep`` accepts (what the interpreter would show)."""
     t = tb
-    while t is not None and t.tb_frame.f_code.co_filename != path:
+    while t is not None and not keep(t.tb_frame.f_code):
         t = t.tb_next
     return t if t is not None else tb
+
+
+def _run(job):
+    """Runs the worker's program as ``python`` would; returns its uncaught exception, if any."""
+    import runpy
+
+    if job["module"]:
+        # what `python -m` runs (its traceback shows these runpy frames too)
+        run = runpy._run_module_as_main  # type: ignore[attr-defined]
+        try:
+            run(job["argv"][0], alter_argv=True)
+        except BaseException as e:  # noqa: BLE001 - handed back to the top level
+            return e, _trim(e.__traceback__, lambda c: c.co_name == "_run_module_as_main")
+        return None
+    from importlib.machinery import SourceFileLoader
+
+    path = os.path.abspath(job["argv"][0])
+    main = sys.modules["__main__"]
+    with open(path, "rb") as f:
+        code = compile(f.read(), path, "exec", dont_inherit=True)
+    main.__dict__.update(
+        __file__=path, __cached__=None, __loader__=SourceFileLoader("__main__", path)
+    )
+    del job
+    try:
+        exec(code, main.__dict__)
+    except BaseException as e:  # noqa: BLE001 - handed back to the top level
+        return e, _trim(e.__traceback__, lambda c: c.co_filename == path)
+    return None
 
 
 if __name__ == "__main__":
@@ -231,23 +263,14 @@ if __name__ == "__main__":
     if _job is None:
         sys.exit(0)
     del _cfg
-    import runpy
-
-    if _job["module"]:
-        # what `python -m` runs (it shows runpy's frames in a traceback too)
-        runpy._run_module_as_main(_job["argv"][0], alter_argv=True)  # type: ignore[attr-defined]
-    else:
-        _path = os.path.abspath(_job["argv"][0])
-        _main = sys.modules["__main__"]
-        with open(_path, "rb") as _f:
-            _code = compile(_f.read(), _path, "exec", dont_inherit=True)
-        from importlib.machinery import SourceFileLoader
-
-        _main.__dict__.update(
-            __file__=_path, __cached__=None, __loader__=SourceFileLoader("__main__", _path)
-        )
-        del _job, _f
-        try:
-            exec(_code, _main.__dict__)
-        except BaseException as _e:  # noqa: BLE001 - re-raised as the interpreter would see it
-            raise _e.with_traceback(_trim(_e.__traceback__, _path))  # noqa: B904
+    _failed = _run(_job)
+    del _job
+    if _failed is not None:
+        _exc, _tb = _failed
+        del _failed
+        _exc.__traceback__ = _tb
+        if isinstance(_exc, (SystemExit, KeyboardInterrupt)):
+            # SystemExit: its code; KeyboardInterrupt: traceback, then death by SIGINT
+            raise _exc
+        sys.excepthook(type(_exc), _exc, _exc.__traceback__)
+        sys.exit(1)
