@@ -34,7 +34,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -61,6 +60,7 @@ IMPLS = {
 }
 TORCH_DEFAULT = "torchrun (default shared store)"
 KEYS = ("crash_s", "exit_s", "restart_s", "launch_s")
+STALL_S = 40.0  # nothing logged for this long: the round hung
 _RESULTS: dict[str, dict] = {}
 
 
@@ -76,82 +76,89 @@ def _env(extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def _round(impl: str, nproc: int, tmp: Path, timeout: float = 300) -> dict:
-    """One job; returns launch->step 1 and crash->next step in seconds (None: never trained)."""
+def _events(progress: Path) -> list[dict]:
+    if not progress.exists():
+        return []
+    return [json.loads(ln) for ln in progress.read_text().splitlines() if ln.endswith("}")]
+
+
+def _at(events: list[dict], restart: int, step: int) -> dict[int, float]:
+    return {e["rank"]: e["t"] for e in events
+            if e["event"] == "step" and e["restart"] == restart and e["step"] == step}
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()  # the launcher stops its workers on SIGTERM
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _round(impl: str, nproc: int, tmp: Path, stall_s: float = STALL_S) -> dict:
+    """One job, stopped once measured; launch->step 1 and crash->next step in seconds.
+
+    The harness polls the progress file every 5 ms and, once rank ``--fail-rank`` wrote its
+    crash line, watches that worker through a pidfd to time its exit. The job is stopped
+    (SIGTERM to the launcher) as soon as every rank of the restarted group completed step
+    ``FAIL_AT + 1``, or when nothing new was logged for ``stall_s`` (a hang: ``None`` values).
+    """
     base, extra = IMPLS.get(impl) or (IMPLS["torchrun"][0], {})
     tag = f"{impl.split()[0]}-{time.monotonic_ns()}"
     progress = tmp / f"{tag}.jsonl"
     cmd = [*base, "--standalone", "--nproc-per-node", str(nproc), "--max-restarts", "1", SCRIPT,
            "--steps", str(FAIL_AT + 2), "--ckpt-every", "1", "--fail-at", str(FAIL_AT),
            "--ckpt-dir", str(tmp / f"ckpt-{tag}"), "--progress", str(progress)]
-    exited: list[float] = []
-    stop = threading.Event()
-    watcher = threading.Thread(target=_watch_crash, args=(progress, exited, stop), daemon=True)
-    watcher.start()
     t0 = time.time()
     proc = subprocess.Popen(cmd, env=_env(extra), cwd=tmp, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.DEVNULL)
+    pidfd, t_exit, last_change, seen = -1, None, time.monotonic(), -1
+    events: list[dict] = []
     try:
-        _, err = proc.communicate(timeout=timeout)
-        rc = proc.returncode
-    except subprocess.TimeoutExpired:
-        proc.terminate()  # the launcher stops its workers on SIGTERM
-        try:
-            _, err = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            _, err = proc.communicate()
-        rc = None
-    stop.set()
-    watcher.join(10)
-    lines = progress.read_text().splitlines() if progress.exists() else []
-    events = [json.loads(ln) for ln in lines]
-    crash = [e["t"] for e in events if e["event"] == "crash"]
-    first = {e["rank"]: e["t"] for e in events if e["restart"] == 0 and e["step"] == 1
-             and e["event"] == "step"}
-    after = {e["rank"]: e["t"] for e in events if e["restart"] == 1 and e["step"] == FAIL_AT + 1
-             and e["event"] == "step"}
-    out = {"rc": rc, "launch_s": max(first.values()) - t0 if len(first) == nproc else None,
-           "crash_s": max(after.values()) - crash[0] if crash and len(after) == nproc else None,
-           "forked": len({e["ppid"] for e in events}) == 1,
-           "exit_s": exited[0] - crash[0] if exited and crash else None}
+        while True:
+            events = _events(progress)
+            if len(events) != seen:
+                seen, last_change = len(events), time.monotonic()
+            crash = [e for e in events if e["event"] == "crash"]
+            if crash and pidfd < 0 and t_exit is None:
+                try:
+                    pidfd = os.pidfd_open(crash[0]["pid"])
+                except ProcessLookupError:
+                    t_exit = time.time()  # already gone: within the last 5 ms
+            if pidfd >= 0 and select.select([pidfd], [], [], 0)[0]:
+                t_exit = time.time()
+                os.close(pidfd)
+                pidfd = -1
+            if len(_at(events, 1, FAIL_AT + 1)) == nproc or proc.poll() is not None:
+                break
+            if time.monotonic() - last_change > stall_s:
+                break
+            time.sleep(0.005)
+    finally:
+        if pidfd >= 0:
+            os.close(pidfd)
+        _stop(proc)
+    crash_t = next((e["t"] for e in events if e["event"] == "crash"), None)
+    first, after = _at(events, 0, 1), _at(events, 1, FAIL_AT + 1)
+    out = {"launch_s": max(first.values()) - t0 if len(first) == nproc else None,
+           "crash_s": max(after.values()) - crash_t if crash_t and len(after) == nproc else None,
+           "exit_s": t_exit - crash_t if t_exit and crash_t else None,
+           "forked": len({e["ppid"] for e in events}) == 1}
     out["restart_s"] = (out["crash_s"] - out["exit_s"]
                         if out["crash_s"] is not None and out["exit_s"] is not None else None)
-    if impl in IMPLS and (rc != 0 or out["launch_s"] is None or out["crash_s"] is None):
-        keep = [ln for ln in err.splitlines() if "Error" in ln or "error" in ln][-20:]
-        raise AssertionError(f"{impl} failed (rc {rc}): {out}\n" + "\n".join(keep))
     return out
 
 
-def _watch_crash(progress: Path, exited: list[float], stop: threading.Event) -> None:
-    """Notes when the rank that crashed has exited (pidfd; the progress file names its pid).
-
-    Splits crash -> next step into the failing worker's own exit (Python's finalisation, the
-    same script under every launcher) and exit -> next step (the launcher's restart path).
-    """
-    deadline = time.monotonic() + 600
-    pid = None
-    while pid is None and not stop.is_set() and time.monotonic() < deadline:
-        if progress.exists():
-            for ln in progress.read_text().splitlines():
-                e = json.loads(ln)
-                if e["event"] == "crash":
-                    pid = e["pid"]
-        if pid is None:
-            stop.wait(0.005)
-    if pid is None:
-        return
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return
-    try:
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
-        if poller.poll(600_000):
-            exited.append(time.time())
-    finally:
-        os.close(fd)
+def _measured(impl: str, nproc: int, tmp: Path, hung: dict[str, int]) -> dict:
+    """A round that completed; a hung one (gloo teardown, any launcher) is counted and rerun."""
+    for _ in range(3):
+        got = _round(impl, nproc, tmp)
+        if got["launch_s"] is not None and got["crash_s"] is not None:
+            return got
+        hung[impl] = hung.get(impl, 0) + 1
+    raise AssertionError(f"{impl}: 3 rounds in a row never trained after the restart: {got}")
 
 
 def _stats(xs: list[float | None]) -> dict:
@@ -167,10 +174,12 @@ def tmp():
         yield Path(d)
 
 
+@pytest.mark.timeout(3600)
 def test_restart_and_launch(benchmark, request, tmp, torch_cache_holder):  # noqa: F811
     smoke = size_mode(request.config) == "smoke"
     nproc, rounds = (2, 1) if smoke else (4, 5)
     impls = [PRELOAD, "torchrun"] if smoke else list(IMPLS)
+    hung: dict[str, int] = {}
     samples: dict[str, dict[str, list[float]]] = {
         i: {k: [] for k in KEYS} for i in impls
     }
@@ -178,7 +187,7 @@ def test_restart_and_launch(benchmark, request, tmp, torch_cache_holder):  # noq
     def run() -> None:
         for _ in range(rounds):
             for impl in impls:  # interleaved: load changes hit every launcher alike
-                got = _round(impl, nproc, tmp)
+                got = _measured(impl, nproc, tmp, hung)
                 for key in KEYS:
                     samples[impl][key].append(got[key])
                 if "--preload" in impl:
@@ -188,8 +197,8 @@ def test_restart_and_launch(benchmark, request, tmp, torch_cache_holder):  # noq
     for impl, by in samples.items():
         _RESULTS[impl] = {k: _stats(v) for k, v in by.items()}
     if not smoke:
-        _RESULTS[TORCH_DEFAULT] = _round(TORCH_DEFAULT, nproc, tmp, timeout=60 + 30)
-    _RESULTS["_meta"] = {"nproc": nproc, "rounds": rounds}
+        _RESULTS[TORCH_DEFAULT] = _round(TORCH_DEFAULT, nproc, tmp, stall_s=60)
+    _RESULTS["_meta"] = {"nproc": nproc, "rounds": rounds, "hung": hung}
     torch_ref = _RESULTS["torchrun"]
     for impl in impls:
         for key in KEYS:
@@ -233,8 +242,12 @@ def _table() -> str:
         trained = default["crash_s"] is not None
         out += ["", "torchrun with torch's default (shared agent store), one round: "
                 + (f"trained again {default['crash_s']:.2f} s after the crash." if trained else
-                   "the restarted group never completed a step (killed after 60 s; "
-                   f"launcher exit: {default['rc']}).")]
+                   "the restarted group never completed a step (stopped after 60 s without "
+                   "progress).")]
+    hung = meta["hung"]
+    out += ["", "Rounds that hung (a worker deadlocked in gloo's teardown, `~ProcessGroupGloo` "
+            "joining a thread that waits for the GIL; seen with every launcher) and were rerun: "
+            + (", ".join(f"{k}: {v}" for k, v in sorted(hung.items())) or "none") + "."]
     out += ["", "Node loss with and without `--preload` (4 nodes x 2 workers) is not measured "
             "here: it needs the recovery benchmark of the node-loss work (another branch)."]
     return "\n".join(out) + "\n"

@@ -89,27 +89,21 @@ def start_processes(
     _validate_full_rank(args, nprocs, "args")
     _validate_full_rank(envs, nprocs, "envs")
     context: PContext
-    if zygote is not None and isinstance(entrypoint, str):
-        from fastelastic.multiprocessing._zygote import PythonCommand, ZygoteContext, python_command
+    if zygote is not None and _zygote_runs(zygote, entrypoint, args[0]):
+        from fastelastic.multiprocessing._zygote import ZygoteContext
 
-        cmd = python_command(entrypoint, args[0])
-        if isinstance(cmd, PythonCommand) and zygote.matches(cmd):
-            context = ZygoteContext(
-                zygote,
-                name=name,
-                entrypoint=entrypoint,
-                args=args,
-                envs=envs,
-                logs_specs=logs_specs,
-                log_line_prefixes=log_line_prefixes,
-                numa_options=numa_options,
-                duplicate_stdout_filters=duplicate_stdout_filters,
-                duplicate_stderr_filters=duplicate_stderr_filters,
-            )
-        else:
-            zygote = None
-    if zygote is not None:
-        pass
+        context = ZygoteContext(
+            zygote,
+            name=name,
+            entrypoint=entrypoint,
+            args=args,
+            envs=envs,
+            logs_specs=logs_specs,
+            log_line_prefixes=log_line_prefixes,
+            numa_options=numa_options,
+            duplicate_stdout_filters=duplicate_stdout_filters,
+            duplicate_stderr_filters=duplicate_stderr_filters,
+        )
     elif isinstance(entrypoint, str):
         context = SubprocessContext(
             name=name,
@@ -141,3 +135,11 @@ def start_processes(
         context.close()
         raise
     return context
+
+
+def _zygote_runs(zygote: Any, entrypoint: Callable | str, args: tuple) -> bool:
+    """True if ``zygote`` can fork this Python command (same interpreter, options, path)."""
+    from fastelastic.multiprocessing._zygote import PythonCommand, python_command
+
+    cmd = python_command(entrypoint, args)
+    return isinstance(cmd, PythonCommand) and bool(zygote.matches(cmd))
