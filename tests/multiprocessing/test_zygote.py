@@ -343,6 +343,39 @@ def test_killing_the_zygote_mid_job(tmp_path, zygote_factory, caplog):
     assert any("died" in r.getMessage() for r in caplog.records)
 
 
+def test_worker_with_other_python_startup_env_starts_plainly(tmp_path, zygote_factory, caplog):
+    caplog.set_level(logging.WARNING, logger="fastelastic.multiprocessing._zygote")
+    z = zygote_factory()
+    out = tmp_path / "o"
+    out.mkdir()
+    envs = _envs(2)
+    envs[1]["PYTHONHASHSEED"] = "7"  # read at interpreter startup: a fork cannot give it
+    pc, result = _run(z, _args(2, "dump", str(out)), envs, DefaultLogsSpecs())
+    assert not result.is_failed()
+    parents = [json.loads((out / f"{r}.json").read_text())["ppid"] for r in range(2)]
+    assert parents == [z.pid, os.getpid()]
+    assert any("PYTHONHASHSEED" in r.getMessage() for r in caplog.records)
+    assert z.state == "ready"  # only that worker started plainly
+
+
+def test_worker_states_and_signals_reach_zygote_workers(tmp_path, zygote_factory):
+    """What the health check and the D-state check read works for zygote workers."""
+    z = zygote_factory()
+    out = tmp_path / "o"
+    out.mkdir()
+    pc = start_processes("zt", PY, _args(2, "ready-wait", str(out)), _envs(2),
+                         DefaultLogsSpecs(), zygote=z)
+    pids = [_wait_file(out / f"{r}.pid")["pid"] for r in range(2)]
+    assert pc.pids() == {0: pids[0], 1: pids[1]}
+    states = pc.worker_states()
+    assert set(states) == {0, 1} and set(states.values()) <= {"sleeping", "running"}
+    os.kill(pids[1], signal.SIGUSR1)  # what the watchdog does: signal the pid it was given
+    assert pc.wait_any(30)
+    result = pc.wait(30)
+    assert result is not None and result.failures[1].exitcode == -signal.SIGUSR1
+    assert pc.exitcodes()[1] == -signal.SIGUSR1
+
+
 # ---------------------------------------------------------------- the agent's death
 
 
