@@ -1,7 +1,7 @@
 """Owns the preloaded worker zygote: the agent-side handle (:class:`Zygote`) and ZygoteContext.
 
 With ``--preload MOD[,MOD...]`` (``FASTELASTIC_PRELOAD``, ``WorkerSpec.preload``) the agent
-starts one zygote process as soon as it starts: ``python [-u] -c <_zygote_boot.py>``, which
+starts one zygote process as soon as it starts: ``python [-u] -c ... _zygote_boot.py``, which
 imports the modules once (while the rendezvous runs) and then forks every worker of every
 attempt on request, so a (re)started worker does not pay for Python's startup and the imports.
 The forked worker makes itself what ``python script.py args`` / ``python -m module args`` would
@@ -49,7 +49,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 PRELOAD_ENV = "FASTELASTIC_PRELOAD"
-_BOOT_SOURCE = (Path(__file__).parent / "_zygote_boot.py").read_text()
+_BOOT_PATH = str(Path(__file__).with_name("_zygote_boot.py"))
+# a short -c (what ps shows for the zygote and its workers) that runs the boot file as __main__
+_BOOT_C = "import sys;p=sys.argv[1];exec(compile(open(p).read(),p,'exec'))"
 _MAX_MSG = 1 << 20  # the zygote's receive buffer; a bigger request starts that worker plainly
 _SUPPORTED_OPTIONS = ("-u",)
 _PYTHON_RE = re.compile(r"^python[0-9.]*$")
@@ -209,7 +211,8 @@ class Zygote:
         on_main = threading.current_thread() is threading.main_thread()
         try:
             proc = subprocess.Popen(
-                [self.command.exe, *self.command.options, "-c", _BOOT_SOURCE, json.dumps(cfg)],
+                [self.command.exe, *self.command.options, "-c", _BOOT_C, _BOOT_PATH,
+                 json.dumps(cfg)],
                 stdin=subprocess.DEVNULL,
                 pass_fds=(child.fileno(),),
                 process_group=0,

@@ -1,8 +1,8 @@
-"""The worker zygote's own program (stdlib only; run as ``python [-u] -c <this source> CONFIG``).
+"""The worker zygote's own program (stdlib only; ``python [-u] -c <exec this file> FILE CONFIG``).
 
-Never imported by fastelastic: :mod:`fastelastic.multiprocessing._zygote` reads this file and
-hands its text to ``-c``, so the zygote holds no fastelastic module that a plain worker would
-not have. The zygote imports the preload modules once, then serves its agent over a
+Never imported by fastelastic: :mod:`fastelastic.multiprocessing._zygote` has a short ``-c``
+run this file as ``__main__``, so the zygote holds no fastelastic module that a plain worker
+would not have. The zygote imports the preload modules once, then serves its agent over a
 ``SOCK_SEQPACKET`` socket (fd ``CONFIG["fd"]``), one pickled tuple per message:
 
 * agent -> zygote: ``("spawn", request)`` with the worker's stdin/stdout/stderr as 3 fds
@@ -265,7 +265,7 @@ def _run(job):
 
 
 if __name__ == "__main__":
-    _cfg = json.loads(sys.argv[1])
+    _cfg = json.loads(sys.argv[-1])
     if _cfg.get("path0") is not None:
         sys.path[0] = _cfg["path0"]
     _job = _serve(_cfg)
