@@ -40,7 +40,6 @@ from pathlib import Path
 import pytest
 
 from bench_run import torch_cache_holder  # noqa: F401 - the fixture, shared
-from conftest import size_mode
 
 pytest.importorskip("torch", reason="!!! torch 2.13 is needed: fastrun is compared with torchrun")
 
@@ -175,9 +174,9 @@ def tmp():
 
 
 @pytest.mark.timeout(3600)
-def test_restart_and_launch(benchmark, request, tmp, torch_cache_holder):  # noqa: F811
-    smoke = size_mode(request.config) == "smoke"
-    nproc, rounds = (2, 1) if smoke else (4, 5)
+def test_restart_and_launch(benchmark, sizes, tmp, torch_cache_holder):  # noqa: F811
+    nproc, rounds = sizes["restart_nproc"], sizes["restart_rounds"]
+    smoke = rounds == 1
     impls = [PRELOAD, "torchrun"] if smoke else list(IMPLS)
     hung: dict[str, int] = {}
     samples: dict[str, dict[str, list[float]]] = {
