@@ -412,6 +412,31 @@ def test_sigkill_of_the_agent_leaves_nothing_behind(tmp_path):
             proc.wait()
 
 
+def test_fastrun_restarts_the_group_from_a_new_zygote_when_it_is_killed(tmp_path):
+    proc = subprocess.Popen(
+        [PY, "-m", "fastelastic.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
+         "1", "--preload", "json", WORKER, "wait-first", str(tmp_path)],
+        env=_fastrun_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        first = [_wait_file(tmp_path / f"{r}.0.pid") for r in range(2)]
+        zygotes = {i["ppid"] for i in first}
+        assert len(zygotes) == 1 and proc.pid not in zygotes
+        old = zygotes.pop()
+        os.kill(old, signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        second = [_wait_file(tmp_path / f"{r}.1.pid") for r in range(2)]
+        parents = {i["ppid"] for i in second}
+        assert len(parents) == 1 and parents.isdisjoint({old, proc.pid})  # a new zygote
+        assert all(wait_gone(i["pid"], 5) for i in first)
+        assert "died" in err and "starting a new one" in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_bad_preload_flag_is_one_line_exit_2():
     r = subprocess.run([PY, "-m", "fastelastic.run", "--preload", "torch;x", WORKER],
                        env=_fastrun_env(), capture_output=True, text=True, timeout=60)

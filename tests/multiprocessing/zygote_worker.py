@@ -5,7 +5,8 @@ Modes: ``dump`` writes what a program can see of how it was started (environment
 ``ready-wait [term|ignore-term]`` writes its pid file, then blocks (``term``: a SIGTERM handler
 notes the signal and exits 0; ``ignore-term``: SIGTERM ignored); ``fail`` / ``fail-record``
 raise (the latter under ``@record``); ``exit N`` exits with N; ``rng`` dumps the RNG draws;
-``grandchild`` starts ``sleep`` in its group, writes both pids, then blocks.
+``grandchild`` starts ``sleep`` in its group, writes both pids, then blocks; ``wait-first``
+writes ``<RANK>.<restart>.pid`` and blocks on the first attempt only.
 """
 
 import json
@@ -87,6 +88,11 @@ elif MODE == "ready-wait":
         signal.signal(signal.SIGTERM, _on_term)
     _write(f"{RANK}.pid", {"pid": os.getpid(), "ppid": os.getppid()})
     _block()
+elif MODE == "wait-first":  # the first attempt blocks, a restarted one exits 0
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    _write(f"{RANK}.{attempt}.pid", {"pid": os.getpid(), "ppid": os.getppid()})
+    if attempt == "0":
+        _block()
 elif MODE == "fail":
     raise RuntimeError(f"boom from rank {RANK}")
 elif MODE == "fail-record":
