@@ -26,6 +26,7 @@ SIZES = {
         "multi_torch_rounds": {10_000: 3, 100_000: 1}, "multi_bound_s": 90.0,
         "storm_n": [1024, 8192, 16384], "storm_rounds": {1024: 5, 8192: 3, 16384: 3},
         "rss_conns": 10_000,
+        "restart_nproc": 4, "restart_rounds": 5,
     },
     "smoke": {
         "rt_rounds": 50, "rt_warmup": 5,
@@ -34,6 +35,7 @@ SIZES = {
         "multi_torch_rounds": {1_000: 1, 10_000: 1}, "multi_bound_s": 60.0,
         "storm_n": [1024], "storm_rounds": {1024: 1},
         "rss_conns": 1000,
+        "restart_nproc": 2, "restart_rounds": 1,
     },
 }
 

@@ -48,6 +48,9 @@ def _args() -> argparse.Namespace:
                    help="on the first attempt, rank --fail-rank exits with an error at this step")
     p.add_argument("--fail-rank", type=int, default=1)
     p.add_argument("--out", default=None, help="rank 0 writes a JSON summary here")
+    p.add_argument("--progress", default=None,
+                   help="every rank appends one JSON line per completed step (and the injected "
+                   "failure) to this file: rank, step, restart, wall time, pid, ppid")
     return p.parse_args()
 
 
@@ -66,6 +69,17 @@ def _dataset(n: int = 8192, d: int = 32, seed: int = 1234) -> tuple[torch.Tensor
     w = torch.randn(d, 1, generator=g) / d**0.5
     y = x @ w + 0.1 * torch.sin(3 * x[:, :1]) + 0.01 * torch.randn(n, 1, generator=g)
     return x, y
+
+
+def _progress(path: str | None, **event: object) -> None:
+    if path:
+        event.update(t=time.time(), pid=os.getpid(), ppid=os.getppid())
+        line = (json.dumps(event) + "\n").encode()
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)  # one short O_APPEND write: lines of ranks never interleave
+        finally:
+            os.close(fd)
 
 
 def _save(path: str, model: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
@@ -114,6 +128,7 @@ def main() -> None:
     loss = torch.tensor(float("nan"))
     for step in range(start, args.steps):
         if step == args.fail_at and restart == 0 and rank == args.fail_rank:
+            _progress(args.progress, event="crash", rank=rank, step=step, restart=restart)
             raise RuntimeError(f"injected failure at step {step} on rank {rank}")
         idx = torch.randint(0, shard_x.shape[0], (args.batch,), generator=g)
         opt.zero_grad(set_to_none=True)
@@ -121,6 +136,7 @@ def main() -> None:
         loss.backward()  # DDP all-reduces the gradients over gloo here
         opt.step()
         done = step + 1
+        _progress(args.progress, event="step", rank=rank, step=done, restart=restart)
         if done % args.ckpt_every == 0 or done == args.steps:
             if rank == 0:
                 _save(ckpt, model.module, opt, done)

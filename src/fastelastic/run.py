@@ -161,9 +161,20 @@ def _validate(args: Namespace) -> None:
     _std("--redirects", args.redirects, Std)
     _std("--tee", args.tee, Std)
     _local_ranks(args.local_ranks_filter)
+    _preload(args)
     _parse_rdzv_conf(args.rdzv_conf)
     determine_local_world_size(args.nproc_per_node)
     _check_script(args)
+
+
+def _preload(args: Namespace) -> list[str] | None:
+    """``--preload`` as a list (None when not given: the agent reads FASTELASTIC_PRELOAD)."""
+    value = getattr(args, "preload", None)
+    if value is None:
+        return None
+    from fastelastic.multiprocessing._zygote import parse_preload
+
+    return list(parse_preload(value))
 
 
 def _local_ranks(text: str) -> set[int] | None:
@@ -281,6 +292,7 @@ def config_from_args(args: Namespace) -> tuple[Any, Callable[..., Any] | str, li
         shutdown_timeout=args.shutdown_timeout,
         exit_barrier_timeout=args.exit_barrier_timeout,
         events_endpoint=args.events_endpoint,
+        preload=_preload(args),
     )
 
     cmd: Callable[..., Any] | str

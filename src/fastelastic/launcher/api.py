@@ -64,6 +64,8 @@ class LaunchConfig:
         exit_barrier_timeout: seconds a finished node waits for the others (fastelastic).
         events_endpoint: ``tcp://HOST:PORT`` where ``fastelastic watch`` listens; the agent
             publishes its events and status there over ZeroMQ (fastelastic).
+        preload: modules imported once by a worker zygote that forks every Python worker
+            (fastelastic; ``None``: ``$FASTELASTIC_PRELOAD``; see ``fastrun --preload``).
     """
 
     min_nodes: int
@@ -91,6 +93,7 @@ class LaunchConfig:
     shutdown_timeout: int | None = None
     exit_barrier_timeout: float = 300.0
     events_endpoint: str | None = None
+    preload: list[str] | None = None
 
     def __post_init__(self) -> None:
         if self.rdzv_timeout != -1:
@@ -272,6 +275,7 @@ def launch_agent(
         duplicate_stdout_filters=config.duplicate_stdout_filters,
         duplicate_stderr_filters=config.duplicate_stderr_filters,
         virtual_local_rank=config.virtual_local_rank,
+        preload=config.preload,
     )
     agent = LocalElasticAgent(
         spec=spec,

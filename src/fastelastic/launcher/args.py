@@ -221,6 +221,11 @@ def get_args_parser(prog: str = "fastrun") -> ArgumentParser:
     a("--events-endpoint", "--events_endpoint", action=env, type=str, default=None,
       help="Publish the agent's events as JSON over ZeroMQ to tcp://HOST:PORT, where "
       "`fastelastic watch tcp://HOST:PORT` listens. All agents of a job may share it.")
+    a("--preload", type=str, default=None,
+      help="Import these modules (comma separated, e.g. torch) once in a worker zygote that "
+      "forks every Python worker, so starts and restarts skip Python's startup and the "
+      "imports (default: $FASTELASTIC_PRELOAD). Needs OMP_NUM_THREADS=1-like thread-free "
+      "imports and no CUDA at import; see the README.")
     a("training_script", type=str,
       help="The program to launch in every worker, followed by its own arguments.")
     a("training_script_args", nargs=REMAINDER)

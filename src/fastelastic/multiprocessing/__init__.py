@@ -54,6 +54,7 @@ def start_processes(
     numa_options: Any = None,
     duplicate_stdout_filters: list[str] | None = None,
     duplicate_stderr_filters: list[str] | None = None,
+    zygote: Any = None,
 ) -> PContext:
     """Starts one copy of ``entrypoint`` per local rank and returns the running context.
 
@@ -74,6 +75,8 @@ def start_processes(
         numa_options: accepted for torch compatibility; NUMA binding is not applied.
         duplicate_stdout_filters: copy matching tee'd stdout lines to ``filtered_stdout.log``.
         duplicate_stderr_filters: copy matching tee'd stderr lines to ``filtered_stderr.log``.
+        zygote: a started :class:`~fastelastic.multiprocessing._zygote.Zygote` (fastelastic):
+            a Python command it can run is forked by it instead of started plainly.
 
     Returns:
         A started :class:`MultiprocessContext` (function) or :class:`SubprocessContext` (binary).
@@ -86,7 +89,22 @@ def start_processes(
     _validate_full_rank(args, nprocs, "args")
     _validate_full_rank(envs, nprocs, "envs")
     context: PContext
-    if isinstance(entrypoint, str):
+    if zygote is not None and _zygote_runs(zygote, entrypoint, args[0]):
+        from fastelastic.multiprocessing._zygote import ZygoteContext
+
+        context = ZygoteContext(
+            zygote,
+            name=name,
+            entrypoint=entrypoint,
+            args=args,
+            envs=envs,
+            logs_specs=logs_specs,
+            log_line_prefixes=log_line_prefixes,
+            numa_options=numa_options,
+            duplicate_stdout_filters=duplicate_stdout_filters,
+            duplicate_stderr_filters=duplicate_stderr_filters,
+        )
+    elif isinstance(entrypoint, str):
         context = SubprocessContext(
             name=name,
             entrypoint=entrypoint,
@@ -117,3 +135,11 @@ def start_processes(
         context.close()
         raise
     return context
+
+
+def _zygote_runs(zygote: Any, entrypoint: Callable | str, args: tuple) -> bool:
+    """True if ``zygote`` can fork this Python command (same interpreter, options, path)."""
+    from fastelastic.multiprocessing._zygote import PythonCommand, python_command
+
+    cmd = python_command(entrypoint, args)
+    return isinstance(cmd, PythonCommand) and bool(zygote.matches(cmd))

@@ -62,6 +62,8 @@ class WorkerSpec:
         duplicate_stderr_filters: the same for stderr.
         virtual_local_rank: every worker sees LOCAL_RANK=0 and only its own GPU
             (through CUDA_VISIBLE_DEVICES).
+        preload: modules a worker zygote imports once and forks every Python worker from
+            (fastelastic; ``None``: ``$FASTELASTIC_PRELOAD``, comma separated; ``()``: off).
     """
 
     role: str
@@ -80,6 +82,7 @@ class WorkerSpec:
     duplicate_stdout_filters: list[str] | None = None
     duplicate_stderr_filters: list[str] | None = None
     virtual_local_rank: bool = False
+    preload: tuple[str, ...] | list[str] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.local_world_size, int) or self.local_world_size <= 0:

@@ -123,6 +123,8 @@ class LocalElasticAgent(SimpleElasticAgent):
         self._uninterruptible_state_first_seen: dict[int, float] = {}
         self._exits_pending = True  # a full check is due (start, or an exit was reported)
         self._health_started = False
+        self._zygote: Any = None
+        self._zygote_tried = False
 
     # ------------------------------------------------------------------ environment
 
@@ -291,7 +293,31 @@ class LocalElasticAgent(SimpleElasticAgent):
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         # Serve /health before the (possibly long) rendezvous, so probes see a live agent.
         self._setup_healthcheck()
+        self._start_zygote(worker_group.spec)  # its imports overlap the rendezvous
         super()._rendezvous(worker_group)
+
+    def _start_zygote(self, spec: WorkerSpec) -> None:
+        """Starts the worker zygote once when ``spec.preload`` (or FASTELASTIC_PRELOAD) asks."""
+        if self._zygote_tried:
+            return
+        self._zygote_tried = True
+        from fastelastic.multiprocessing._zygote import (
+            PRELOAD_ENV,
+            Zygote,
+            parse_preload,
+            python_command,
+        )
+
+        raw = spec.preload if spec.preload is not None else os.environ.get(PRELOAD_ENV)
+        modules = parse_preload(raw)
+        if not modules:
+            return
+        cmd = python_command(spec.entrypoint, substitute_local_rank(tuple(spec.args), 0))
+        if isinstance(cmd, str):
+            logger.warning("--preload %s ignored: %s", ",".join(modules), cmd)
+            return
+        self._zygote = Zygote(modules, cmd)
+        self._zygote.start()
 
     def _setup_healthcheck(self) -> None:
         if self._health_started:
@@ -353,6 +379,8 @@ class LocalElasticAgent(SimpleElasticAgent):
         for name in ("numa_options", "duplicate_stdout_filters", "duplicate_stderr_filters"):
             if getattr(spec, name) is not None:
                 kwargs[name] = getattr(spec, name)
+        if self._zygote is not None:
+            kwargs["zygote"] = self._zygote
         self._pcontext = start_processes(
             name=spec.role,
             entrypoint=spec.entrypoint,
@@ -401,6 +429,8 @@ class LocalElasticAgent(SimpleElasticAgent):
             self._health_started = False
         if self._pcontext is not None:
             self._pcontext.close(death_sig, timeout)
+        if self._zygote is not None:
+            self._zygote.close()
 
     # ------------------------------------------------------------------ monitoring
 

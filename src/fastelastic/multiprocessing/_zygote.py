@@ -1,0 +1,486 @@
+"""Owns the preloaded worker zygote: the agent-side handle (:class:`Zygote`) and ZygoteContext.
+
+With ``--preload MOD[,MOD...]`` (``FASTELASTIC_PRELOAD``, ``WorkerSpec.preload``) the agent
+starts one zygote process as soon as it starts: ``python [-u] -c ... _zygote_boot.py``, which
+imports the modules once (while the rendezvous runs) and then forks every worker of every
+attempt on request, so a (re)started worker does not pay for Python's startup and the imports.
+The forked worker makes itself what ``python script.py args`` / ``python -m module args`` would
+be (see ``_zygote_boot.py``). The agent watches it through a pidfd like any worker (it is not
+its parent); the zygote reaps it and sends its exit code (``-signal`` when killed).
+
+A zygote that cannot give faithful workers (extra threads, a CUDA context, an import that
+failed, a worker environment whose ``PYTHON*`` variables differ from its own) says why in one
+line and the workers start plainly. A zygote that dies is started again (its workers die with
+it: parent-death signal); one that dies before being ready three times in a row is given up.
+It is registered with the guardian and dies with the agent.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastelastic._native.procmon import set_pdeathsig
+from fastelastic.multiprocessing._guardian import guardian
+from fastelastic.multiprocessing._pcontext import _KILL_GRACE_S
+from fastelastic.multiprocessing.api import SubprocessContext
+from fastelastic.multiprocessing.subprocess_handler import get_subprocess_handler
+
+__all__ = [
+    "PRELOAD_ENV",
+    "PythonCommand",
+    "Zygote",
+    "ZygoteContext",
+    "parse_preload",
+    "python_command",
+]
+
+logger = logging.getLogger(__name__)
+
+PRELOAD_ENV = "FASTELASTIC_PRELOAD"
+_BOOT_PATH = str(Path(__file__).with_name("_zygote_boot.py"))
+# a short -c (what ps shows for the zygote and its workers) that runs the boot file as __main__
+_BOOT_C = "import sys;p=sys.argv[1];exec(compile(open(p).read(),p,'exec'))"
+_MAX_MSG = 1 << 20  # the zygote's receive buffer; a bigger request starts that worker plainly
+_SUPPORTED_OPTIONS = ("-u",)
+_PYTHON_RE = re.compile(r"^python[0-9.]*$")
+_MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+_REPLY_TIMEOUT_S = 30.0
+_MAX_EARLY_DEATHS = 3
+_LOST = object()  # the zygote died before it reported this worker's exit
+
+
+def parse_preload(value: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
+    """``"torch,numpy"`` (or a list) as a tuple of module names; ``None``/``""`` is empty.
+
+    Raises:
+        ValueError: an item is not a dotted module name.
+    """
+    if value is None:
+        return ()
+    items = value.split(",") if isinstance(value, str) else list(value)
+    names = tuple(str(i).strip() for i in items if str(i).strip())
+    for name in names:
+        if not _MODULE_RE.match(name):
+            raise ValueError(
+                f"--preload: {name!r} is not a module name (expected e.g. torch,numpy)"
+            )
+    return names
+
+
+@dataclass(frozen=True)
+class PythonCommand:
+    """A worker command ``EXE [OPTIONS] (SCRIPT | -m MODULE) ARGS`` the zygote can run."""
+
+    exe: str
+    options: tuple[str, ...]
+    module: bool
+    target: str  # the script path or the module name
+    args: tuple[str, ...]
+
+    def path0(self) -> str:
+        """``sys.path[0]`` of the interpreter: the script's real directory, or the cwd for -m."""
+        if self.module:
+            return os.getcwd()
+        return os.path.dirname(os.path.realpath(self.target))
+
+
+def python_command(entrypoint: Any, args: tuple) -> PythonCommand | str:
+    """Parses a worker command; returns why the zygote cannot run it when it cannot."""
+    if not isinstance(entrypoint, str):
+        return "the entrypoint is a function (--run-path or the API), not a Python command"
+    exe = os.path.basename(entrypoint)
+    same = os.path.realpath(entrypoint) == os.path.realpath(sys.executable)
+    if not _PYTHON_RE.match(exe) and not same:
+        return f"the entrypoint {entrypoint!r} is not a Python interpreter (--no-python)"
+    items = [str(a) for a in args]
+    options: list[str] = []
+    i = 0
+    while i < len(items) and items[i].startswith("-") and items[i] != "-m":
+        if items[i] not in _SUPPORTED_OPTIONS:
+            return f"interpreter option {items[i]!r} is not supported by the zygote"
+        options.append(items[i])
+        i += 1
+    module = i < len(items) and items[i] == "-m"
+    if module:
+        i += 1
+    if i >= len(items):
+        return "no script or module to run"
+    target = items[i]
+    if not module and not os.path.isfile(target):
+        return f"{target!r} is not a regular script file"
+    return PythonCommand(entrypoint, tuple(options), module, target, tuple(items[i + 1 :]))
+
+
+def _ignored_signals_mask() -> int:
+    """The signals a plain worker would start with ignored: ours, less those Popen restores."""
+    mask = 0
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("SigIgn:"):
+                    mask = int(line.split()[1], 16)
+                    break
+    except OSError:
+        pass
+    for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # subprocess's restore_signals
+        mask &= ~(1 << (int(sig) - 1))
+    return mask
+
+
+class Zygote:
+    """The agent's handle of its worker zygote (thread-safe; one per agent).
+
+    Args:
+        modules: the modules to import once.
+        command: the workers' Python command (gives the interpreter, its options and
+            ``sys.path[0]`` for the imports).
+        ready_timeout: the longest a spawn waits for the imports before starting plainly.
+    """
+
+    def __init__(
+        self, modules: tuple[str, ...], command: PythonCommand, ready_timeout: float = 600.0
+    ) -> None:
+        self.modules = tuple(modules)
+        self.command = command
+        self._ready_timeout = ready_timeout
+        self._cond = threading.Condition()
+        self._spawn_lock = threading.Lock()
+        self._state = "new"  # new|starting|ready|unusable|closed
+        self._reason = ""
+        self._gen = 0
+        self._sock: socket.socket | None = None
+        self._proc: subprocess.Popen | None = None
+        self._replies: list[tuple] = []
+        self._status: dict[int, Any] = {}
+        self._owner: dict[int, int] = {}  # worker pid -> zygote generation
+        self._early_deaths = 0
+        self._told: set[str] = set()
+        self.ready_info: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def pid(self) -> int | None:
+        """The current zygote process's pid (None before start / after close)."""
+        proc = self._proc
+        return proc.pid if proc is not None and proc.returncode is None else None
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    @property
+    def reason(self) -> str:
+        """Why the zygote is unusable ('' while it is usable)."""
+        return self._reason
+
+    def matches(self, command: PythonCommand) -> bool:
+        """True if ``command`` runs with the zygote's interpreter, options and ``sys.path[0]``."""
+        mine = self.command
+        return (command.exe, command.options, command.module, command.path0()) == (
+            mine.exe,
+            mine.options,
+            mine.module,
+            mine.path0(),
+        )
+
+    def start(self) -> None:
+        """Starts the zygote process (returns at once; the imports run in the background)."""
+        with self._cond:
+            if self._state != "new":
+                return
+            self._state = "starting"
+        self._launch()
+
+    def _launch(self) -> None:
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        cfg = {"fd": child.fileno(), "modules": list(self.modules), "path0": self.command.path0()}
+        me = os.getpid()
+        on_main = threading.current_thread() is threading.main_thread()
+        try:
+            proc = subprocess.Popen(
+                [self.command.exe, *self.command.options, "-c", _BOOT_C, _BOOT_PATH,
+                 json.dumps(cfg)],
+                stdin=subprocess.DEVNULL,
+                pass_fds=(child.fileno(),),
+                process_group=0,
+                preexec_fn=(lambda: set_pdeathsig(signal.SIGKILL, me)) if on_main else None,  # noqa: PLW1509
+            )
+        except OSError as e:
+            parent.close()
+            self._give_up(f"the zygote could not start: {e}")
+            return
+        finally:
+            child.close()
+        guardian.register(proc.pid)
+        with self._cond:
+            self._gen += 1
+            gen = self._gen
+            self._sock = parent
+            self._proc = proc
+        threading.Thread(
+            target=self._reader, args=(gen, parent, proc), name="fe-zygote", daemon=True
+        ).start()
+        logger.info("worker zygote %s started: importing %s", proc.pid, ",".join(self.modules))
+
+    def _give_up(self, reason: str) -> None:
+        with self._cond:
+            if self._state == "closed":
+                return
+            self._state = "unusable"
+            self._reason = reason
+            self._cond.notify_all()
+        logger.warning("--preload: starting workers plainly: %s", reason)
+
+    def _reader(self, gen: int, sock: socket.socket, proc: subprocess.Popen) -> None:
+        while True:
+            try:
+                data = sock.recv(_MAX_MSG)
+            except OSError:
+                data = b""
+            if not data:
+                break
+            msg = pickle.loads(data)
+            kind = msg[0]
+            with self._cond:
+                if kind == "exit":
+                    self._status[msg[1]] = msg[2]
+                elif kind in ("spawned", "refused"):
+                    self._replies.append(msg)
+                elif kind == "ready" and self._state == "starting":
+                    self._state = "ready"
+                    self._early_deaths = 0
+                    self.ready_info = msg[1]
+                    logger.info(
+                        "worker zygote %s ready: imported %s in %.2fs",
+                        proc.pid,
+                        ",".join(self.modules),
+                        msg[1]["import_s"],
+                    )
+                self._cond.notify_all()
+            if kind == "unusable":
+                self._give_up(msg[1])
+        sock.close()
+        try:
+            proc.wait(_KILL_GRACE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        guardian.unregister(proc.pid)
+        self._zygote_gone(gen, proc)
+
+    def _zygote_gone(self, gen: int, proc: subprocess.Popen) -> None:
+        with self._cond:
+            for pid, owner in self._owner.items():
+                if owner == gen and pid not in self._status:
+                    self._status[pid] = _LOST
+            if gen != self._gen or self._state in ("closed", "unusable"):
+                self._cond.notify_all()
+                return
+            was_ready = self._state == "ready"
+            self._state = "starting"
+            self._early_deaths = 0 if was_ready else self._early_deaths + 1
+            deaths = self._early_deaths
+            self._cond.notify_all()
+        code = proc.returncode
+        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        if deaths >= _MAX_EARLY_DEATHS:
+            self._give_up(f"the zygote died {deaths} times before its imports finished ({how})")
+            return
+        logger.warning("worker zygote %s died (%s); starting a new one", proc.pid, how)
+        self._launch()
+
+    def close(self) -> None:
+        """Stops the zygote (it SIGKILLs any worker it still has) and waits for it."""
+        with self._cond:
+            if self._state == "closed":
+                return
+            self._state = "closed"
+            sock, proc = self._sock, self._proc
+            self._cond.notify_all()
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        if proc is not None:
+            try:
+                proc.wait(_KILL_GRACE_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    # ------------------------------------------------------------------ workers
+
+    def _tell_once(self, reason: str) -> None:
+        if reason not in self._told and len(self._told) < 64:
+            self._told.add(reason)
+            logger.warning("--preload: starting a worker plainly: %s", reason)
+
+    def spawn(self, request: dict[str, Any], fds: tuple[int, int, int]) -> int | str:
+        """Forks one worker; returns its pid, or why to start it plainly instead.
+
+        Waits (up to ``ready_timeout``) for the imports of a zygote that is still starting.
+        """
+        data = pickle.dumps(("spawn", request), protocol=pickle.HIGHEST_PROTOCOL)
+        if len(data) > _MAX_MSG:
+            return self._refuse(f"the worker's request is {len(data)} bytes (> {_MAX_MSG})")
+        with self._spawn_lock:
+            with self._cond:
+                self._cond.wait_for(
+                    lambda: self._state in ("ready", "unusable", "closed"), self._ready_timeout
+                )
+                if self._state != "ready":
+                    return self._reason or f"the zygote is {self._state}"
+                sock, gen = self._sock, self._gen
+                self._replies.clear()
+            assert sock is not None
+            try:
+                socket.send_fds(sock, [data], list(fds))
+            except OSError as e:
+                return self._refuse(f"the zygote is unreachable: {e}")
+            with self._cond:
+                self._cond.wait_for(
+                    lambda: bool(self._replies) or self._gen != gen or self._state != "ready",
+                    _REPLY_TIMEOUT_S,
+                )
+                reply = self._replies.pop(0) if self._replies else None
+                if reply is not None and reply[0] == "spawned":
+                    self._owner[reply[1]] = gen
+                    return int(reply[1])
+            if reply is None:
+                proc = self._proc
+                if proc is not None and self._gen == gen:
+                    proc.kill()  # hung: a late fork must not run unsupervised (pdeathsig)
+                return self._refuse("the zygote did not answer")
+            return self._refuse(str(reply[1]))
+
+    def _refuse(self, reason: str) -> str:
+        self._tell_once(reason)
+        return reason
+
+    def ack(self, pid: int) -> None:
+        """Tells the zygote the agent watches ``pid``: it may reap it and report its exit."""
+        sock = self._sock
+        if sock is None:
+            return
+        try:
+            sock.send(pickle.dumps(("ack", pid)))
+        except OSError:
+            pass  # the zygote is gone; the worker died with it
+
+    def exit_status(self, pid: int, timeout: float) -> int | None:
+        """The exit code of worker ``pid`` (``-signal`` if killed), as its zygote reported."""
+        with self._cond:
+            self._cond.wait_for(lambda: pid in self._status, timeout)
+            code = self._status.pop(pid, None)
+            self._owner.pop(pid, None)
+        if code is _LOST:
+            logger.warning(
+                "worker %s: its zygote died before reporting its exit; it was killed with it"
+                " (reported as SIGKILL)",
+                pid,
+            )
+            return -int(signal.SIGKILL)
+        return code
+
+    def forget(self, pids: list[int]) -> None:
+        """Drops what is kept about ``pids`` (their context was released)."""
+        with self._cond:
+            for pid in pids:
+                self._status.pop(pid, None)
+                self._owner.pop(pid, None)
+
+
+def _stdin_fd() -> tuple[int, bool]:
+    """Our fd 0 (or /dev/null when it is closed); True when the caller must close it."""
+    try:
+        os.fstat(0)
+        return 0, False
+    except OSError:
+        return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC), True
+
+
+class ZygoteContext(SubprocessContext):
+    """``SubprocessContext`` whose workers are forked by the zygote (plain ones as fallback)."""
+
+    def __init__(self, zygote: Zygote, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._zygote = zygote
+        self._zpids: dict[int, int] = {}  # local rank -> pid, for zygote-forked ranks
+
+    def _request(self, rank: int, cmd: PythonCommand) -> dict[str, Any]:
+        env = os.environ.copy()
+        env.update(self.envs[rank])
+        return {
+            "argv": [cmd.target, *cmd.args],
+            "module": cmd.module,
+            "orig_argv": [cmd.exe, *(str(a) for a in self.args[rank])],
+            "env": env,
+            "cwd": os.getcwd(),
+            "path0": cmd.path0(),
+            "sigign": _ignored_signals_mask(),
+        }
+
+    def _start(self) -> None:
+        if self.subprocess_handlers or self._zpids:
+            raise ValueError("The subprocess handlers already started (start() called twice?)")
+        for rank in range(self.nprocs):
+            out_fd, err_fd = self._child_stdio(rank)
+            in_fd, close_in = _stdin_fd()
+            try:
+                cmd = python_command(self.entrypoint, self.args[rank])
+                got: int | str = "the worker's command differs from the zygote's"
+                if isinstance(cmd, PythonCommand) and self._zygote.matches(cmd):
+                    out = 1 if out_fd is None else out_fd
+                    fds = (in_fd, out, 2 if err_fd is None else err_fd)
+                    got = self._zygote.spawn(self._request(rank, cmd), fds)
+                if isinstance(got, int):
+                    pid = got
+                    self._zpids[rank] = pid
+                else:
+                    handler = get_subprocess_handler(
+                        entrypoint=str(self.entrypoint),
+                        args=self.args[rank],
+                        env=self.envs[rank],
+                        stdout=out_fd,
+                        stderr=err_fd,
+                        local_rank_id=rank,
+                        numa_options=self._numa_options,
+                    )
+                    self.subprocess_handlers[rank] = handler
+                    pid = handler.proc.pid
+            finally:
+                for fd in (out_fd, err_fd):
+                    if fd is not None:
+                        os.close(fd)
+                if close_in:
+                    os.close(in_fd)
+            self._track(rank, pid)
+            if rank in self._zpids:
+                self._zygote.ack(pid)
+
+    def _exitcode(self, rank: int, status: int | None) -> int | None:
+        if rank in self.subprocess_handlers:
+            return super()._exitcode(rank, status)
+        if status is not None:
+            return status
+        return self._zygote.exit_status(self._zpids[rank], _KILL_GRACE_S)
+
+    def _release(self) -> None:
+        try:
+            super()._release()
+        finally:
+            self._zygote.forget(list(self._zpids.values()))

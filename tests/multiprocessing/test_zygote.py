@@ -1,0 +1,485 @@
+"""The preloaded worker zygote: its workers are indistinguishable from plain ``python`` workers.
+
+Real processes and signals throughout: each test runs a plain worker and a zygote-forked one
+(or a real ``fastrun --preload``) and compares what they see and how their ends are reported.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mphelpers import is_alive, wait_gone
+
+from fastelastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
+from fastelastic.multiprocessing._zygote import (
+    PythonCommand,
+    Zygote,
+    ZygoteContext,
+    parse_preload,
+    python_command,
+)
+
+pytestmark = pytest.mark.timeout(90)
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+WORKER = str(HERE / "zygote_worker.py")
+PY = sys.executable
+
+
+def _args(n: int, *extra: str, module: bool = False) -> dict[int, tuple]:
+    target = ("-m", "zygote_worker") if module else (WORKER,)
+    return {r: ("-u", *target, *extra) for r in range(n)}
+
+
+def _envs(n: int, **extra: str) -> dict[int, dict[str, str]]:
+    return {r: {"RANK": str(r), "LOCAL_RANK": str(r), **extra} for r in range(n)}
+
+
+def _wait_file(path: Path, timeout: float = 30) -> dict:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path} not written within {timeout}s")
+        time.sleep(0.02)
+    return json.loads(path.read_text())
+
+
+@pytest.fixture
+def zygote_factory():
+    made: list[Zygote] = []
+
+    def make(modules=("json",), module: bool = False) -> Zygote:
+        cmd = python_command(PY, _args(1, "x", "y", module=module)[0])
+        assert isinstance(cmd, PythonCommand), cmd
+        z = Zygote(tuple(modules), cmd, ready_timeout=60)
+        z.start()
+        made.append(z)
+        return z
+
+    yield make
+    for z in made:
+        z.close()
+        assert z.pid is None
+
+
+def _run(zygote, args, envs, logs, **kw):
+    pc = start_processes("zt", PY, args, envs, logs, zygote=zygote, **kw)
+    return pc, pc.wait(60)
+
+
+# ---------------------------------------------------------------- identical start
+
+
+@pytest.mark.parametrize("module", [False, True], ids=["script", "module"])
+def test_env_argv_main_signals_identical_to_plain(tmp_path, monkeypatch, zygote_factory, module):
+    monkeypatch.chdir(HERE)  # -m zygote_worker is found in the cwd, as with plain python -m
+    monkeypatch.setenv("FE_ZYGOTE_TEST", "agent-value")
+    z = zygote_factory(module=module)
+    dumps = {}
+    for kind, zyg in (("plain", None), ("zygote", z)):
+        out = tmp_path / kind
+        out.mkdir()
+        logs = DefaultLogsSpecs(log_dir=str(tmp_path / f"l{kind}"))
+        pc, result = _run(zyg, _args(2, "dump", str(out), module=module),
+                          _envs(2, EXTRA="x y"), logs)
+        assert result is not None and not result.is_failed(), result
+        assert isinstance(pc, ZygoteContext) == (zyg is not None)
+        dumps[kind] = {r: json.loads((out / f"{r}.json").read_text()) for r in range(2)}
+    for r in range(2):
+        plain, forked = dumps["plain"][r], dumps["zygote"][r]
+        assert forked["ppid"] == z.pid != plain["ppid"] == os.getpid()  # really forked by it
+        for key in ("pid", "ppid"):
+            plain.pop(key), forked.pop(key)
+        for d in (plain, forked):  # each context has its own (random) run log directory
+            assert d["env"].pop("TORCHELASTIC_ERROR_FILE").endswith(f"/{r}/error.json")
+        # the output dirs differ only in the argument naming them
+        forked_text = json.dumps(forked).replace(str(tmp_path / "zygote"), str(tmp_path / "plain"))
+        forked = json.loads(forked_text)
+        env_diff = {k for k in set(forked["env"]) | set(plain["env"])
+                    if forked["env"].get(k) != plain["env"].get(k)}
+        assert env_diff == set(), {k: (plain["env"].get(k), forked["env"].get(k)) for k in env_diff}
+        assert forked == plain
+        assert plain["env"]["FE_ZYGOTE_TEST"] == "agent-value" and plain["env"]["RANK"] == str(r)
+
+
+def test_python_command_parsing(tmp_path):
+    cmd = python_command(PY, ("-u", WORKER, "a"))
+    assert isinstance(cmd, PythonCommand) and cmd.args == ("a",) and not cmd.module
+    assert cmd.path0() == str(HERE)
+    mod = python_command(PY, ("-u", "-m", "pkg.mod", "--x"))
+    assert isinstance(mod, PythonCommand) and mod.module and mod.target == "pkg.mod"
+    assert "not a Python interpreter" in python_command("/bin/sh", ("-c", "true"))
+    assert "not supported" in python_command(PY, ("-O", WORKER))
+    assert "function" in python_command(print, ())
+    assert "regular script" in python_command(PY, ("-u", str(tmp_path)))
+    assert parse_preload(" torch, numpy.random ,") == ("torch", "numpy.random")
+    assert parse_preload(None) == () and parse_preload("") == ()
+    with pytest.raises(ValueError, match="not a module name"):
+        parse_preload("torch;rm -rf")
+
+
+# ---------------------------------------------------------------- ends, signals, stopping
+
+
+@pytest.mark.parametrize("how", ["exit3", "sigkill", "sigint"])
+def test_exit_codes_and_signals_reported_exactly(tmp_path, zygote_factory, how):
+    z = zygote_factory()
+    codes = {}
+    for kind, zyg in (("plain", None), ("zygote", z)):
+        out = tmp_path / kind
+        out.mkdir()
+        mode = ("exit", str(out), "3") if how == "exit3" else ("ready-wait", str(out))
+        pc = start_processes("zt", PY, _args(1, *mode), _envs(1), DefaultLogsSpecs(), zygote=zyg)
+        if how != "exit3":
+            pid = _wait_file(out / "0.pid")["pid"]
+            os.kill(pid, signal.SIGKILL if how == "sigkill" else signal.SIGINT)
+        result = pc.wait(30)
+        assert result is not None and result.is_failed()
+        codes[kind] = result.failures[0].exitcode
+    expected = {"exit3": 3, "sigkill": -signal.SIGKILL, "sigint": -signal.SIGINT}[how]
+    assert codes == {"plain": expected, "zygote": expected}
+
+
+def test_close_delivers_sigterm_and_sigint(tmp_path, zygote_factory):
+    z = zygote_factory()
+    out = tmp_path / "o"
+    out.mkdir()
+    pc = start_processes("zt", PY, _args(2, "ready-wait", str(out), "term"), _envs(2),
+                         DefaultLogsSpecs(), zygote=z)
+    assert isinstance(pc, ZygoteContext)
+    for r in range(2):
+        _wait_file(out / f"{r}.pid")
+    t0 = time.monotonic()
+    pc.close(signal.SIGTERM, timeout=20)
+    assert time.monotonic() - t0 < 10  # the handler ran: no wait for the SIGKILL deadline
+    for r in range(2):
+        assert _wait_file(out / f"{r}.sig") == {"signal": signal.SIGTERM}
+    assert pc.exitcodes() == {0: 0, 1: 0}
+    out2 = tmp_path / "o2"
+    out2.mkdir()
+    pc = start_processes("zt", PY, _args(1, "ready-wait", str(out2)), _envs(1),
+                         DefaultLogsSpecs(), zygote=z)
+    _wait_file(out2 / "0.pid")
+    pc.close(signal.SIGINT, timeout=20)  # default handler: KeyboardInterrupt, then SIGINT death
+    assert pc.exitcodes() == {0: -signal.SIGINT}
+
+
+def test_worker_ignoring_sigterm_dies_at_the_shutdown_timeout(tmp_path, zygote_factory):
+    z = zygote_factory()
+    out = tmp_path / "o"
+    out.mkdir()
+    pc = start_processes("zt", PY, _args(1, "ready-wait", str(out), "ignore-term"), _envs(1),
+                         DefaultLogsSpecs(), zygote=z)
+    pid = _wait_file(out / "0.pid")["pid"]
+    t0 = time.monotonic()
+    pc.close(signal.SIGTERM, timeout=1)
+    elapsed = time.monotonic() - t0
+    assert 0.9 <= elapsed < 8, elapsed
+    assert pc.exitcodes() == {0: -signal.SIGKILL}
+    assert wait_gone(pid, 5)
+
+
+def test_fastrun_forwards_sigterm_to_zygote_workers(tmp_path):
+    env = _fastrun_env()
+    proc = subprocess.Popen(
+        [PY, "-m", "fastelastic.run", "--standalone", "--nproc-per-node", "2", "--preload",
+         "json", WORKER, "ready-wait", str(tmp_path), "term"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        pids = [_wait_file(tmp_path / f"{r}.pid")["pid"] for r in range(2)]
+        ppids = {_wait_file(tmp_path / f"{r}.pid")["ppid"] for r in range(2)}
+        assert len(ppids) == 1 and proc.pid not in ppids  # forked by the zygote
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode != 0, err
+        for r in range(2):
+            assert _wait_file(tmp_path / f"{r}.sig") == {"signal": signal.SIGTERM}
+        assert all(wait_gone(p, 5) for p in pids)
+        assert wait_gone(ppids.pop(), 5)  # the zygote too
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+# ---------------------------------------------------------------- output
+
+
+def test_tee_redirects_and_log_files_like_plain(tmp_path, zygote_factory, capfd):
+    z = zygote_factory()
+    text = {}
+    for kind, zyg in (("plain", None), ("zygote", z)):
+        logs = DefaultLogsSpecs(log_dir=str(tmp_path / kind), redirects=Std.ALL, tee=Std.OUT)
+        pc, result = _run(zyg, _args(2, "exit", str(tmp_path), "0"), _envs(2), logs,
+                          log_line_prefixes={0: "[a0]:", 1: "[a1]:"})
+        assert not result.is_failed()
+        pc2, result2 = _run(zyg, _args(1, "fail", str(tmp_path)), _envs(1), DefaultLogsSpecs(
+            log_dir=str(tmp_path / f"{kind}-f"), redirects=Std.ERR, tee=Std.ERR))
+        assert result2.is_failed()
+        captured = capfd.readouterr()
+        text[kind] = (
+            Path(result2.stderrs[0]).read_text(),
+            [ln for ln in captured.err.splitlines() if ln.startswith("[zt0]:")],
+            sorted(os.path.basename(p) for p in result.stdouts.values()),
+        )
+    assert text["plain"] == text["zygote"]
+    stderr_file, tee_lines, _ = text["zygote"]
+    assert "RuntimeError: boom from rank 0" in stderr_file and "<string>" not in stderr_file
+    assert any("RuntimeError: boom from rank 0" in ln for ln in tee_lines)
+
+
+def test_stdout_of_worker_reaches_its_log_file_with_prefix(tmp_path, zygote_factory, capfd):
+    z = zygote_factory()
+    script = tmp_path / "hello.py"
+    script.write_text("import os\nprint('hello', os.environ['RANK'])\n")
+    cmd = python_command(PY, ("-u", str(script)))
+    assert isinstance(cmd, PythonCommand)
+    z2 = Zygote(("json",), cmd, ready_timeout=60)
+    z2.start()
+    try:
+        logs = DefaultLogsSpecs(log_dir=str(tmp_path / "l"), tee=Std.OUT)
+        pc, result = _run(z2, {0: ("-u", str(script)), 1: ("-u", str(script))}, _envs(2), logs,
+                          log_line_prefixes={0: "[p0]:", 1: "[p1]:"})
+        assert isinstance(pc, ZygoteContext) and not result.is_failed()
+        assert Path(result.stdouts[1]).read_text() == "hello 1\n"
+        out = capfd.readouterr().out.splitlines()
+        assert "[p0]:hello 0" in out and "[p1]:hello 1" in out
+    finally:
+        z2.close()
+    assert z.state == "ready"
+
+
+# ---------------------------------------------------------------- failure reports
+
+
+@pytest.mark.parametrize("mode", ["fail", "fail-record"])
+def test_failure_report_with_and_without_record(tmp_path, zygote_factory, mode):
+    z = zygote_factory()
+    reports = {}
+    for kind, zyg in (("plain", None), ("zygote", z)):
+        pc, result = _run(zyg, _args(1, mode, str(tmp_path)), _envs(1),
+                          DefaultLogsSpecs(log_dir=str(tmp_path / kind)))
+        failure = result.failures[0]
+        assert failure.exitcode == 1
+        has_file = os.path.isfile(failure.error_file)
+        assert has_file == (mode == "fail-record")
+        msg = failure.message if isinstance(failure.message, str) else failure.message["message"]
+        reports[kind] = (has_file, re.sub(r"\d{6,}", "N", msg))
+    assert reports["plain"] == reports["zygote"]
+    assert "boom from rank 0" in reports["zygote"][1]
+
+
+# ---------------------------------------------------------------- RNG, fallback, zygote death
+
+
+def test_numpy_and_random_streams_differ_per_worker(tmp_path, monkeypatch, zygote_factory):
+    pytest.importorskip("numpy", reason="!!! numpy is not installed: the reseed is untested")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # numpy's BLAS pool would be a thread
+    z = zygote_factory(("numpy",))
+    pc, result = _run(z, _args(4, "rng", str(tmp_path)), _envs(4), DefaultLogsSpecs())
+    assert isinstance(pc, ZygoteContext) and not result.is_failed(), z.reason
+    draws = [json.loads((tmp_path / f"{r}.rng").read_text()) for r in range(4)]
+    assert {d["ppid"] for d in draws} == {z.pid}
+    assert len({d["numpy"] for d in draws}) == 4
+    assert len({d["random"] for d in draws}) == 4
+
+
+def test_zygote_whose_import_started_a_thread_falls_back(tmp_path, zygote_factory, caplog):
+    caplog.set_level(logging.WARNING, logger="fastelastic.multiprocessing._zygote")
+    z = zygote_factory(("zygote_threaded_mod",))
+    out = tmp_path / "o"
+    out.mkdir()
+    pc, result = _run(z, _args(2, "dump", str(out)), _envs(2), DefaultLogsSpecs())
+    assert not result.is_failed()
+    assert z.state == "unusable" and "2 threads" in z.reason and "preload-thread" in z.reason
+    for r in range(2):  # started plainly, and they ran
+        assert json.loads((out / f"{r}.json").read_text())["ppid"] == os.getpid()
+    lines = [r.getMessage() for r in caplog.records if "threads" in r.getMessage()]
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert wait_gone(z._proc.pid, 10)  # type: ignore[union-attr]
+
+
+def test_failed_import_falls_back(tmp_path, zygote_factory):
+    z = zygote_factory(("no_such_module_zygote_test",))
+    pc, result = _run(z, _args(1, "exit", str(tmp_path), "0"), _envs(1), DefaultLogsSpecs())
+    assert not result.is_failed()
+    assert z.state == "unusable" and "ModuleNotFoundError" in z.reason
+
+
+def test_killing_the_zygote_mid_job(tmp_path, zygote_factory, caplog):
+    caplog.set_level(logging.WARNING, logger="fastelastic.multiprocessing._zygote")
+    z = zygote_factory()
+    out = tmp_path / "o"
+    out.mkdir()
+    pc = start_processes("zt", PY, _args(2, "ready-wait", str(out)), _envs(2),
+                         DefaultLogsSpecs(), zygote=z)
+    pids = [_wait_file(out / f"{r}.pid")["pid"] for r in range(2)]
+    first = z.pid
+    assert first is not None
+    os.kill(first, signal.SIGKILL)
+    result = pc.wait(30)  # its workers die with it (parent-death signal) and are reported
+    assert result is not None and result.is_failed()
+    assert {f.exitcode for f in result.failures.values()} == {-signal.SIGKILL}
+    assert all(wait_gone(p, 5) for p in pids)
+    # a new zygote serves the next attempt
+    out2 = tmp_path / "o2"
+    out2.mkdir()
+    pc2, result2 = _run(z, _args(2, "dump", str(out2)), _envs(2), DefaultLogsSpecs())
+    assert isinstance(pc2, ZygoteContext) and not result2.is_failed()
+    second = z.pid
+    assert second is not None and second != first
+    assert {json.loads((out2 / f"{r}.json").read_text())["ppid"] for r in range(2)} == {second}
+    assert any("died" in r.getMessage() for r in caplog.records)
+
+
+def test_worker_with_other_python_startup_env_starts_plainly(tmp_path, zygote_factory, caplog):
+    caplog.set_level(logging.WARNING, logger="fastelastic.multiprocessing._zygote")
+    z = zygote_factory()
+    out = tmp_path / "o"
+    out.mkdir()
+    envs = _envs(2)
+    envs[1]["PYTHONHASHSEED"] = "7"  # read at interpreter startup: a fork cannot give it
+    pc, result = _run(z, _args(2, "dump", str(out)), envs, DefaultLogsSpecs())
+    assert not result.is_failed()
+    parents = [json.loads((out / f"{r}.json").read_text())["ppid"] for r in range(2)]
+    assert parents == [z.pid, os.getpid()]
+    assert any("PYTHONHASHSEED" in r.getMessage() for r in caplog.records)
+    assert z.state == "ready"  # only that worker started plainly
+
+
+def test_worker_states_and_signals_reach_zygote_workers(tmp_path, zygote_factory):
+    """What the health check and the D-state check read works for zygote workers."""
+    z = zygote_factory()
+    out = tmp_path / "o"
+    out.mkdir()
+    pc = start_processes("zt", PY, _args(2, "ready-wait", str(out)), _envs(2),
+                         DefaultLogsSpecs(), zygote=z)
+    pids = [_wait_file(out / f"{r}.pid")["pid"] for r in range(2)]
+    assert pc.pids() == {0: pids[0], 1: pids[1]}
+    states = pc.worker_states()
+    assert set(states) == {0, 1} and set(states.values()) <= {"sleeping", "running"}
+    os.kill(pids[1], signal.SIGUSR1)  # what the watchdog does: signal the pid it was given
+    assert pc.wait_any(30)
+    result = pc.wait(30)
+    assert result is not None and result.failures[1].exitcode == -signal.SIGUSR1
+    assert pc.exitcodes()[1] == -signal.SIGUSR1
+
+
+# ---------------------------------------------------------------- the agent's death
+
+
+def _fastrun_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), env.get("PYTHONPATH", "")]).rstrip(
+        os.pathsep
+    )
+    env["LOGLEVEL"] = "WARNING"
+    env.update(extra)
+    return env
+
+
+def test_sigkill_of_the_agent_leaves_nothing_behind(tmp_path):
+    proc = subprocess.Popen(
+        [PY, "-m", "fastelastic.run", "--standalone", "--nproc-per-node", "2", WORKER,
+         "grandchild", str(tmp_path)],
+        env=_fastrun_env(FASTELASTIC_PRELOAD="json"), stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        infos = [_wait_file(tmp_path / f"{r}.pid") for r in range(2)]
+        zygotes = {i["ppid"] for i in infos}
+        assert len(zygotes) == 1 and proc.pid not in zygotes  # FASTELASTIC_PRELOAD applied
+        pids = [*zygotes, *(i["pid"] for i in infos), *(i["grandchild"] for i in infos)]
+        assert all(is_alive(p) for p in pids)
+        proc.kill()
+        assert proc.wait(10) == -signal.SIGKILL
+        survivors = [p for p in pids if not wait_gone(p, 10)]
+        assert survivors == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_fastrun_restarts_the_group_from_a_new_zygote_when_it_is_killed(tmp_path):
+    proc = subprocess.Popen(
+        [PY, "-m", "fastelastic.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
+         "1", "--preload", "json", WORKER, "wait-first", str(tmp_path)],
+        env=_fastrun_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        first = [_wait_file(tmp_path / f"{r}.0.pid") for r in range(2)]
+        zygotes = {i["ppid"] for i in first}
+        assert len(zygotes) == 1 and proc.pid not in zygotes
+        old = zygotes.pop()
+        os.kill(old, signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        second = [_wait_file(tmp_path / f"{r}.1.pid") for r in range(2)]
+        parents = {i["ppid"] for i in second}
+        assert len(parents) == 1 and parents.isdisjoint({old, proc.pid})  # a new zygote
+        assert all(wait_gone(i["pid"], 5) for i in first)
+        assert "died" in err and "starting a new one" in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_bad_preload_flag_is_one_line_exit_2():
+    r = subprocess.run([PY, "-m", "fastelastic.run", "--preload", "torch;x", WORKER],
+                       env=_fastrun_env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "not a module name" in lines[0], r.stderr
+
+
+def test_no_python_keeps_the_plain_path(tmp_path, caplog):
+    caplog.set_level(logging.WARNING)
+    r = subprocess.run(
+        [PY, "-m", "fastelastic.run", "--standalone", "--nproc-per-node", "1", "--preload",
+         "json", "--no-python", "sh", "-c", "echo ppid=$PPID"],
+        env=_fastrun_env(), capture_output=True, text=True, timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "--preload json ignored: the entrypoint 'sh' is not a Python interpreter" in r.stderr
+
+
+# ---------------------------------------------------------------- torch
+
+
+@pytest.mark.torch
+def test_ddp_example_restarts_from_the_torch_zygote(tmp_path):
+    pytest.importorskip("torch", reason="!!! torch 2.13 is not installed: --preload torch untested")
+    out, progress = tmp_path / "summary.json", tmp_path / "progress.jsonl"
+    proc = subprocess.Popen(
+        [PY, "-m", "fastelastic.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
+         "1", "--preload", "torch", str(REPO / "examples" / "ddp_train.py"), "--steps", "6",
+         "--ckpt-every", "1", "--fail-at", "3", "--ckpt-dir", str(tmp_path / "ckpt"),
+         "--out", str(out), "--progress", str(progress)],
+        env=_fastrun_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-3000:]
+    summary = json.loads(out.read_text())
+    assert summary["restart_count"] == 1 and summary["resumed_from_step"] == 3
+    events = [json.loads(ln) for ln in progress.read_text().splitlines()]
+    parents = {e["ppid"] for e in events}
+    # both attempts forked by the same zygote: one parent, not the agent
+    assert len(parents) == 1 and proc.pid not in parents, events
+    assert {(e["rank"], e["step"]) for e in events if e["restart"] == 1} == {
+        (r, s) for r in range(2) for s in range(4, 7)
+    }
+    assert "plainly" not in err and "ignored" not in err
