@@ -15,7 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 from fastelastic.agent.server import _coord
 from fastelastic.agent.server._telemetry import _AgentTelemetry
-from fastelastic.errors import RendezvousGracefulExitError, SignalException
+from fastelastic.errors import (
+    RendezvousError,
+    RendezvousGracefulExitError,
+    SignalException,
+    StoreError,
+)
 from fastelastic.events import EventSource
 from fastelastic.metrics import prof, put_metric
 
@@ -303,7 +308,7 @@ class SimpleElasticAgent(_AgentTelemetry, ElasticAgent):
         self._store = store
         try:
             _coord.release_on_disconnect(store, group_rank)
-        except Exception as e:  # noqa: BLE001 - an optimisation; the barrier still times out
+        except (StoreError, RendezvousError, OSError) as e:  # an optimisation: still times out
             logger.warning("could not arm the exit-barrier release on disconnect: %s", e)
         with self.record_duration("ASSIGN_WORKER_RANKS"):
             workers = self._assign_worker_ranks(store, group_rank, group_world_size, spec)
@@ -463,7 +468,7 @@ class SimpleElasticAgent(_AgentTelemetry, ElasticAgent):
             return
         try:
             _coord.publish_failure(self._store, self._worker_group.group_rank)
-        except Exception as e:  # noqa: BLE001 - best effort: the store may be gone already
+        except (StoreError, RendezvousError, OSError) as e:  # the store may be gone already
             logger.warning("could not publish the group failure to the store: %s", e)
 
     def _exit_barrier(self) -> None:
@@ -493,7 +498,7 @@ class SimpleElasticAgent(_AgentTelemetry, ElasticAgent):
         except SignalException as e:
             logger.warning("Got termination signal: %s", e.sigval)
             raise
-        except Exception:
+        except (StoreError, RendezvousError, OSError):
             logger.exception(
                 "Error waiting on exit barrier. Elapsed: %.3f s", _coord.elapsed_since(start)
             )
