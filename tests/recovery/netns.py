@@ -124,11 +124,12 @@ class Cluster:
 
     def spawn(self, i: int, argv: Sequence[str], env: dict[str, str] | None = None,
               stdout: IO[Any] | int | None = None, stderr: IO[Any] | int | None = None,
-              cwd: str | None = None) -> subprocess.Popen[Any]:
+              cwd: str | None = None, stdin: IO[Any] | int | None = subprocess.DEVNULL,
+              ) -> subprocess.Popen[Any]:
         """Starts ``argv`` inside node ``i`` (in its own session)."""
         p = subprocess.Popen(
             ["ip", "netns", "exec", self.ns(i), *argv], env=env, stdout=stdout, stderr=stderr,
-            cwd=cwd, start_new_session=True,
+            stdin=stdin, cwd=cwd, start_new_session=True,
         )
         self.procs.append(p)
         return p
