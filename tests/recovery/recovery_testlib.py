@@ -86,7 +86,8 @@ class Job:
 
     def tickets(self, round_: int = 0) -> int:
         """Tickets taken in ``round_`` (read through a client run inside node 0)."""
-        code = ("import sys; from datetime import timedelta; from fastelastic.store import TCPStore;"
+        code = ("import sys; from datetime import timedelta; "
+                "from fastelastic.store import TCPStore; "
                 f"c=TCPStore('127.0.0.1', {PORT}, timeout=timedelta(seconds=10));"
                 f"print(c.add('fe.rdzv.{self.run_id}/{round_}/t', 0))")
         p = self.c.spawn(0, [sys.executable, "-c", code], env={**os.environ,

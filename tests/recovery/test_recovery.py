@@ -9,6 +9,7 @@ process-group timeouts; and that the survivors' logs name the lost node and why.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 
@@ -70,11 +71,10 @@ def test_stray_ticket_is_dropped(tmp_path):
         job = Job(c, tmp_path, "2:2")
         job.start(0)
         wait_for(lambda: job.tickets(0) >= 1, 30, "node 0 to take its ticket")
-        code = ("import sys; from datetime import timedelta; from fastelastic.store import TCPStore;"
+        code = ("import sys; from datetime import timedelta; "
+                "from fastelastic.store import TCPStore; "
                 f"c=TCPStore('127.0.0.1', {PORT}, timeout=timedelta(seconds=60));"
                 "c.add('fe.rdzv.t/0/t', 1); print('taken', flush=True); sys.stdin.read()")
-        import subprocess
-
         stray = c.spawn(0, [sys.executable, "-c", code], env={**os.environ,
                         "PYTHONPATH": str(REPO / "src")}, stdout=subprocess.PIPE,
                         stdin=subprocess.PIPE)

@@ -19,7 +19,8 @@ from netns import wait_for  # noqa: E402
 
 # The worker and its child both ignore SIGTERM and SIGINT: only SIGKILL stops them. (A file:
 # the launcher substitutes ``$``-templates in arguments.)
-_STUBBORN = 'trap "" TERM INT; sleep 300 & echo "$$ $!" > "$PIDS.tmp"; mv "$PIDS.tmp" "$PIDS"; wait\n'
+_STUBBORN = ('trap "" TERM INT; sleep 300 & echo "$$ $!" > "$PIDS.tmp"; mv "$PIDS.tmp" "$PIDS"; '
+             'wait\n')
 
 
 def _env(**extra: str) -> dict[str, str]:

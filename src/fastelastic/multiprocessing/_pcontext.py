@@ -426,7 +426,8 @@ class PContext(abc.ABC):
         try:
             alive = self._wait_ranks(alive, time.monotonic() + max(timeout, 0))
         except SignalException as e:  # a second signal: stop waiting for a graceful exit
-            logger.warning("%s during shutdown: SIGKILLing the workers now", e.sigval.name)
+            name = getattr(e.sigval, "name", e.sigval)
+            logger.warning("%s during shutdown: SIGKILLing the workers now", name)
             raise
         for rank in sorted(alive):
             logger.warning(

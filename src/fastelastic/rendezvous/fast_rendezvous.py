@@ -11,10 +11,12 @@ Protocol (keys under ``fe.rdzv.<run_id>/``; round ``r`` keys under ``<r>/``):
   is above ``SEAL``.
 * ``<r>/n/<ticket>``: the node's record (preferred rank), set with one ``multi_set``.
 * ``<r>/res``: the round's outcome, decided by one ``compare_set`` from absent:
-  ``M<world>\\n<ticket of rank 0>,<ticket of rank 1>,...\\n`` (complete) — or, when a joined node's connection closes first, ``D;`` appended by the server
-  (``append_on_disconnect``): the round is abandoned and everyone re-joins ``r + 1``. A
-  ``C;`` appended by ``set_closed`` wakes waiters with :class:`RendezvousClosedError`. Text after
-  the first newline is ignored, so late appends never corrupt a complete outcome.
+  ``M<world>\\n<ticket of rank 0>,<ticket of rank 1>,...\\n`` (complete) — or, when a joined
+  node's connection closes first, ``D;`` appended by the server (``append_on_disconnect``), or
+  ``D;`` set by a node that found a deciding ticket's holder lost: the round is abandoned and
+  everyone re-joins ``r + 1``. A ``C;`` appended by ``set_closed`` wakes waiters with
+  :class:`RendezvousClosedError`. Text after the first newline is ignored, so late appends
+  never corrupt a complete outcome.
 * ``<r>/rank/<ticket>``: the rank of each ticket: ``-1`` written by the node with its record,
   overwritten by the publisher's one ``multi_set`` before it decides ``res``; a woken node reads
   ``res`` and its rank with one ``multi_get``.
@@ -326,7 +328,7 @@ class FastRendezvousHandler(RendezvousHandler):
         vals = [bytes(v) for v in self._call(store.multi_get, w.keys)]
         now = time.monotonic()
         gone = _parse_gone(vals[0])
-        for rank, raw in zip(w.peers, vals[1:]):
+        for rank, raw in zip(w.peers, vals[1:], strict=True):
             last = w.seen.get(rank)
             if last is None or last[0] != raw:
                 w.seen[rank] = (raw, now)
@@ -342,7 +344,7 @@ class FastRendezvousHandler(RendezvousHandler):
         w.reported.update(r for r, _ in fresh)
         records = self._call(store.multi_get, [f"{w.prefix}n/{w.tickets[r]}" for r, _ in fresh])
         out = []
-        for (rank, why), rec in zip(fresh, records):
+        for (rank, why), rec in zip(fresh, records, strict=True):
             _, addr, pid = (bytes(rec).decode("utf-8", "replace").split("|") + ["", ""])[:3]
             stale = now - w.seen[rank][1] if rank in w.seen else 0.0
             if why == "closed":
@@ -626,7 +628,7 @@ class FastRendezvousHandler(RendezvousHandler):
         world = len(tickets)
         ranks = assign_ranks(prefs, world)
         by_rank = [0] * world
-        for ticket, rank in zip(tickets, ranks):
+        for ticket, rank in zip(tickets, ranks, strict=True):
             by_rank[rank] = ticket
         store.multi_set([f"{p}rank/{i}" for i in tickets] + [p + "gone"],
                         [b"%d" % x for x in ranks] + [b""])

@@ -9,9 +9,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from fastelastic.errors import StoreTimeoutError
-
 from fastelastic._native import ranks as _ranks
+from fastelastic.errors import StoreTimeoutError
 
 logger = logging.getLogger(__name__)
 
