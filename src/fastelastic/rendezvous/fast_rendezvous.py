@@ -516,13 +516,13 @@ class FastRendezvousHandler(RendezvousHandler):
                       rank_key: str | None = None, ticket: int = 0) -> tuple[str, int, int, bytes]:
         """Round ``r``'s outcome: (kind, world, rank read from ``rank_key`` or -1, raw res).
 
-        A node holding ``ticket`` checks every detection window that the holders of the
+        A node holding ``ticket`` checks every quarter window that the holders of the
         deciding tickets (``min_nodes``: last call; ``max_nodes``: publish) are alive, and
         abandons the round when one is not (no record: a stray or a node lost right after its
         ticket; its keep-alive stood still for a window: frozen or hung).
         """
         key = f"{self._key}{r}/res"
-        seen: dict[int, int] = {}
+        seen: dict[int, tuple[int, float]] = {}
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -532,7 +532,7 @@ class FastRendezvousHandler(RendezvousHandler):
                     f"The rendezvous '{self._run_id}' did not complete within "
                     f"{self._timeout.join}."
                 )
-            step = remaining if not ticket else min(remaining, self._window)
+            step = remaining if not ticket else min(remaining, self._window / 4)
             try:
                 self._store.wait([key], timedelta(seconds=step))
                 break
@@ -550,9 +550,9 @@ class FastRendezvousHandler(RendezvousHandler):
             raise RendezvousStateError(f"corrupt rank {bytes(raw_rank)[:40]!r}") from e
         return (*_outcome(bytes(raw_res)), rank, bytes(raw_res))
 
-    def _deciders_stalled(self, r: int, ticket: int, seen: dict[int, int]) -> bool:
-        """True if a deciding ticket of round ``r`` has no record or a keep-alive that stood
-        still since the previous call (``seen`` keeps the counters between calls)."""
+    def _deciders_stalled(self, r: int, ticket: int, seen: dict[int, tuple[int, float]]) -> bool:
+        """True if a deciding ticket of round ``r`` has no record, or a keep-alive that stood
+        still for the detection window (``seen``: counters and when they last changed)."""
         p = f"{self._key}{r}/"
         count = int(self._store.add(p + "t", 0))
         if count >= _SEAL:  # sealed: the coordinator is publishing; the holder of min acts
@@ -561,14 +561,19 @@ class FastRendezvousHandler(RendezvousHandler):
         for role in sorted({self._min, self._max}):
             if role > count or role == ticket:
                 continue
+            # -1: no record yet; else the keep-alive counter. Stalled: unchanged for a window.
             if not self._store.check([f"{p}n/{role}"]):
-                why = "no record"
+                state = -1
             else:
-                beats = int(self._store.add(f"{p}hb/t{role}", 0))
-                if seen.get(role) != beats:
-                    seen[role] = beats
-                    continue
-                why = f"no keep-alive for {self._window:g}s"
+                state = int(self._store.add(f"{p}hb/t{role}", 0))
+            now = time.monotonic()
+            if role not in seen or seen[role][0] != state:
+                seen[role] = (state, now)
+                continue
+            if now - seen[role][1] < self._window:
+                continue
+            why = "no record" if state < 0 else "no keep-alive"
+            why += f" for {now - seen[role][1]:.1f}s"
             log.warning("rendezvous %s round %d: the node holding ticket %d (%s) is lost; "
                         "abandoning the round", self._run_id, r, role, why)
             stalled = True
