@@ -12,7 +12,8 @@ Scenarios: ``replace`` (``--nnodes 4:4``; a replacement node starts at the failu
 restarted pod) and ``shrink`` (``--nnodes 3:4``; no replacement). Downtime = failure -> every
 rank of the new world completed a step. Phases: ``detected`` (a survivor's agent logs the
 loss; fastrun only, torch's agent logs nothing at its default level), ``spawned`` (the last new
-worker process started), ``first step`` (= downtime). A run that does not recover within the
+worker process started), ``initialised`` (the last new worker imported torch and joined the
+gloo group), ``first step`` (= downtime). A run that does not recover within the
 cap counts as the cap, reported as a lower bound (``>=``). After each run the survivors are
 stopped with SIGTERM and no process of the job may be left in any namespace.
 
@@ -73,6 +74,7 @@ class Result:
     downtime: float | None = None  # None: did not recover within the cap
     detected: float | None = None
     spawned: float | None = None
+    initialised: float | None = None
     resumed_from: int | None = None
     last_step: int | None = None
     clean: bool | None = None
@@ -202,6 +204,7 @@ def run_case(launcher: str, mode: str, scenario: str, nodes: int = 4, nproc: int
             inits = [e for e in evs if e["ev"] == "init" and e["pid"] in new_pids
                      and e["world"] == new_world]
             res.spawned = max(starts) - t_fail if starts else None
+            res.initialised = max(e["t"] for e in inits) - t_fail if inits else None
             res.resumed_from = min(e["resumed"] for e in inits) if inits else None
         with job._lock:
             hits = [t for t, i, line in job.lines if t > t_fail and i != lost
@@ -240,12 +243,13 @@ def _keep(res: Result, work: Path, keep: Path | None) -> Result:
 
 def table(results: list[Result]) -> str:
     rows = ["| mode | scenario | launcher | downtime s | detected s | workers spawned s | "
-            "resumed from / last step | clean exit |",
-            "|---|---|---|---|---|---|---|---|"]
+            "workers initialised s | resumed from / last step | clean exit |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         resumed = "—" if r.resumed_from is None else f"{r.resumed_from} / {r.last_step}"
         rows.append(f"| {r.mode} | {r.scenario} | {r.launcher} | {r.shown} | "
-                    f"{r.cell(r.detected)} | {r.cell(r.spawned)} | {resumed} | "
+                    f"{r.cell(r.detected)} | {r.cell(r.spawned)} | {r.cell(r.initialised)} | "
+                    f"{resumed} | "
                     f"{'yes' if r.clean else 'NO'} |")
     by: dict[tuple[str, str], dict[str, Result]] = {}
     for r in results:
@@ -289,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
                 r = run_case(launcher, mode, scenario, a.nodes, a.nproc, a.cap, keep=keep)
                 print(f"{mode:6} {scenario:7} {launcher:16} downtime {r.shown:>8} s  "
                       f"detected {r.cell(r.detected)}  spawned {r.cell(r.spawned)}  "
+                      f"initialised {r.cell(r.initialised)}  "
                       f"resumed {r.resumed_from}/{r.last_step}  clean {r.clean}  {r.notes}",
                       flush=True)
                 results.append(r)
