@@ -106,3 +106,22 @@ def test_node_lost_during_exit_barrier(tmp_path, mode):
         took = time.time() - t
         assert took < _within(took, mode), f"{mode}: barrier left after {took:.1f}s\n{job.tail()}"
         assert "exit barrier early" in job.log(0), job.tail()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["freeze", "cut"])
+def test_node_lost_while_training_replacement_joins(tmp_path, mode):
+    """As above with --nnodes 3:3 and a replacement node started at the failure: the new node
+    makes the survivors re-join at once; the lost one is dropped within the window counted
+    from its last keep-alive (not from the re-join)."""
+    with cluster_or_skip(4, "p" + mode[0]) as c:
+        job = Job(c, tmp_path, "3:3")
+        for i in range(3):
+            job.start(i)
+        job.wait_world({0, 1, 2}, 3)
+        t = fault(c, mode, 2)
+        job.start(3)
+        got = job.wait_world({0, 1, 3}, 3, after=t, timeout=WINDOW + MARGIN + 20)
+        took = max(s["t"] for s in got.values()) - t
+        assert took < WINDOW + MARGIN, f"{mode}: training again after {took:.1f}s\n{job.tail()}"
+    assert c.leftovers() == {}

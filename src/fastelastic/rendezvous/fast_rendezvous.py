@@ -214,6 +214,7 @@ class FastRendezvousHandler(RendezvousHandler):
         self._ka_max = keep_alive_max_attempt
         self._window = self._ka_interval * keep_alive_max_attempt
         self._watch: _Watch | None = None
+        self._prev_watch: _Watch | None = None  # the last round's, for _drain
         self._bootstrap_addr = str(bootstrap_addr or getattr(store, "host", "localhost"))
         self._hooks = bool(getattr(store, "supports_extensions", False))
         self._key = f"fe.rdzv.{run_id}/"
@@ -403,7 +404,7 @@ class FastRendezvousHandler(RendezvousHandler):
         store = self._store
         deadline = time.monotonic() + self._timeout.join.total_seconds()
         self._stop_heartbeats()
-        self._watch = None
+        self._prev_watch, self._watch = self._watch, None
         if store.check([self._key + "closed"]):
             raise RendezvousClosedError(f"The rendezvous '{self._run_id}' is closed.")
         if self._member is not None:
@@ -652,20 +653,32 @@ class FastRendezvousHandler(RendezvousHandler):
         return None
 
     def _drain(self, r: int, deadline: float) -> bool:
-        """Waits until every member of the last complete round left. False if ``r`` got decided."""
+        """Waits until every member of the last complete round left. False if ``r`` got decided.
+
+        A member whose keep-alive counter stands still for the detection window is dropped
+        (frozen, hung or cut off). When this node watched it during that round, the window
+        counts from the last change it saw then, not from now.
+        """
         last = self._last_complete(r, deadline)
         if last is None:
             return True
         q, world, tickets = last
         missing = [f"{self._key}{q}/left/{i}" for i in range(world)]
         window = self._window
-        beats: dict[int, int] = {}
+        beats: dict[int, tuple[int, float]] = {}
+        prev = self._prev_watch
+        if prev is not None and prev.prefix == f"{self._key}{q}/":
+            for rank, (raw, since) in prev.seen.items():
+                try:
+                    beats[rank] = (int(raw), since)
+                except ValueError:
+                    continue
         while missing:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
             try:
-                self._store.wait(missing, timedelta(seconds=min(window, remaining)))
+                self._store.wait(missing, timedelta(seconds=min(window / 4, remaining)))
                 return True
             except StoreTimeoutError:
                 pass
@@ -673,15 +686,18 @@ class FastRendezvousHandler(RendezvousHandler):
                 return False
             present = self._store.check  # narrow the set to the keys still missing
             missing = [k for k in missing if not present([k])]
-            for key in missing:  # a member silent for a whole window is hung: drop it
+            for key in missing:  # a member silent for a whole window is lost: drop it
                 rank = int(key.rsplit("/", 1)[1])
                 hb = f"hb/t{tickets[rank]}" if rank < len(tickets) else f"hb/{rank}"
                 n = int(self._store.add(f"{self._key}{q}/{hb}", 0))
-                if beats.get(rank) == n:
-                    log.warning("rendezvous %s: member rank %d of round %d is hung; dropping",
-                                self._run_id, rank, q)
+                now = time.monotonic()
+                if rank not in beats or beats[rank][0] != n:
+                    beats[rank] = (n, now)
+                elif now - beats[rank][1] >= window:
+                    log.warning("rendezvous %s: member rank %d of round %d was lost (silent: no "
+                                "keep-alive for %.1fs); dropping it", self._run_id, rank, q,
+                                now - beats[rank][1])
                     self._store.set(key, b"hung")
-                beats[rank] = n
             missing = [k for k in missing if not present([k])]
         return True
 
