@@ -678,7 +678,8 @@ class FastRendezvousHandler(RendezvousHandler):
             if remaining <= 0:
                 return False
             try:
-                self._store.wait(missing, timedelta(seconds=min(window / 4, remaining)))
+                step = max(0.05, min(window / 4, self._ka_interval / 2))
+                self._store.wait(missing, timedelta(seconds=min(step, remaining)))
                 return True
             except StoreTimeoutError:
                 pass
