@@ -41,7 +41,7 @@ __all__ = [
 
 _TERMINAL_STATE_SYNC_ID = _coord.TERMINAL_STATE_SYNC_ID
 _MAX_REJOINS = 100  # rendezvous attempts in a row that may end with a member lost
-_EXCHANGE_TIMEOUT_S = 600.0  # bound on the rank exchange when members stay alive but slow
+_EXCHANGE_TIMEOUT_S = 600.0  # bound on the rank exchange with a store that has no timeout
 DEFAULT_ROLE = "default"
 logger = logging.getLogger(__name__)
 
@@ -362,7 +362,9 @@ class SimpleElasticAgent(_AgentTelemetry, ElasticAgent):
         wait_members = getattr(getattr(spec, "rdzv_handler", None), "wait_members", None)
         wait = None
         if wait_members is not None:
-            deadline = time.monotonic() + _EXCHANGE_TIMEOUT_S
+            limit = getattr(store, "timeout", None)  # as bounded as the store's own waits
+            seconds = limit.total_seconds() if limit is not None else _EXCHANGE_TIMEOUT_S
+            deadline = time.monotonic() + seconds
 
             def wait(keys: list[str]) -> None:
                 wait_members(store, keys, deadline)
