@@ -54,6 +54,17 @@ class RendezvousStateError(RendezvousError):
     """Raised when the state of a rendezvous is corrupt."""
 
 
+class RendezvousMemberLostError(RendezvousError):
+    """Raised when a member of this node's round was lost (dead, cut off or silent).
+
+    ``lost`` lists ``(rank, why)`` of the lost members; the agent re-joins the next round.
+    """
+
+    def __init__(self, lost: list[tuple[int, str]]) -> None:
+        self.lost = list(lost)
+        super().__init__("; ".join(f"rank {r}: {why}" for r, why in self.lost))
+
+
 class RendezvousGracefulExitError(RendezvousError):
     """Raised when node wasn't included in rendezvous and gracefully exits.
 

@@ -7,6 +7,7 @@ polling) and ``pcontext.close()`` stops whole process groups. See ``api.py`` for
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable
 from typing import Any
 
@@ -132,7 +133,8 @@ def start_processes(
     try:
         context.start()
     except BaseException:
-        context.close()
+        # a start that failed or was interrupted (a signal) leaves nothing behind, at once
+        context.close(signal.SIGKILL, 0)
         raise
     return context
 

@@ -50,7 +50,11 @@ def _kill_grace() -> float:
 _DRAIN_S = 2.0
 
 
+_signals_received = [0]  # termination signals this process has handled (a counter)
+
+
 def _terminate_process_handler(signum: int, frame: FrameType | None) -> None:
+    _signals_received[0] += 1
     sigval = signal.Signals(signum)
     raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
 
@@ -147,6 +151,7 @@ class PContext(abc.ABC):
         self._seen_seq = 0
         self._lock = threading.RLock()
         self._closed = False
+        self._signals_at_start = _signals_received[0]
         self.stuck_pids: dict[int, str] = {}  # local rank -> psutil status after close
 
     # ------------------------------------------------------------------ start
@@ -373,6 +378,10 @@ class PContext(abc.ABC):
         SIGKILL (uninterruptible sleep) is logged and listed in ``stuck_pids`` instead of
         hanging the caller. Safe to call more than once.
 
+        Every group is SIGKILLed before it is forgotten, whatever interrupts the stop: a
+        signal arriving meanwhile (a second Ctrl-C) only skips the wait for a graceful exit;
+        it is re-raised once the sweep is done.
+
         Args:
             death_sig: the first signal (SIGTERM by default).
             timeout: seconds to wait for the processes before SIGKILL.
@@ -382,10 +391,39 @@ class PContext(abc.ABC):
                 return
             self._closed = True
         sig = death_sig if death_sig else signal.SIGTERM
+        if _signals_received[0] - self._signals_at_start >= 2:
+            timeout = 0  # a second signal came before the stop began: no graceful wait
+        interrupted: BaseException | None = None
         try:
             self._stop_processes(sig, timeout)
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after the SIGKILL sweep
+            interrupted = e
+            self._sweep()
         finally:
             self._release()
+        if interrupted is not None:
+            raise interrupted
+
+    def _sweep(self) -> None:
+        """SIGKILLs every group and waits (bounded) for the leaders; signals only hurry it."""
+        if self._monitor is None:
+            return
+        for rank in self._pids:
+            self._signal_group(rank, signal.SIGKILL)
+        deadline = time.monotonic() + _kill_grace()
+        alive = set(self._pids)
+        for _ in range(1000):  # each pass ends by an exit, the deadline or another signal
+            try:
+                alive = self._wait_ranks(alive, deadline)
+                break
+            except SignalException:
+                continue
+        for rank in alive:
+            self.stuck_pids[rank] = "unknown"
+        try:
+            self._reap()
+        except SignalException:
+            pass
 
     def _stop_processes(self, sig: int, timeout: float) -> None:
         if self._monitor is None:
@@ -397,7 +435,12 @@ class PContext(abc.ABC):
                 "Sending process %s closing signal %s", self._pids[rank], signal.Signals(sig).name
             )
             self._signal_group(rank, sig)
-        alive = self._wait_ranks(alive, time.monotonic() + max(timeout, 0))
+        try:
+            alive = self._wait_ranks(alive, time.monotonic() + max(timeout, 0))
+        except SignalException as e:  # a second signal: stop waiting for a graceful exit
+            name = getattr(e.sigval, "name", e.sigval)
+            logger.warning("%s during shutdown: SIGKILLing the workers now", name)
+            raise
         for rank in sorted(alive):
             logger.warning(
                 "Unable to shutdown process %s via %s, forcefully exiting via SIGKILL",
@@ -430,7 +473,8 @@ class PContext(abc.ABC):
 
     def _release(self) -> None:
         for rank, pid in self._pids.items():
-            if rank not in self.stuck_pids:  # still alive: the guardian keeps watching it
+            # only groups known dead and SIGKILLed leave the guardian's list
+            if rank not in self.stuck_pids and rank in self._exitcodes:
                 guardian.unregister(pid)
         # a survivor keeps its pipes open: waiting for their EOF would only add _DRAIN_S
         if not self._pump.drain(0.2 if self.stuck_pids else _DRAIN_S):

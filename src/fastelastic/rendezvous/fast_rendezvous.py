@@ -10,19 +10,30 @@ Protocol (keys under ``fe.rdzv.<run_id>/``; round ``r`` keys under ``<r>/``):
   ``add(t, SEAL)``: the returned value minus ``SEAL`` is the final count and every later ticket
   is above ``SEAL``.
 * ``<r>/n/<ticket>``: the node's record (preferred rank), set with one ``multi_set``.
-* ``<r>/res``: the round's outcome, decided by one ``compare_set`` from absent: ``M<count>\\n``
-  (complete) — or, when a joined node's connection closes first, ``D;`` appended by the server
-  (``append_on_disconnect``): the round is abandoned and everyone re-joins ``r + 1``. A
-  ``C;`` appended by ``set_closed`` wakes waiters with :class:`RendezvousClosedError`. Text after
-  the first newline is ignored, so late appends never corrupt a complete outcome.
+* ``<r>/res``: the round's outcome, decided by one ``compare_set`` from absent:
+  ``M<world>\\n<ticket of rank 0>,<ticket of rank 1>,...\\n`` (complete) — or, when a joined
+  node's connection closes first, ``D;`` appended by the server (``append_on_disconnect``), or
+  ``D;`` set by a node that found a deciding ticket's holder lost: the round is abandoned and
+  everyone re-joins ``r + 1``. A ``C;`` appended by ``set_closed`` wakes waiters with
+  :class:`RendezvousClosedError`. Text after the first newline is ignored, so late appends
+  never corrupt a complete outcome.
 * ``<r>/rank/<ticket>``: the rank of each ticket: ``-1`` written by the node with its record,
   overwritten by the publisher's one ``multi_set`` before it decides ``res``; a woken node reads
   ``res`` and its rank with one ``multi_get``.
 * ``<r>/left/<rank>``: set when a member of complete round ``r`` re-joins, or by the server
   when its connection closes. The next round completes only after every member of the last
   complete round left (torch's semantics: waiting nodes are admitted at re-rendezvous).
-* ``<r>/hb/<rank>``: keep-alive counters, read only when a member is slow to leave, to tell a
-  hung-but-connected node from a busy one.
+* ``<r>/hb/t<ticket>``: the node's keep-alive counter, bumped every ``keep_alive_interval``
+  from the moment it took its ticket (created with its record).
+* ``<r>/gone``: created empty by the publisher; ``<rank>:closed;`` is appended by the server
+  when a member's connection closes (process death, or a cut link ended by TCP keep-alive),
+  ``<rank>:silent;`` by a member that saw a peer's counter stand still for
+  ``keep_alive_interval * keep_alive_max_attempt`` (frozen or hung). Every member reads it and
+  its peers' counters with one ``multi_get`` per membership check (:py:meth:`lost_members`).
+
+A ticket whose record does not appear within that window (a node lost between its ticket and
+its record, or a stray client) is dropped from the round; the round completes with the others
+when they are at least ``min_nodes``, else it is abandoned.
 
 Roles come from the ticket, so nobody races: ticket ``max_nodes`` publishes at once; ticket
 ``min_nodes`` waits ``last_call`` then seals and publishes; everyone else waits on ``res``.
@@ -41,6 +52,7 @@ from typing import Any
 from fastelastic.errors import (
     RendezvousClosedError,
     RendezvousConnectionError,
+    RendezvousMemberLostError,
     RendezvousStateError,
     RendezvousTimeoutError,
     StoreConnectionError,
@@ -66,6 +78,9 @@ DEFAULT_PORT = 29400
 _SEAL = 1 << 40
 _SLICE = 1.0  # seconds: how often a publisher blocked on a dead joiner's record re-checks res
 _MAX_WALK = 10_000  # bound on rounds walked forward/back
+_MAX_WATCHED = 8  # peers whose keep-alive counters a member reads per membership check
+DEFAULT_KEEP_ALIVE_INTERVAL = 1.0  # seconds
+DEFAULT_KEEP_ALIVE_MAX_ATTEMPT = 5  # detection window: interval * attempts = 5 s (torch: 15 s)
 
 
 def assign_ranks(prefs: list[int], world_size: int) -> list[int]:
@@ -92,6 +107,32 @@ def assign_ranks(prefs: list[int], world_size: int) -> list[int]:
         if ranks[i] < 0:
             ranks[i] = next(free)
     return ranks
+
+
+def _members(raw: bytes) -> list[int]:
+    """The tickets by rank listed on the second line of a complete outcome."""
+    parts = raw.split(b"\n", 2)
+    if len(parts) < 3 or not parts[1]:
+        return []
+    try:
+        return [int(x) for x in parts[1].split(b",")]
+    except ValueError as e:
+        raise RendezvousStateError(f"corrupt rendezvous outcome {raw[:40]!r}") from e
+
+
+class _Watch:
+    """What a member of a complete round reads to notice a lost peer (see ``lost_members``)."""
+
+    def __init__(self, prefix: str, rank: int, tickets: list[int]) -> None:
+        world = len(tickets)
+        self.prefix = prefix
+        self.rank = rank
+        self.tickets = tickets
+        count = min(world - 1, _MAX_WATCHED)
+        self.peers = [(rank + k) % world for k in range(1, count + 1)]
+        self.keys = [prefix + "gone"] + [f"{prefix}hb/t{tickets[p]}" for p in self.peers]
+        self.seen: dict[int, tuple[bytes, float]] = {}
+        self.reported: set[int] = set()
 
 
 def _outcome(raw: bytes) -> tuple[str, int]:
@@ -122,8 +163,9 @@ class FastRendezvousHandler(RendezvousHandler):
         timeout: Join, last-call, close and heartbeat timeouts.
         local_addr: This node's address (informational).
         node_rank: Preferred rank of this node (-1 for none).
-        keep_alive_interval: Seconds between keep-alive counter bumps.
-        keep_alive_max_attempt: Missed keep-alives after which a silent member is dropped.
+        keep_alive_interval: Seconds between keep-alive counter bumps (default 1).
+        keep_alive_max_attempt: Missed keep-alives after which a silent node is dropped
+            (default 5: a frozen or hung node is noticed within 5 s).
         bootstrap_addr: Host workers use to reach the store (``MASTER_ADDR``).
         server: The hosting store object when this node hosts, kept alive with the handler.
 
@@ -141,8 +183,8 @@ class FastRendezvousHandler(RendezvousHandler):
         timeout: RendezvousTimeout | None = None,
         local_addr: str | None = None,
         node_rank: int = -1,
-        keep_alive_interval: float = 5.0,
-        keep_alive_max_attempt: int = 3,
+        keep_alive_interval: float = DEFAULT_KEEP_ALIVE_INTERVAL,
+        keep_alive_max_attempt: int = DEFAULT_KEEP_ALIVE_MAX_ATTEMPT,
         bootstrap_addr: str | None = None,
         server: Any = None,
     ) -> None:
@@ -170,6 +212,9 @@ class FastRendezvousHandler(RendezvousHandler):
         self._node_rank = node_rank
         self._ka_interval = float(keep_alive_interval)
         self._ka_max = keep_alive_max_attempt
+        self._window = self._ka_interval * keep_alive_max_attempt
+        self._watch: _Watch | None = None
+        self._prev_watch: _Watch | None = None  # the last round's, for _drain
         self._bootstrap_addr = str(bootstrap_addr or getattr(store, "host", "localhost"))
         self._hooks = bool(getattr(store, "supports_extensions", False))
         self._key = f"fe.rdzv.{run_id}/"
@@ -213,7 +258,8 @@ class FastRendezvousHandler(RendezvousHandler):
                 raise RendezvousConnectionError(
                     f"The connection to the rendezvous store of run '{self._run_id}' failed: {e}"
                 ) from e
-            except Exception as e:
+            except BaseException as e:
+                self._stop_heartbeats()
                 self._record(f"{type(e).__name__}: {e}", NodeState.FAILED)
                 raise
         self._record(f"joined round {self._member[0] if self._member else -1} as rank "
@@ -266,6 +312,73 @@ class FastRendezvousHandler(RendezvousHandler):
         """See base class."""
         return self._run_id
 
+    def lost_members(self) -> list[tuple[int, str]]:
+        """Members of this node's round lost since the last call: ``[(rank, why), ...]``.
+
+        One ``multi_get`` of ``<round>/gone`` and the keep-alive counters of up to
+        ``_MAX_WATCHED`` peers (the next ranks, round-robin). A peer whose counter stood still
+        for the detection window is published as silent for everyone. ``why`` names the node
+        (address, pid) and says dead (connection closed), cut (heartbeats stopped, then the
+        connection timed out) or silent (connected, no heartbeat: frozen or hung). This node's
+        own rank is listed when the others dropped it.
+        """
+        w = self._watch
+        if w is None:
+            return []
+        store = self._side_store()
+        vals = [bytes(v) for v in self._call(store.multi_get, w.keys)]
+        now = time.monotonic()
+        gone = _parse_gone(vals[0])
+        for rank, raw in zip(w.peers, vals[1:], strict=True):
+            last = w.seen.get(rank)
+            if last is None or last[0] != raw:
+                w.seen[rank] = (raw, now)
+            elif now - last[1] >= self._window and rank not in gone:
+                log.warning("rendezvous %s: rank %d sent no keep-alive for %.1fs; dropping it",
+                            self._run_id, rank, now - last[1])
+                self._call(store.append, w.prefix + "gone", b"%d:silent;" % rank)
+                self._call(store.set, f"{w.prefix}left/{rank}", b"silent")
+                gone[rank] = "silent"
+        fresh = [(r, why) for r, why in gone.items() if r not in w.reported]
+        if not fresh:
+            return []
+        w.reported.update(r for r, _ in fresh)
+        records = self._call(store.multi_get, [f"{w.prefix}n/{w.tickets[r]}" for r, _ in fresh])
+        out = []
+        for (rank, why), rec in zip(fresh, records, strict=True):
+            _, addr, pid = (bytes(rec).decode("utf-8", "replace").split("|") + ["", ""])[:3]
+            stale = now - w.seen[rank][1] if rank in w.seen else 0.0
+            if why == "closed":
+                text = (f"cut: no keep-alive for {stale:.1f}s, then its connection timed out"
+                        if stale >= 2 * self._ka_interval else "dead: its connection closed")
+            else:
+                text = (f"silent: connected but no keep-alive for {self._window:g}s "
+                        "(frozen or hung)")
+            who = "this node" if rank == w.rank else f"node {addr or '?'} (pid {pid or '?'})"
+            out.append((rank, f"{who} {text}"))
+        return out
+
+    def wait_members(self, store: Any, keys: list[str], deadline: float) -> None:
+        """Waits for ``keys`` (written by other members) unless a member is lost first.
+
+        Raises:
+            RendezvousMemberLostError: a member of this node's round was lost.
+            RendezvousTimeoutError: ``deadline`` (monotonic) passed.
+        """
+        slice_s = max(0.05, min(self._ka_interval, 1.0))
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RendezvousTimeoutError(f"timed out waiting for {keys[:3]} of other members")
+            try:
+                store.wait(keys, timedelta(seconds=min(slice_s, remaining)))
+                return
+            except StoreTimeoutError:
+                pass
+            lost = self.lost_members()
+            if lost:
+                raise RendezvousMemberLostError(lost)
+
     def shutdown(self) -> bool:
         """See base class: stops keep-alives and closes the rendezvous."""
         self._stop_heartbeats()
@@ -291,6 +404,7 @@ class FastRendezvousHandler(RendezvousHandler):
         store = self._store
         deadline = time.monotonic() + self._timeout.join.total_seconds()
         self._stop_heartbeats()
+        self._prev_watch, self._watch = self._watch, None
         if store.check([self._key + "closed"]):
             raise RendezvousClosedError(f"The rendezvous '{self._run_id}' is closed.")
         if self._member is not None:
@@ -303,11 +417,13 @@ class FastRendezvousHandler(RendezvousHandler):
                 break
             got = self._try_round(r, deadline)
             if got is not None:
-                rank, world = got
+                rank, world, tickets = got
                 self._member = (r, rank, world)
+                p = f"{self._key}{r}/"
                 if self._hooks:
-                    store.append_on_disconnect(f"{self._key}{r}/left/{rank}", b"1")
-                self._start_heartbeats()
+                    store.append_on_disconnect(p + "left/%d" % rank, b"1")
+                    store.append_on_disconnect(p + "gone", b"%d:closed;" % rank)
+                self._watch = _Watch(p, rank, tickets) if len(tickets) == world else None
                 round_store, boot = self._round_store(r, rank)
                 return RendezvousInfo(round_store, rank, world, boot)
             r += 1
@@ -343,6 +459,8 @@ class FastRendezvousHandler(RendezvousHandler):
             )
             addr = self._local_addr or socket.getfqdn()
             meet.set(key, f"{addr}:{self._worker_server.port}".encode())
+        else:
+            self.wait_members(meet, [key], time.monotonic() + self._store.timeout.total_seconds())
         host, _, port = bytes(meet.get(key)).decode().rpartition(":")
         return RendezvousStoreInfo(host, int(port))
 
@@ -352,8 +470,8 @@ class FastRendezvousHandler(RendezvousHandler):
         if server is not None:
             server.shutdown_server()
 
-    def _try_round(self, r: int, deadline: float) -> tuple[int, int] | None:
-        """Joins round ``r``; returns (rank, world) or None to move on to round ``r + 1``."""
+    def _try_round(self, r: int, deadline: float) -> tuple[int, int, list[int]] | None:
+        """Joins round ``r``; (rank, world, tickets by rank) or None to move on to ``r + 1``."""
         store = self._store
         p = f"{self._key}{r}/"
         if self._hooks:
@@ -376,46 +494,91 @@ class FastRendezvousHandler(RendezvousHandler):
         # before deciding res, so one multi_get of (res, rank) reads both once res exists.
         keys.append(f"{p}rank/{t}")
         vals.append(b"-1")
+        keys.append(f"{p}hb/t{t}")  # keep-alives from the ticket on
+        vals.append(b"0")
         store.multi_set(keys, vals)
+        _BEATER.add(self, f"{p}hb/t{t}")
         if t == self._max:
             self._publish(r, self._max, deadline)
         elif t == self._min:
             self._coordinate(r, deadline)
-        kind, count, rank = self._wait_outcome(r, deadline, rank_key=f"{p}rank/{t}")
+        kind, count, rank, raw = self._wait_outcome(r, deadline, rank_key=f"{p}rank/{t}",
+                                                    ticket=t)
         if kind == "C":
             raise RendezvousClosedError(f"The rendezvous '{self._run_id}' is closed.")
         if kind == "D":
             log.info("rendezvous %s round %d abandoned (a node left); re-joining", self._run_id, r)
             return None
-        if t > count or rank < 0:
+        if rank < 0:  # not admitted (round full, or our record came too late)
             return None
-        return rank, count
+        return rank, count, _members(raw)
 
     def _wait_outcome(self, r: int, deadline: float, mine: bool = True,
-                      rank_key: str | None = None) -> tuple[str, int, int]:
-        """Waits for round ``r``'s outcome: (kind, count, rank read from ``rank_key`` or -1)."""
+                      rank_key: str | None = None, ticket: int = 0) -> tuple[str, int, int, bytes]:
+        """Round ``r``'s outcome: (kind, world, rank read from ``rank_key`` or -1, raw res).
+
+        A node holding ``ticket`` checks every quarter window that the holders of the
+        deciding tickets (``min_nodes``: last call; ``max_nodes``: publish) are alive, and
+        abandons the round when one is not (no record: a stray or a node lost right after its
+        ticket; its keep-alive stood still for a window: frozen or hung).
+        """
         key = f"{self._key}{r}/res"
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise RendezvousTimeoutError(
-                f"The rendezvous '{self._run_id}' did not complete within {self._timeout.join}."
-            )
-        try:
-            self._store.wait([key], timedelta(seconds=remaining))
-        except StoreTimeoutError as e:
-            if mine:  # give up our ticket: nobody may count this node in the round any more
-                self._store.append(key, b"D;")
-            raise RendezvousTimeoutError(
-                f"The rendezvous '{self._run_id}' did not complete within {self._timeout.join}."
-            ) from e
+        seen: dict[int, tuple[int, float]] = {}
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                if mine:  # give up our ticket: nobody may count this node in the round any more
+                    self._store.append(key, b"D;")
+                raise RendezvousTimeoutError(
+                    f"The rendezvous '{self._run_id}' did not complete within "
+                    f"{self._timeout.join}."
+                )
+            step = remaining if not ticket else min(remaining, self._window / 4)
+            try:
+                self._store.wait([key], timedelta(seconds=step))
+                break
+            except StoreTimeoutError:
+                pass
+            if ticket and self._deciders_stalled(r, ticket, seen):
+                self._store.compare_set(key, "", b"D;")
         if rank_key is None:
-            return (*_outcome(self._store.get(key)), -1)
+            raw = bytes(self._store.get(key))
+            return (*_outcome(raw), -1, raw)
         raw_res, raw_rank = self._store.multi_get([key, rank_key])
         try:
             rank = int(bytes(raw_rank))
         except ValueError as e:
             raise RendezvousStateError(f"corrupt rank {bytes(raw_rank)[:40]!r}") from e
-        return (*_outcome(bytes(raw_res)), rank)
+        return (*_outcome(bytes(raw_res)), rank, bytes(raw_res))
+
+    def _deciders_stalled(self, r: int, ticket: int, seen: dict[int, tuple[int, float]]) -> bool:
+        """True if a deciding ticket of round ``r`` has no record, or a keep-alive that stood
+        still for the detection window (``seen``: counters and when they last changed)."""
+        p = f"{self._key}{r}/"
+        count = int(self._store.add(p + "t", 0))
+        if count >= _SEAL:  # sealed: the coordinator is publishing; the holder of min acts
+            count -= _SEAL
+        stalled = False
+        for role in sorted({self._min, self._max}):
+            if role > count or role == ticket:
+                continue
+            # -1: no record yet; else the keep-alive counter. Stalled: unchanged for a window.
+            if not self._store.check([f"{p}n/{role}"]):
+                state = -1
+            else:
+                state = int(self._store.add(f"{p}hb/t{role}", 0))
+            now = time.monotonic()
+            if role not in seen or seen[role][0] != state:
+                seen[role] = (state, now)
+                continue
+            if now - seen[role][1] < self._window:
+                continue
+            why = "no record" if state < 0 else "no keep-alive"
+            why += f" for {now - seen[role][1]:.1f}s"
+            log.warning("rendezvous %s round %d: the node holding ticket %d (%s) is lost; "
+                        "abandoning the round", self._run_id, r, role, why)
+            stalled = True
+        return stalled
 
     def _res_exists(self, r: int) -> bool:
         return bool(self._store.check([f"{self._key}{r}/res"]))
@@ -442,54 +605,81 @@ class FastRendezvousHandler(RendezvousHandler):
         p = f"{self._key}{r}/"
         if not drained and not self._drain(r, deadline):
             return
-        rec_keys = [f"{p}n/{i}" for i in range(1, count + 1)]
+        tickets = list(range(1, count + 1))
+        drop_at = min(deadline, time.monotonic() + self._window)
         while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return
+            remaining = drop_at - time.monotonic()
+            if remaining <= 0:  # tickets without a record: lost after their add, or strays
+                tickets = [i for i in tickets if store.check([f"{p}n/{i}"])]
+                log.warning("rendezvous %s round %d: dropping tickets %s (no record within "
+                            "%gs)", self._run_id, r, sorted(set(range(1, count + 1))
+                                                            - set(tickets)), self._window)
+                break
             try:
-                store.wait(rec_keys, timedelta(seconds=min(_SLICE, remaining)))
+                store.wait([f"{p}n/{i}" for i in tickets],
+                           timedelta(seconds=min(_SLICE, remaining)))
                 break
             except StoreTimeoutError:
                 if self._res_exists(r):  # a joiner died before writing its record
                     return
+        if len(tickets) < self._min:
+            store.compare_set(p + "res", "", b"D;")  # too few left: everyone re-joins r + 1
+            return
         prefs = []
-        for raw in store.multi_get(rec_keys):
+        for raw in store.multi_get([f"{p}n/{i}" for i in tickets]):
             try:
                 prefs.append(int(bytes(raw).split(b"|", 1)[0]))
             except ValueError as e:
                 raise RendezvousStateError(f"corrupt node record {bytes(raw)[:40]!r}") from e
-        ranks = assign_ranks(prefs, count)
-        store.multi_set([f"{p}rank/{i}" for i in range(1, count + 1)], [b"%d" % x for x in ranks])
-        blob = b"M%d\n" % count
+        world = len(tickets)
+        ranks = assign_ranks(prefs, world)
+        by_rank = [0] * world
+        for ticket, rank in zip(tickets, ranks, strict=True):
+            by_rank[rank] = ticket
+        store.multi_set([f"{p}rank/{i}" for i in tickets] + [p + "gone"],
+                        [b"%d" % x for x in ranks] + [b""])
+        blob = b"M%d\n%s\n" % (world, b",".join(b"%d" % t for t in by_rank))
         if bytes(store.compare_set(p + "res", "", blob)) == blob:
             store.set(self._key + "open", b"%d" % (r + 1))
 
-    def _last_complete(self, r: int, deadline: float) -> tuple[int, int] | None:
-        """Walks back from ``r - 1`` to the last complete round: (round, world) or None."""
+    def _last_complete(self, r: int, deadline: float) -> tuple[int, int, list[int]] | None:
+        """Walks back from ``r - 1`` to the last complete round: (round, world, tickets)."""
         for q in range(r - 1, max(-1, r - 1 - _MAX_WALK), -1):
-            kind, count, _ = self._wait_outcome(q, deadline, mine=False)
+            kind, count, _, raw = self._wait_outcome(q, deadline, mine=False)
             if kind == "M":
-                return q, count
+                return q, count, _members(raw)
             if kind == "C":
                 raise RendezvousClosedError(f"The rendezvous '{self._run_id}' is closed.")
         return None
 
     def _drain(self, r: int, deadline: float) -> bool:
-        """Waits until every member of the last complete round left. False if ``r`` got decided."""
+        """Waits until every member of the last complete round left. False if ``r`` got decided.
+
+        A member whose keep-alive counter stands still for the detection window is dropped
+        (frozen, hung or cut off). When this node watched it during that round, the window
+        counts from the last change it saw then, not from now.
+        """
         last = self._last_complete(r, deadline)
         if last is None:
             return True
-        q, world = last
+        q, world, tickets = last
         missing = [f"{self._key}{q}/left/{i}" for i in range(world)]
-        window = self._ka_interval * self._ka_max
-        beats: dict[int, int] = {}
+        window = self._window
+        beats: dict[int, tuple[int, float]] = {}
+        prev = self._prev_watch
+        if prev is not None and prev.prefix == f"{self._key}{q}/":
+            for rank, (raw, since) in prev.seen.items():
+                try:
+                    beats[rank] = (int(raw), since)
+                except ValueError:
+                    continue
         while missing:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
             try:
-                self._store.wait(missing, timedelta(seconds=min(window, remaining)))
+                step = max(0.05, min(window / 4, self._ka_interval / 2))
+                self._store.wait(missing, timedelta(seconds=min(step, remaining)))
                 return True
             except StoreTimeoutError:
                 pass
@@ -497,22 +687,22 @@ class FastRendezvousHandler(RendezvousHandler):
                 return False
             present = self._store.check  # narrow the set to the keys still missing
             missing = [k for k in missing if not present([k])]
-            for key in missing:  # a member silent for a whole window is hung: drop it
+            for key in missing:  # a member silent for a whole window is lost: drop it
                 rank = int(key.rsplit("/", 1)[1])
-                n = int(self._store.add(f"{self._key}{q}/hb/{rank}", 0))
-                if beats.get(rank) == n:
-                    log.warning("rendezvous %s: member rank %d of round %d is hung; dropping",
-                                self._run_id, rank, q)
+                hb = f"hb/t{tickets[rank]}" if rank < len(tickets) else f"hb/{rank}"
+                n = int(self._store.add(f"{self._key}{q}/{hb}", 0))
+                now = time.monotonic()
+                if rank not in beats or beats[rank][0] != n:
+                    beats[rank] = (n, now)
+                elif now - beats[rank][1] >= window:
+                    log.warning("rendezvous %s: member rank %d of round %d was lost (silent: no "
+                                "keep-alive for %.1fs); dropping it", self._run_id, rank, q,
+                                now - beats[rank][1])
                     self._store.set(key, b"hung")
-                beats[rank] = n
             missing = [k for k in missing if not present([k])]
         return True
 
     # ------------------------------------------------------------------ keep-alive
-
-    def _start_heartbeats(self) -> None:
-        if self._member is not None:
-            _BEATER.add(self, f"{self._key}{self._member[0]}/hb/{self._member[1]}")
 
     def _stop_heartbeats(self) -> None:
         _BEATER.remove(self)
@@ -558,6 +748,18 @@ class _KeepAlive:
 
 
 _BEATER = _KeepAlive()
+
+
+def _parse_gone(raw: bytes) -> dict[int, str]:
+    """``<rank>:<why>;`` entries of ``<round>/gone``: the first reason given for each rank."""
+    out: dict[int, str] = {}
+    for entry in raw.split(b";"):
+        rank, _, why = entry.partition(b":")
+        try:
+            out.setdefault(int(rank), why.decode("ascii", "replace"))
+        except ValueError:
+            continue
+    return out
 
 
 def _prefix_store(prefix: str, store: Any) -> Any:
@@ -620,10 +822,16 @@ def create_fast_handler(params: RendezvousParameters) -> FastRendezvousHandler:
     read_timeout = timedelta(seconds=params.get_as_int("read_timeout", 60) or 60)
     if read_timeout <= timedelta(0):
         raise ValueError("The read timeout must be positive.")
-    keep_alive_interval = params.get_as_int("keep_alive_interval", 5)
-    keep_alive_max_attempt = params.get_as_int("keep_alive_max_attempt", 3)
-    if keep_alive_interval is None or keep_alive_max_attempt is None:
-        raise ValueError("keep_alive_interval and keep_alive_max_attempt must not be None.")
+    try:
+        keep_alive_interval = float(params.get("keep_alive_interval",
+                                               DEFAULT_KEEP_ALIVE_INTERVAL))
+    except (TypeError, ValueError) as e:
+        raise ValueError("The rendezvous configuration option 'keep_alive_interval' must be a "
+                         "number of seconds.") from e
+    keep_alive_max_attempt = params.get_as_int("keep_alive_max_attempt",
+                                               DEFAULT_KEEP_ALIVE_MAX_ATTEMPT)
+    if keep_alive_max_attempt is None:
+        raise ValueError("keep_alive_max_attempt must not be None.")
     rank = params.get_as_int("rank", -1)
     client, server = _host_store(host, port, params.get_as_bool("is_host"), read_timeout)
     return FastRendezvousHandler(

@@ -17,7 +17,13 @@ from typing import Iterable, Optional, Union
 from fastelastic._native.kvclient import KVClient
 from fastelastic.errors import StoreConnectionError, StoreTimeoutError
 from fastelastic.store import _torch
-from fastelastic.store._hosting import ServerHandle, host_server, raise_fd_limit, spin_us
+from fastelastic.store._hosting import (
+    ServerHandle,
+    host_server,
+    raise_fd_limit,
+    set_keepalive,
+    spin_us,
+)
 from fastelastic.store._torch import as_torch_store
 
 __all__ = [
@@ -54,7 +60,9 @@ def _seconds(timeout: Union[timedelta, float, int]) -> float:
 def connect_socket(host: str, port: int, deadline: float) -> socket.socket:
     """Connects to host:port, retrying refused or reset connections until deadline (monotonic).
 
-    The host name is resolved once, before the first attempt, never per request.
+    The host name is resolved once, before the first attempt, never per request. The socket
+    ends within ``FASTELASTIC_STORE_KEEPALIVE_S`` of the server's host vanishing (keep-alive
+    probes and ``TCP_USER_TIMEOUT``), so no call waits forever on a dead link.
     """
     try:
         addrs = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
@@ -65,6 +73,7 @@ def connect_socket(host: str, port: int, deadline: float) -> socket.socket:
     while True:
         for fam, stype, proto, _, addr in addrs:
             sock = socket.socket(fam, stype, proto)
+            set_keepalive(sock)
             sock.settimeout(max(0.05, deadline - time.monotonic()))
             try:
                 sock.connect(addr)

@@ -47,6 +47,51 @@ def spin_us() -> int:
     return value
 
 
+KEEPALIVE_ENV = "FASTELASTIC_STORE_KEEPALIVE_S"
+DEFAULT_KEEPALIVE_S = 5
+_MAX_KEEPALIVE_S = 3600
+
+
+def keepalive_s() -> int:
+    """Seconds after which a store connection whose peer went silent is ended (0: never).
+
+    From ``FASTELASTIC_STORE_KEEPALIVE_S`` (default 5). A peer whose host lost power or its
+    link sends no FIN; TCP keep-alive probes (idle connections) and ``TCP_USER_TIMEOUT``
+    (unacknowledged data) end such a connection within this window, so the server runs its
+    disconnect actions and a client's call fails instead of waiting forever. A live but busy
+    peer's kernel still answers, so only a dead or unreachable host is cut off.
+    """
+    raw = os.environ.get(KEEPALIVE_ENV, "").strip()
+    if not raw:
+        return DEFAULT_KEEPALIVE_S
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= _MAX_KEEPALIVE_S:
+        raise StoreError(
+            f"{KEEPALIVE_ENV}={raw!r}: expected whole seconds from 0 (off) to {_MAX_KEEPALIVE_S}; "
+            f"the default is {DEFAULT_KEEPALIVE_S}"
+        )
+    return value
+
+
+def set_keepalive(sock: socket.socket, seconds: Optional[int] = None) -> None:
+    """Makes ``sock`` end within ``seconds`` (default :func:`keepalive_s`) of its peer vanishing.
+
+    On a listening socket Linux copies these options to every accepted connection.
+    """
+    window = keepalive_s() if seconds is None else seconds
+    if window <= 0 or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    idle = max(1, window // 2)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, max(1, window - idle))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, window * 1000)
+
+
 def raise_fd_limit() -> int:
     """Raises the soft RLIMIT_NOFILE to the hard limit (connections are fds); returns it."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -92,6 +137,7 @@ def listen_socket(host: str, port: int) -> socket.socket:
             if fam == socket.AF_INET6 and wildcard:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
             sock.bind(addr)
+            set_keepalive(sock)
             sock.listen(_somaxconn())
             return sock
         except OSError as e:
@@ -170,6 +216,7 @@ def host_server(
             return _tenants[port].acquire()
     if listen_fd is not None:
         sock = socket.socket(fileno=os.dup(listen_fd))
+        set_keepalive(sock)
     else:
         sock = listen_socket(host, port)
     handle = ServerHandle(sock, **limits)

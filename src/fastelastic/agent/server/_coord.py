@@ -5,10 +5,12 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 from fastelastic._native import ranks as _ranks
+from fastelastic.errors import StoreTimeoutError
 
 logger = logging.getLogger(__name__)
 
@@ -31,13 +33,15 @@ def workers_identical() -> bool:
 
 
 def exchange_ranks(
-    store: Any, group_rank: int, group_world_size: int, role: str, local_world_size: int
+    store: Any, group_rank: int, group_world_size: int, role: str, local_world_size: int,
+    wait: Callable[[list[str]], None] | None = None,
 ) -> tuple[int, int, int, int]:
     """Computes this agent's ``(base_global_rank, world_size, base_role_rank, role_world_size)``.
 
     Store traffic of the slow path (same keys as torch): each agent one ``set``; agent 0 one
     ``multi_get`` (which waits for every agent's key) and one ``multi_set``; each agent one
-    ``get``. The fast path (``workers_identical()``) touches no store.
+    ``get``. The fast path (``workers_identical()``) touches no store. ``wait(keys)``, when
+    given, waits for keys other agents write (and raises if one of them is lost meanwhile).
     """
     if workers_identical():
         return _ranks.identical_ranks(group_rank, group_world_size, local_world_size)
@@ -46,9 +50,14 @@ def exchange_ranks(
         _ranks.encode_role_info(role, group_rank, local_world_size),
     )
     if group_rank == 0:
-        infos = store.multi_get([f"{ROLE_INFO_PREFIX}{i}" for i in range(group_world_size)])
+        keys = [f"{ROLE_INFO_PREFIX}{i}" for i in range(group_world_size)]
+        if wait is not None:
+            wait(keys)
+        infos = store.multi_get(keys)
         values = _ranks.assign_from_role_infos(list(infos))
         store.multi_set([f"{ASSIGNED_RANKS_PREFIX}{i}" for i in range(group_world_size)], values)
+    elif wait is not None:
+        wait([f"{ASSIGNED_RANKS_PREFIX}{group_rank}"])
     return _ranks.decode_assignment(store.get(f"{ASSIGNED_RANKS_PREFIX}{group_rank}"))
 
 
@@ -72,8 +81,14 @@ def release_on_disconnect(store: Any, group_rank: int) -> bool:
     return True
 
 
-def exit_barrier(store: Any, group_world_size: int, timeout: float) -> str | None:
+def exit_barrier(
+    store: Any, group_world_size: int, timeout: float,
+    lost: Callable[[], list[tuple[int, str]]] | None = None, check_every: float = 1.0,
+) -> str | None:
     """Waits until every agent arrived, one failed or died, or ``timeout`` seconds passed.
+
+    With ``lost`` (the rendezvous's ``lost_members``), it is asked every ``check_every``
+    seconds, so an agent that froze or was cut off before arriving releases the barrier.
 
     Returns:
         None when all agents arrived, else why the barrier was released early.
@@ -84,7 +99,19 @@ def exit_barrier(store: Any, group_world_size: int, timeout: float) -> str | Non
     idx = store.add(_NUM_MEMBERS, 1)
     if idx >= group_world_size:
         store.set(_LAST_MEMBER, "<val_ignored>")
-    store.wait([_LAST_MEMBER], timedelta(seconds=max(timeout, 0.001)))
+    deadline = time.monotonic() + max(timeout, 0.001)
+    while True:
+        remaining = deadline - time.monotonic()
+        step = remaining if lost is None else min(remaining, check_every)
+        try:
+            store.wait([_LAST_MEMBER], timedelta(seconds=max(step, 0.001)))
+            break
+        except StoreTimeoutError:
+            if remaining <= step:
+                raise
+        gone = lost() if lost is not None else []
+        if gone:
+            return "lost " + "; ".join(f"group_rank {r} ({why})" for r, why in gone)
     if int(store.add(_NUM_MEMBERS, 0)) >= group_world_size:
         return None
     if store.check([_FAILED]):

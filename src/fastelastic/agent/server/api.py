@@ -15,7 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 from fastelastic.agent.server import _coord
 from fastelastic.agent.server._telemetry import _AgentTelemetry
-from fastelastic.errors import RendezvousGracefulExitError, SignalException
+from fastelastic.errors import (
+    RendezvousError,
+    RendezvousGracefulExitError,
+    RendezvousMemberLostError,
+    SignalException,
+    StoreError,
+)
 from fastelastic.events import EventSource
 from fastelastic.metrics import prof, put_metric
 
@@ -34,6 +40,8 @@ __all__ = [
 ]
 
 _TERMINAL_STATE_SYNC_ID = _coord.TERMINAL_STATE_SYNC_ID
+_MAX_REJOINS = 100  # rendezvous attempts in a row that may end with a member lost
+_EXCHANGE_TIMEOUT_S = 600.0  # bound on the rank exchange with a store that has no timeout
 DEFAULT_ROLE = "default"
 logger = logging.getLogger(__name__)
 
@@ -295,6 +303,17 @@ class SimpleElasticAgent(_AgentTelemetry, ElasticAgent):
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         """Runs the rendezvous, then assigns ranks and world sizes to the workers."""
         spec = worker_group.spec
+        for _ in range(_MAX_REJOINS):  # a member lost before the workers start: join again
+            try:
+                self._rendezvous_once(worker_group)
+                return
+            except RendezvousMemberLostError as e:
+                logger.warning("[%s] a node was lost before the workers started (%s); "
+                               "re-joining", spec.role, e)
+        raise RendezvousMemberLostError([(-1, f"members kept being lost {_MAX_REJOINS} times")])
+
+    def _rendezvous_once(self, worker_group: WorkerGroup) -> None:
+        spec = worker_group.spec
         with self.record_duration("RENDEZVOUS"):
             rdzv_info = spec.rdzv_handler.next_rendezvous()
         store = rdzv_info.store
@@ -306,7 +325,7 @@ class SimpleElasticAgent(_AgentTelemetry, ElasticAgent):
         self._store = store
         try:
             _coord.release_on_disconnect(store, group_rank)
-        except Exception as e:  # noqa: BLE001 - an optimisation; the barrier still times out
+        except (StoreError, RendezvousError, OSError) as e:  # an optimisation: still times out
             logger.warning("could not arm the exit-barrier release on disconnect: %s", e)
         with self.record_duration("ASSIGN_WORKER_RANKS"):
             workers = self._assign_worker_ranks(store, group_rank, group_world_size, spec)
@@ -343,8 +362,18 @@ class SimpleElasticAgent(_AgentTelemetry, ElasticAgent):
         agent 0 computes prefix sums in group-rank order (overall and per role) and publishes
         every agent's base ranks; each agent then reads its own. Exactly torch's result.
         """
+        wait_members = getattr(getattr(spec, "rdzv_handler", None), "wait_members", None)
+        wait = None
+        if wait_members is not None:
+            limit = getattr(store, "timeout", None)  # as bounded as the store's own waits
+            seconds = limit.total_seconds() if limit is not None else _EXCHANGE_TIMEOUT_S
+            deadline = time.monotonic() + seconds
+
+            def wait(keys: list[str]) -> None:
+                wait_members(store, keys, deadline)
+
         base, world, role_base, role_world = _coord.exchange_ranks(
-            store, group_rank, group_world_size, spec.role, spec.local_world_size
+            store, group_rank, group_world_size, spec.role, spec.local_world_size, wait
         )
         return [
             Worker(
@@ -430,6 +459,12 @@ class SimpleElasticAgent(_AgentTelemetry, ElasticAgent):
                 self._exit_barrier()
                 return run_result
             if state in {WorkerState.UNHEALTHY, WorkerState.FAILED}:
+                if self._report_lost_members(wg):
+                    # a peer node was lost: our workers failed with it; not our retry
+                    self._restart_workers(wg)
+                    if interval is not None:
+                        next_check = time.monotonic() + interval
+                    continue
                 if self._remaining_restarts > 0:
                     logger.info(
                         "[%s] Worker group %s. %s/%s attempts left; will restart worker group",
@@ -463,6 +498,25 @@ class SimpleElasticAgent(_AgentTelemetry, ElasticAgent):
                     )
                     self._restart_workers(wg)
                     next_check = time.monotonic() + interval
+                elif self._report_lost_members(wg):
+                    self._restart_workers(wg)
+                    next_check = time.monotonic() + interval
+
+    def _lost_members(self, spec: WorkerSpec) -> list[tuple[int, str]]:
+        """Members of the running round lost since the last check (rendezvous permitting)."""
+        check = getattr(spec.rdzv_handler, "lost_members", None)
+        return list(check()) if check is not None else []
+
+    def _report_lost_members(self, wg: WorkerGroup) -> bool:
+        """Logs (and records as an event) every lost peer; True if the group must restart."""
+        lost = self._lost_members(wg.spec)
+        for rank, why in lost:
+            logger.error(
+                "[%s] node group_rank=%s of the running round was lost: %s; restarting the "
+                "worker group (group_rank=%s)", wg.spec.role, rank, why, wg.group_rank,
+            )
+            self._record("NODE_LOST", EventSource.AGENT, raw_error=f"group_rank {rank}: {why}")
+        return bool(lost)
 
     def _publish_failure(self) -> None:
         """Tells agents waiting in the exit barrier that this node failed, so they stop waiting."""
@@ -470,7 +524,7 @@ class SimpleElasticAgent(_AgentTelemetry, ElasticAgent):
             return
         try:
             _coord.publish_failure(self._store, self._worker_group.group_rank)
-        except Exception as e:  # noqa: BLE001 - best effort: the store may be gone already
+        except (StoreError, RendezvousError, OSError) as e:  # the store may be gone already
             logger.warning("could not publish the group failure to the store: %s", e)
 
     def _exit_barrier(self) -> None:
@@ -488,8 +542,11 @@ class SimpleElasticAgent(_AgentTelemetry, ElasticAgent):
         start = time.monotonic()
         self._in_exit_barrier = True
         try:
+            spec = wg.spec
             early = _coord.exit_barrier(
-                self._store, wg.group_world_size or 1, self._exit_barrier_timeout
+                self._store, wg.group_world_size or 1, self._exit_barrier_timeout,
+                lost=lambda: self._lost_members(spec),
+                check_every=max(spec.monitor_interval, 0.5),
             )
             if early is None:
                 logger.info(
@@ -500,7 +557,7 @@ class SimpleElasticAgent(_AgentTelemetry, ElasticAgent):
         except SignalException as e:
             logger.warning("Got termination signal: %s", e.sigval)
             raise
-        except Exception:
+        except (StoreError, RendezvousError, OSError):
             logger.exception(
                 "Error waiting on exit barrier. Elapsed: %.3f s", _coord.elapsed_since(start)
             )

@@ -420,17 +420,23 @@ class LocalElasticAgent(SimpleElasticAgent):
             self._pcontext.close(signal.SIGTERM, self._shutdown_timeout)
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
-        if self._worker_watchdog is not None:
-            self._worker_watchdog.stop()
-            self._worker_watchdog = None
-        if self._health_check_server is not None:
-            self._health_check_server.stop()
-            self._health_check_server = None
-            self._health_started = False
-        if self._pcontext is not None:
-            self._pcontext.close(death_sig, timeout)
-        if self._zygote is not None:
-            self._zygote.close()
+        # Workers first (a second signal only hurries their SIGKILL; it is re-raised after
+        # everything below ran), then the watchdog, then /health, which answers until the end.
+        try:
+            if self._pcontext is not None:
+                self._pcontext.close(death_sig, timeout)
+        finally:
+            try:
+                if self._worker_watchdog is not None:
+                    watchdog, self._worker_watchdog = self._worker_watchdog, None
+                    watchdog.stop()
+            finally:
+                if self._health_check_server is not None:
+                    server, self._health_check_server = self._health_check_server, None
+                    self._health_started = False
+                    server.stop()
+                if self._zygote is not None:
+                    self._zygote.close()
 
     # ------------------------------------------------------------------ monitoring
 

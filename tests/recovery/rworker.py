@@ -1,0 +1,23 @@
+"""A worker for the recovery tests: logs its start, then 'trains' until told to stop.
+
+Appends one JSON line ``{"node", "pid", "t", "world", "rank", "restart"}`` to
+``$RECOVERY_OUT/starts.jsonl`` when it starts, then runs ``$NODE_RUN_S`` seconds (default
+600) and exits 0.
+"""
+
+import json
+import os
+import time
+
+line = json.dumps({
+    "node": os.environ.get("NODE_NAME", "?"), "pid": os.getpid(), "t": time.time(),
+    "world": int(os.environ["WORLD_SIZE"]), "rank": int(os.environ["RANK"]),
+    "restart": int(os.environ["TORCHELASTIC_RESTART_COUNT"]),
+}) + "\n"
+fd = os.open(os.path.join(os.environ["RECOVERY_OUT"], "starts.jsonl"),
+             os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+os.write(fd, line.encode())  # one write with O_APPEND: lines never interleave
+os.close(fd)
+end = time.monotonic() + float(os.environ.get("NODE_RUN_S", "600"))
+while time.monotonic() < end:
+    time.sleep(min(0.2, max(0.0, end - time.monotonic())))

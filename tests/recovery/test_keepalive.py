@@ -1,0 +1,96 @@
+"""Store connections end within FASTELASTIC_STORE_KEEPALIVE_S when the peer's link is cut."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from netns import cluster_or_skip, wait_for
+
+from fastelastic.errors import StoreError
+from fastelastic.store._hosting import KEEPALIVE_ENV, keepalive_s, listen_socket, set_keepalive
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_accepted_sockets_inherit_keepalive(monkeypatch) -> None:
+    monkeypatch.setenv(KEEPALIVE_ENV, "4")
+    lsock = listen_socket("127.0.0.1", 0)
+    with lsock, socket.create_connection(lsock.getsockname()[:2]) as client:
+        conn, _ = lsock.accept()
+        with conn:
+            opt = conn.getsockopt
+            assert opt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            assert opt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 2
+            assert opt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == 1
+            assert opt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == 2
+            assert opt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 4000
+        assert client.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 0  # plain socket
+    s = socket.socket()
+    with s:
+        set_keepalive(s, 0)  # off: untouched
+        assert s.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 0
+
+
+@pytest.mark.parametrize("raw", ["-1", "x", "99999"])
+def test_bad_keepalive_setting_is_a_clear_error(monkeypatch, raw) -> None:
+    monkeypatch.setenv(KEEPALIVE_ENV, raw)
+    with pytest.raises(StoreError, match=KEEPALIVE_ENV):
+        keepalive_s()
+
+
+_CLIENT = r"""
+import sys, time
+from datetime import timedelta
+from fastelastic.store import TCPStore
+from fastelastic.errors import StoreError
+c = TCPStore(sys.argv[1], int(sys.argv[2]), timeout=timedelta(seconds=60))
+c.append_on_disconnect("gone", b"node1;")
+print("ready", flush=True)
+t0 = time.monotonic()
+try:
+    c.wait(["never"], timedelta(seconds=60))
+    print("woke", flush=True)
+except StoreError as e:
+    print(f"ended {time.monotonic() - t0:.2f} {type(e).__name__}", flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_cut_link_ends_both_sides(tmp_path) -> None:
+    """A node whose link goes down (no FIN, no RST): the server runs its disconnect actions and
+    the node's own blocked call fails, both within the keep-alive window (2 s here)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), KEEPALIVE_ENV: "2"}
+    with cluster_or_skip(2, "k") as c:
+        server = c.spawn(0, [sys.executable, "-m", "fastelastic.store", "--port", "29400"],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        assert server.stdout is not None and b"listening" in server.stdout.readline()
+        node = c.spawn(1, [sys.executable, "-c", _CLIENT, c.addr(0), "29400"], env=env,
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert node.stdout is not None and node.stdout.readline().strip() == b"ready"
+        watcher = c.spawn(0, [sys.executable, "-c", (
+            "import sys,time; from datetime import timedelta; "
+            "from fastelastic.store import TCPStore; "
+            "c=TCPStore('127.0.0.1', 29400, timeout=timedelta(seconds=60)); "
+            "print('ready', flush=True); sys.stdin.readline(); t0=time.monotonic(); "
+            "c.wait(['gone'], timedelta(seconds=30)); "
+            "print(f'{time.monotonic()-t0:.2f}', c.get('gone').decode(), flush=True)")],
+            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert watcher.stdout is not None and watcher.stdin is not None
+        assert watcher.stdout.readline().strip() == b"ready"
+        time.sleep(0.3)  # let the connection go idle: the cut must be found by keep-alive
+        c.cut(1)
+        watcher.stdin.write(b"go\n")
+        watcher.stdin.flush()
+        seen, who = watcher.stdout.readline().decode().split()
+        assert who == "node1;"
+        assert float(seen) < 4.0, f"the server noticed the cut after {seen}s (window 2 s)"
+        line = wait_for(lambda: node.stdout.readline(), 10, "the node's blocked call to end")
+        words = line.decode().split()
+        assert words[0] == "ended", line
+        assert float(words[1]) < 5.0, line
