@@ -23,6 +23,7 @@ cdef class KVClient:
     cdef Spinner _spin
     cdef cbool _ext
     cdef cbool _broken
+    cdef cbool _handshaking   # a reset now raises HandshakeReset (retryable)
     cdef object _peer         # "host:port", for error messages
 
     cdef void _acquire(self) noexcept

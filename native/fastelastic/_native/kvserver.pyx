@@ -8,14 +8,21 @@ Invariants:
   is), so execution never bounds-checks and a half-received request has no effect.
 - A client that breaks the protocol loses its own connection and nothing else: the request is
   not executed, its registrations are dropped and its ``on_close`` actions run.
-- ``Waiter`` entries name a connection by (fd, cid, gen); an entry whose connection closed or
-  whose wait was cancelled or satisfied no longer matches and is ignored.
+- ``Waiter`` entries name a connection by (fd, cid, gen) and sit in ``_waiters[key]`` only while
+  that wait is pending: each connection knows where its entries are (``wait_pos``), so dropping a
+  wait removes them in O(1) each.
+- Memory is bounded: a connection is not read while its unsent replies exceed ``max_unsent``; no
+  reply is built above ``max_reply``; before its handshake a connection buffers at most 4 bytes
+  and lives at most ``handshake_ms``; and when every connection's buffers together exceed
+  ``buffer_budget`` the largest holder is disconnected (one log line names it).
+- Connection state changes only in ``_set_state``: HANDSHAKE -> (AUTH ->) READY.
 """
 
 cimport cython
 from cpython.mem cimport PyMem_RawFree, PyMem_RawMalloc, PyMem_RawRealloc
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
-from libc.string cimport memcmp, memcpy, memmove
+from libc.stdio cimport snprintf
+from libc.string cimport memcmp, memcpy, memmove, strerror
 from libcpp cimport bool as cbool
 from libcpp.pair cimport pair
 from libcpp.string cimport string
@@ -24,11 +31,14 @@ from libcpp.vector cimport vector
 
 from fastelastic._native.includes.linux cimport (
     EAGAIN, EINTR, EMFILE, ENFILE, EPOLL_CLOEXEC, EPOLL_CTL_ADD, EPOLL_CTL_DEL, EPOLL_CTL_MOD,
-    EPOLLERR, EPOLLHUP, EPOLLIN, EPOLLOUT, EPOLLRDHUP, EFD_CLOEXEC, EFD_NONBLOCK, IPPROTO_TCP,
+    EPOLLERR, EPOLLHUP, EPOLLIN, EPOLLOUT, EPOLLRDHUP, EFD_CLOEXEC, EFD_NONBLOCK, FE_DEBUG,
+    IPPROTO_TCP,
     MSG_NOSIGNAL, O_CLOEXEC, O_RDONLY, SOCK_CLOEXEC, SOCK_NONBLOCK, TCP_NODELAY, accept4, close,
-    epoll_create1, epoll_ctl, epoll_event, epoll_wait, errno, eventfd, getpid, open, read, recv,
-    send, setsockopt, write,
+    epoll_create1, epoll_ctl, epoll_event, epoll_wait, errno, eventfd, fe_monotonic_ns,
+    fe_nofile_limit, fe_peer_name, fe_sendv, getpid, iovec, open, read, recv, send, setsockopt,
+    write,
 )
+from fastelastic._native.kvtune cimport *
 from fastelastic._native.spin cimport spin_again, spin_deadline
 from fastelastic._native.wire cimport *
 
@@ -48,20 +58,37 @@ cdef extern from *:
     const uint64_t TAG_LISTEN "FE_TAG_LISTEN"
     const uint64_t TAG_LOW "FE_TAG_LOW"
 
-cdef enum:
-    RDBUF_SIZE = 256 * 1024
-    READ_BUDGET = 4                 # recv calls per readiness event, for fairness
-    MAX_EVENTS = 512
-    SHRINK_ABOVE = 1 << 20          # give buffers back once they are idle and this large
-    DIRECT_READ_ABOVE = 64 * 1024   # a partial request this large is read straight into c.rb
+cdef extern from *:
+    """
+    #define FE_NO_POS ((size_t)-1)
+    """
+    const size_t NO_POS "FE_NO_POS"    # Conn.wait_pos: this key's Waiter is gone already
 
 
-cdef inline void _set_events(int epfd, Conn *c, bint out) noexcept nogil:
-    cdef epoll_event ev
-    ev.events = EPOLLIN | EPOLLRDHUP | (EPOLLOUT if out else 0)
-    ev.data.u64 = <uint64_t>c.fd
-    epoll_ctl(epfd, EPOLL_CTL_MOD, c.fd, &ev)
-    c.want_out = out
+cdef int check_rc(int rc) except -1:
+    """The one rc check for syscalls made with the GIL: -1 raises OSError for errno (Python
+    picks the subclass, e.g. ConnectionResetError); anything else is returned."""
+    if rc < 0:
+        raise OSError(errno, os.strerror(errno))
+    return rc
+
+
+cdef inline size_t _unsent(Conn *c) noexcept nogil:
+    return c.wbuf.size() - c.wpos + c.ref_unsent
+
+
+cdef inline void _put_value(Conn *c, fe_entry *e) noexcept nogil:
+    """A value for c's reply: a large one is streamed from the map (pinned), not copied."""
+    cdef OutRef r
+    if e.vlen < STREAM_ABOVE:
+        put_blob(c.wbuf, e.val(), e.vlen)
+        return
+    put_u64(c.wbuf, e.vlen)
+    r.at = c.wbuf.size()
+    r.e = e
+    c.refs.push_back(r)   # (reserved by the caller's check of max_reply; cannot fail big)
+    fe_entry_pin(e)
+    c.ref_unsent += e.vlen
 
 
 cdef inline void _read_keys(const char *q, uint64_t count, vector[string] &keys) noexcept nogil:
@@ -99,6 +126,16 @@ cdef class KVServer:
         max_key: longest key accepted, in bytes (wire bytes, including the client's ``/``).
         max_value: longest value accepted, in bytes.
         max_keys: most keys in one CHECK, WAIT, MULTI_GET or MULTI_SET.
+        max_reply: largest reply built for one request (MULTI_GET, LIST_KEYS), in bytes; a
+            request whose reply would be larger closes its connection, with a log line.
+        max_unsent: a connection whose unsent replies exceed this many bytes is not read
+            until they drain to half of it (backpressure on clients that do not read).
+        buffer_budget: bytes all connections' buffers may hold together; above it, the
+            connection holding the most is closed, with a log line naming it.
+        handshake_ms: a connection that has not completed its handshake (VALIDATE, and the
+            token proof when there is a token) this long after accept is closed.
+        token: a shared secret; when non-empty, every client must prove it knows it
+            (HMAC-SHA256 over a per-connection challenge) before any request is served.
         spin_us: how long the loop polls for the next request before it sleeps, in
             microseconds (0: sleep at once); see ``spin.pxd``.
     """
@@ -109,40 +146,50 @@ cdef class KVServer:
         self._spare_fd = -1
         self._rdbuf = NULL
 
-    def __init__(self, listen_fds, *, size_t max_key=8192, size_t max_value=8 * 1024 * 1024,
-                 uint64_t max_keys=131072, int64_t spin_us=0):
+    def __init__(self, listen_fds, *, size_t max_key=DEFAULT_MAX_KEY,
+                 size_t max_value=DEFAULT_MAX_VALUE, uint64_t max_keys=DEFAULT_MAX_KEYS,
+                 int64_t spin_us=0, size_t max_reply=DEFAULT_MAX_REPLY,
+                 size_t max_unsent=DEFAULT_MAX_UNSENT, size_t buffer_budget=DEFAULT_BUFFER_BUDGET,
+                 int64_t handshake_ms=DEFAULT_HANDSHAKE_MS, bytes token=b""):
         cdef epoll_event ev
         cdef int fd
         cdef uint64_t i = 0
+        if max_reply < max_value + 64:
+            raise ValueError(f"max_reply ({max_reply}) must exceed max_value ({max_value}): "
+                             "a GET of the largest value must fit")
+        if buffer_budget < max_reply:
+            raise ValueError(f"buffer_budget ({buffer_budget}) must be at least max_reply "
+                             f"({max_reply})")
+        if handshake_ms <= 0:
+            raise ValueError(f"handshake_ms must be positive, got {handshake_ms}")
         self._owner_pid = getpid()
         self._spin.budget_ns = spin_us * 1000 if spin_us > 0 else 0
         self._max_key = max_key
         self._max_value = max_value
         self._max_keys = max_keys
+        self._max_reply = max_reply
+        self._max_unsent = max_unsent
+        self._budget = buffer_budget
+        self._handshake_ns = handshake_ms * 1000000
+        self._token = token
         self._next_cid = 1
-        self._last_error = None
         self._rdbuf = <char *>PyMem_RawMalloc(RDBUF_SIZE)
         if self._rdbuf == NULL:
             raise MemoryError()
         self._rdbuf_cap = RDBUF_SIZE
-        self._epfd = epoll_create1(EPOLL_CLOEXEC)
-        if self._epfd < 0:
-            raise OSError(errno, os.strerror(errno))
-        self._wakefd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)
-        if self._wakefd < 0:
-            raise OSError(errno, os.strerror(errno))
+        self._epfd = check_rc(epoll_create1(EPOLL_CLOEXEC))
+        self._wakefd = check_rc(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK))
         ev.events = EPOLLIN
         ev.data.u64 = TAG_WAKE
-        epoll_ctl(self._epfd, EPOLL_CTL_ADD, self._wakefd, &ev)
+        check_rc(epoll_ctl(self._epfd, EPOLL_CTL_ADD, self._wakefd, &ev))
         for fd in listen_fds:
             ev.events = EPOLLIN
             ev.data.u64 = TAG_LISTEN | i
-            if epoll_ctl(self._epfd, EPOLL_CTL_ADD, fd, &ev) < 0:
-                raise OSError(errno, os.strerror(errno))
+            check_rc(epoll_ctl(self._epfd, EPOLL_CTL_ADD, fd, &ev))
             self._listen_fds.push_back(fd)
             i += 1
         # Held in reserve so that at EMFILE we can still accept and close, instead of spinning.
-        self._spare_fd = open(b"/dev/null", O_RDONLY | O_CLOEXEC)
+        self._spare_fd = check_rc(open(b"/dev/null", O_RDONLY | O_CLOEXEC))
 
     def serve_forever(self):
         """Runs the loop in this thread until :meth:`stop`; the GIL is released throughout."""
@@ -173,7 +220,16 @@ cdef class KVServer:
     @property
     def last_error(self):
         """The reason the most recent misbehaving connection was closed, or None."""
-        return self._last_error
+        return None if self._last_why == NULL else self._last_why.decode()
+
+    @property
+    def buffered(self):
+        """Bytes every connection's buffers hold now (what ``buffer_budget`` bounds)."""
+        return self._buffered
+
+    @property
+    def requires_token(self):
+        return not self._token.empty()
 
     def close(self):
         """Closes every fd the server owns. Call after the loop has returned."""
@@ -184,11 +240,15 @@ cdef class KVServer:
             return  # a forked child must not close its parent's sockets
         for i in range(self._conns.size()):
             if self._conns[i] != NULL:
+                self._drop_refs(self._conns[i], 0)
                 close(self._conns[i].fd)
                 PyMem_RawFree(self._conns[i].rb)
                 del self._conns[i]
                 self._conns[i] = NULL
         self._conns.clear()
+        self._handshakes.clear()
+        self._resume.clear()
+        self._buffered = 0
         for i in range(self._listen_fds.size()):
             close(self._listen_fds[i])
         self._listen_fds.clear()
@@ -219,7 +279,30 @@ cdef class KVServer:
                 n = epoll_wait(self._epfd, events, MAX_EVENTS, 0)
             if n != 0:
                 return n
-        return epoll_wait(self._epfd, events, MAX_EVENTS, -1)
+        return epoll_wait(self._epfd, events, MAX_EVENTS, self._timeout_ms())
+
+    cdef int _timeout_ms(self) noexcept nogil:
+        """How long the loop may sleep: until the oldest pending handshake expires, or -1."""
+        cdef int64_t left
+        if self._handshakes.empty():
+            return -1
+        left = self._handshakes.front().deadline - fe_monotonic_ns()
+        return 0 if left <= 0 else <int>((left + 999999) // 1000000)
+
+    cdef void _expire_handshakes(self) noexcept nogil:
+        """Closes connections whose handshake deadline passed (O(1) per connection: the queue
+        is in accept order, so the first unexpired entry ends the walk)."""
+        cdef int64_t now = fe_monotonic_ns()
+        cdef Pending p
+        cdef Conn *c
+        while not self._handshakes.empty():
+            p = self._handshakes.front()
+            c = self._lookup(p.fd, p.cid)
+            if c != NULL and c.state != CONN_READY:
+                if p.deadline > now:
+                    return
+                self._close_conn(c, "no handshake within the time limit")
+            self._handshakes.pop_front()
 
     cdef int _loop(self) except -1 nogil:
         cdef epoll_event events[MAX_EVENTS]
@@ -251,7 +334,10 @@ cdef class KVServer:
                 if c == NULL:
                     continue
                 if events[i].events & (EPOLLIN | EPOLLHUP | EPOLLRDHUP | EPOLLERR):
-                    self._on_readable(c)
+                    if not c.paused:
+                        self._on_readable(c)
+                    elif events[i].events & (EPOLLHUP | EPOLLERR):
+                        self._close_conn(c, NULL)
                     c = self._conns[fd]
                 if c != NULL and (events[i].events & EPOLLOUT):
                     self._flush(c)
@@ -267,6 +353,22 @@ cdef class KVServer:
                     c.dirty = False
                     self._flush(c)
             self._dirty.clear()
+            # Connections un-paused this round: run the requests they had already sent.
+            d = 0
+            while d < self._resume.size():
+                w = self._resume[d]
+                d += 1
+                c = self._lookup(w.fd, w.cid)
+                if c != NULL and not c.paused and c.rb_len > 0:
+                    self._consume_rb(c)
+                    c = self._lookup(w.fd, w.cid)
+                    if c != NULL:
+                        self._flush(c)
+            self._resume.clear()
+            if not self._handshakes.empty():
+                self._expire_handshakes()
+            if self._buffered + self._kv.retired_bytes() > self._budget:
+                self._over_budget(NULL)
         return 0
 
     cdef Conn *_lookup(self, int fd, uint64_t cid) noexcept nogil:
@@ -279,24 +381,38 @@ cdef class KVServer:
         return c
 
     cdef void _on_accept(self, int lfd) noexcept nogil:
-        cdef int fd, one = 1
+        cdef int fd, one = 1, n = 0
+        cdef char msg[160]
         cdef epoll_event ev
         cdef Conn *c
-        while True:
+        cdef Pending p
+        cdef int64_t now = fe_monotonic_ns()
+        while n < ACCEPT_BUDGET:
             fd = accept4(lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC)
             if fd < 0:
                 if errno == EINTR:
                     continue
-                if (errno == EMFILE or errno == ENFILE) and self._spare_fd >= 0:
-                    # Out of fds: shed the oldest pending connection rather than spin on it.
-                    close(self._spare_fd)
-                    fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC)
-                    if fd >= 0:
-                        close(fd)
-                    self._spare_fd = open(b"/dev/null", O_RDONLY | O_CLOEXEC)
-                    self.protocol_errors += 1
+                if errno == EMFILE or errno == ENFILE:
+                    self._refused_fd()
+                    if self._spare_fd >= 0:
+                        # Shed the oldest pending connection rather than spin on it.
+                        close(self._spare_fd)
+                        fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC)
+                        if fd >= 0:
+                            close(fd)
+                        self._spare_fd = open(b"/dev/null", O_RDONLY | O_CLOEXEC)
                 return
+            n += 1
             setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one))
+            ev.events = EPOLLIN | EPOLLRDHUP
+            ev.data.u64 = <uint64_t>fd
+            if epoll_ctl(self._epfd, EPOLL_CTL_ADD, fd, &ev) < 0:
+                # ENOMEM or ENOSPC (max_user_watches): this one cannot be served
+                snprintf(msg, sizeof(msg), "could not watch a new connection (epoll_ctl: %s); "
+                         "closed it", strerror(errno))
+                self._log_conn(fd, msg)
+                close(fd)
+                continue
             c = new Conn()
             c.fd = fd
             c.cid = self._next_cid
@@ -308,10 +424,13 @@ cdef class KVServer:
             c.scan_off = 0
             c.scan_i = 0
             c.wpos = 0
-            c.validated = False
+            c.ref_i = c.ref_off = c.ref_unsent = 0
+            c.state = CONN_HANDSHAKE
             c.ext = False
             c.dirty = False
-            c.want_out = False
+            c.paused = False
+            c.events = ev.events
+            c.counted = 0
             c.waiting = False
             c.wait_left = 0
             c.wait_gen = 0
@@ -319,10 +438,89 @@ cdef class KVServer:
             if <size_t>fd >= self._conns.size():
                 self._conns.resize(<size_t>fd * 2 + 64, NULL)
             self._conns[fd] = c
-            ev.events = EPOLLIN | EPOLLRDHUP
-            ev.data.u64 = <uint64_t>fd
-            epoll_ctl(self._epfd, EPOLL_CTL_ADD, fd, &ev)
+            p.fd = fd
+            p.cid = c.cid
+            p.deadline = now + self._handshake_ns
+            self._handshakes.push_back(p)
             self.accepted += 1
+
+    cdef void _refused_fd(self) noexcept nogil:
+        """accept() ran out of fds: counted and logged (rate-limited) with the limit."""
+        self.refused_fds += 1
+        if self.refused_fds <= 10 or self.refused_fds % 1000 == 0:
+            with gil:
+                _log.error("store: out of file descriptors (RLIMIT_NOFILE %d, %d connections "
+                           "open): refused a connection (%d so far). Raise the limit "
+                           "(ulimit -n) on the host that runs the store.",
+                           fe_nofile_limit(), self.accepted - self.closed, self.refused_fds)
+
+    cdef void _set_state(self, Conn *c, ConnState state) noexcept nogil:
+        """The one place a connection's state changes; the handshake only moves forward."""
+        if FE_DEBUG and state <= c.state:
+            with gil:
+                raise AssertionError(f"connection state {c.state} -> {state}")
+        c.state = state
+
+    cdef int _arm(self, Conn *c) noexcept nogil:
+        """Sets c's epoll mask from its state: read unless paused, write while replies wait.
+        Returns -1 (c closed) if epoll_ctl fails."""
+        cdef epoll_event ev
+        ev.events = (0 if c.paused else EPOLLIN | EPOLLRDHUP) | (EPOLLOUT if _unsent(c) else 0)
+        if ev.events == c.events:
+            return 0
+        ev.data.u64 = <uint64_t>c.fd
+        if epoll_ctl(self._epfd, EPOLL_CTL_MOD, c.fd, &ev) < 0:
+            self._close_conn(c, "epoll_ctl failed on the connection")
+            return -1
+        c.events = ev.events
+        return 0
+
+    cdef void _account(self, Conn *c) noexcept nogil:
+        """Re-counts c's buffers (heap bytes of its reply string, its request buffer)."""
+        cdef size_t now = c.rb_cap + (c.wbuf.capacity() if c.wbuf.capacity() > 15 else 0)
+        self._buffered = self._buffered - c.counted + now
+        c.counted = now
+
+    cdef bint _over_budget(self, Conn *c) noexcept nogil:
+        """Brings the buffers back under the budget: first drops idle connections' spare
+        capacity, then closes whichever connection holds the most (c included). O(connections),
+        run only when the budget is exceeded. Returns True if c (may be NULL) was closed."""
+        cdef size_t i, most
+        cdef Conn *x
+        cdef Conn *worst
+        cdef uint64_t cid = c.cid if c != NULL else 0
+        cdef int fd = c.fd if c != NULL else -1
+        cdef char msg[160]
+        for i in range(self._conns.size()):
+            x = self._conns[i]
+            if x != NULL and _unsent(x) == 0 and x.wbuf.capacity() > 15:
+                x.wbuf.clear()
+                x.wpos = 0
+                string().swap(x.wbuf)
+                self._account(x)
+        while self._buffered + self._kv.retired_bytes() > self._budget:
+            worst = NULL
+            most = 0
+            for i in range(self._conns.size()):
+                x = self._conns[i]
+                if x != NULL and x.counted + x.ref_unsent > most:
+                    worst, most = x, x.counted + x.ref_unsent
+            if worst == NULL:
+                break
+            self.shed += 1
+            snprintf(msg, sizeof(msg), "connection buffers over the budget (%zu MiB): closing the "
+                     "connection that holds the most (%zu KiB)", self._budget >> 20, most >> 10)
+            self._log_conn(worst.fd, msg)
+            self._close_conn(worst, "connection buffers over the budget")
+        return c != NULL and self._lookup(fd, cid) == NULL
+
+    cdef void _log_conn(self, int fd, const char *msg) noexcept nogil:
+        """One warning naming the client at fd (takes the GIL: only for rare events)."""
+        cdef char peer[96]
+        fe_peer_name(fd, peer, sizeof(peer))
+        with gil:
+            _log.warning("store: client %s: %s", peer.decode(errors="replace"),
+                         msg.decode(errors="replace"))
 
     cdef void _on_readable(self, Conn *c) noexcept nogil:
         cdef ssize_t got
@@ -372,20 +570,27 @@ cdef class KVServer:
                     memcpy(c.rb + c.rb_len, self._rdbuf, <size_t>got)
                 c.rb_len += <size_t>got
                 if c.rb_len >= c.need:
-                    if self._consume(c, c.rb, c.rb_len, &used) < 0:
-                        return
-                    if used > 0:
-                        memmove(c.rb, c.rb + used, c.rb_len - used)
-                        c.rb_len -= used
-                    if c.rb_len == 0:   # the buffer lives only while a request is partial
-                        PyMem_RawFree(c.rb)
-                        c.rb = NULL
-                        c.rb_cap = 0
-            if self._lookup(fd, cid) == NULL:
+                    self._consume_rb(c)
+            c = self._lookup(fd, cid)
+            if c == NULL:
                 return
-            if <size_t>got < room:
+            if c.paused or <size_t>got < room:
                 break
         self._flush(c)
+
+    cdef void _consume_rb(self, Conn *c) noexcept nogil:
+        """Executes the complete requests buffered in c.rb; keeps only an incomplete tail."""
+        cdef size_t used
+        if self._consume(c, c.rb, c.rb_len, &used) < 0:
+            return
+        if used > 0:
+            memmove(c.rb, c.rb + used, c.rb_len - used)
+            c.rb_len -= used
+        if c.rb_len == 0:   # the buffer lives only while a request is partial
+            PyMem_RawFree(c.rb)
+            c.rb = NULL
+            c.rb_cap = 0
+            self._account(c)
 
     cdef bint _grow_rb(self, Conn *c, size_t want) noexcept nogil:
         """Makes c.rb hold at least want bytes; out of memory, closes c and returns False."""
@@ -401,6 +606,9 @@ cdef class KVServer:
             return False
         c.rb = grown
         c.rb_cap = cap
+        self._account(c)
+        if self._buffered + self._kv.retired_bytes() > self._budget and self._over_budget(c):
+            return False
         return True
 
     cdef int _consume(self, Conn *c, const char *p, size_t n, size_t *used) noexcept nogil:
@@ -409,10 +617,14 @@ cdef class KVServer:
         ``c.scan_off``/``c.scan_i`` carry how far a partial multi-key request at p was already
         measured, so a request that arrives in many reads is scanned once, not once per read.
         """
-        cdef size_t off = 0, need = 0
+        cdef size_t off = 0, need = 0, before
         cdef ssize_t m
+        cdef uint8_t cmd
         c.need = 0
         while off < n:
+            cmd = <uint8_t>p[off]
+            if (c.state != CONN_READY or cmd >= CMD_EXT_WAIT_GET) and self._gate(c, cmd) < 0:
+                return -1
             m = self._measure(p + off, n - off, &need, &c.scan_off, &c.scan_i)
             if m == 0:
                 c.need = need
@@ -420,10 +632,44 @@ cdef class KVServer:
             if m < 0:
                 self._close_conn(c, "malformed or over-limit request")
                 return -1
+            before = c.wbuf.size()
             if self._execute(c, p + off) < 0:
                 return -1
             off += <size_t>m
+            if fe_take_oom():
+                self._drop_refs(c, before)
+                c.wbuf.resize(before)   # no half reply: the client sees the close instead
+                self._close_conn(c, "out of memory writing a reply")
+                return -1
+            if c.wbuf.capacity() > 15 or c.counted:
+                self._account(c)
+                if (self._buffered + self._kv.retired_bytes() > self._budget
+                        and self._over_budget(c)):
+                    return -1
+            if _unsent(c) > self._max_unsent:
+                # Backpressure: the client is not reading its replies; stop reading its requests
+                # (the rest stays buffered) until they drain (see _flush).
+                c.paused = True
+                self.paused += 1
+                break
         used[0] = off
+        return 0
+
+    cdef int _gate(self, Conn *c, uint8_t cmd) noexcept nogil:
+        """Which requests a connection may send in its state; -1 (closed) if not this one.
+        Checked on a request's first byte, before anything of it is buffered."""
+        if c.state == CONN_HANDSHAKE:
+            if cmd != CMD_VALIDATE:
+                self._close_conn(c, "first request is not VALIDATE")
+                return -1
+        elif c.state == CONN_AUTH:
+            if cmd != CMD_PING and cmd != CMD_EXT_AUTH:
+                self._close_conn(c, "request before the token proof (this store requires a "
+                                 "token: --token-file / FASTELASTIC_STORE_TOKEN_FILE)")
+                return -1
+        if cmd >= CMD_EXT_WAIT_GET and not c.ext:
+            self._close_conn(c, "extension request before the capability PING")
+            return -1
         return 0
 
     # ----------------------------------------------------------------------------- parsing
@@ -519,15 +765,15 @@ cdef class KVServer:
         cdef fe_entry *e
         cdef bint stored
         cdef uint64_t h
-        cdef size_t total
+        cdef size_t total, inline
         cdef bint found
         cdef pair[string, string] action
         self.ops += 1
-        if not c.validated:
-            if cmd != CMD_VALIDATE or load_u32(q) != VALIDATE_MAGIC:
-                self._close_conn(c, "first request is not VALIDATE with the TCPStore magic")
+        if c.state == CONN_HANDSHAKE:   # _gate let only VALIDATE through
+            if load_u32(q) != VALIDATE_MAGIC:
+                self._close_conn(c, "VALIDATE without the TCPStore magic")
                 return -1
-            c.validated = True
+            self._set_state(c, CONN_READY if self._token.empty() else CONN_AUTH)
             return 0
         if cmd == CMD_SET or cmd == CMD_APPEND:
             ln = load_u64(q)
@@ -548,7 +794,7 @@ cdef class KVServer:
             if e == NULL:
                 put_u64(c.wbuf, 0)
             else:
-                put_blob(c.wbuf, e.val(), e.vlen)
+                _put_value(c, e)
         elif cmd == CMD_EXT_WAIT_GET:
             # torch's get is WAIT then GET: two round trips even for a key that is there.
             ln = load_u64(q)
@@ -556,7 +802,7 @@ cdef class KVServer:
             e = self._kv.find(key)
             if e != NULL:
                 put_u8(c.wbuf, REPLY_VALUE)
-                put_blob(c.wbuf, e.val(), e.vlen)
+                _put_value(c, e)
             else:
                 self._drop_wait(c)
                 self._register_wait(c, key)
@@ -615,7 +861,7 @@ cdef class KVServer:
             count = load_u64(q)
             _ref_keys(q + 8, count, refs, False)
             found_vals.reserve(count)
-            total = 0
+            total = inline = 0
             # Pipelined lookups (see kvmap.h): slots PREFETCH_SLOT keys ahead, entries
             # PREFETCH_ENTRY ahead, so the misses of many keys overlap.
             for i in range(count):
@@ -628,18 +874,25 @@ cdef class KVServer:
                     put_u8(c.wbuf, 0)
                     return 0
                 found_vals.push_back(e)
-                total += 8 + (e.vlen if e != NULL else 0)
+                if e != NULL:
+                    total += e.vlen
+                    if e.vlen < STREAM_ABOVE:
+                        inline += e.vlen
+            total += 8 * count
+            inline += 8 * count
+            if total > self._max_reply:
+                return self._refuse_reply(c, total)
             if cmd == CMD_EXT_TRY_MULTI_GET:
                 put_u8(c.wbuf, 1)
-            if total > MAX_REPLY or not fe_reserve(c.wbuf, c.wbuf.size() + total):
-                self._close_conn(c, "MULTI_GET reply too large for memory")
+            if not fe_reserve(c.wbuf, c.wbuf.size() + inline):
+                self._close_conn(c, "out of memory for a MULTI_GET reply")
                 return -1
             for i in range(count):
                 e = found_vals[i]
                 if e == NULL:
                     put_u64(c.wbuf, 0)
                 else:
-                    put_blob(c.wbuf, e.val(), e.vlen)
+                    _put_value(c, e)
         elif cmd == CMD_MULTI_SET:
             count = load_u64(q)
             _ref_keys(q + 8, count, refs, True)
@@ -690,6 +943,13 @@ cdef class KVServer:
                 if count == 1:
                     self._queues.erase(qit)
         elif cmd == CMD_LIST_KEYS:
+            total = 8
+            for i in range(self._kv.capacity()):
+                e = self._kv.at(i)
+                if e != NULL:
+                    total += 8 + e.klen
+            if total > self._max_reply:
+                return self._refuse_reply(c, total)
             put_u64(c.wbuf, self._kv.size())
             for i in range(self._kv.capacity()):
                 e = self._kv.at(i)
@@ -739,6 +999,15 @@ cdef class KVServer:
             return self._out_of_memory(c)
         return 0
 
+    cdef int _refuse_reply(self, Conn *c, size_t size) noexcept nogil:
+        """A reply over max_reply is not built: the client is told by a close and the log."""
+        cdef char msg[160]
+        snprintf(msg, sizeof(msg), "refused a reply of %zu bytes (max_reply %zu); closing the "
+                 "connection", size, self._max_reply)
+        self._log_conn(c.fd, msg)
+        self._close_conn(c, "reply over max_reply")
+        return -1
+
     cdef int _out_of_memory(self, Conn *c) noexcept nogil:
         """A write the server could not allocate for: the writer's connection is closed."""
         self._close_conn(c, "out of memory storing the request's key or value")
@@ -756,32 +1025,47 @@ cdef class KVServer:
 
     cdef void _register_wait(self, Conn *c, const string &key) noexcept nogil:
         cdef Waiter w
+        cdef vector[Waiter] *ws = &self._waiters[key]
         w.fd = c.fd
         w.cid = c.cid
         w.gen = c.wait_gen
-        self._waiters[key].push_back(w)
+        w.slot = c.wait_keys.size()
+        c.wait_pos.push_back(ws.size())
+        ws.push_back(w)
         c.wait_keys.push_back(key)
         c.wait_left += 1
 
+    cdef void _unlink_wait(self, Conn *c, size_t slot) noexcept nogil:
+        """Removes c's Waiter for its slot-th wait key in O(1): the list's last entry moves into
+        its place, and that entry's connection is told its new position."""
+        cdef size_t pos = c.wait_pos[slot]
+        cdef vector[Waiter] *ws
+        cdef Waiter moved
+        cdef Conn *o
+        if pos == NO_POS:
+            return
+        c.wait_pos[slot] = NO_POS
+        wit = self._waiters.find(c.wait_keys[slot])
+        if wit == self._waiters.end():
+            return
+        ws = &deref_waiters(wit)
+        moved = ws.back()
+        ws.pop_back()
+        if pos < ws.size():
+            ws[0][pos] = moved
+            o = self._lookup(moved.fd, moved.cid)
+            if o != NULL:
+                o.wait_pos[moved.slot] = pos
+        if ws.size() == 0:
+            self._waiters.erase(wit)
+
     cdef void _drop_wait(self, Conn *c) noexcept nogil:
         """Forgets c's pending wait and removes its entries, so no wake-up follows a cancel."""
-        cdef size_t i, j
-        cdef vector[Waiter] *ws
+        cdef size_t i
         for i in range(c.wait_keys.size()):
-            wit = self._waiters.find(c.wait_keys[i])
-            if wit == self._waiters.end():
-                continue
-            ws = &deref_waiters(wit)
-            j = 0
-            while j < ws.size():
-                if ws[0][j].cid == c.cid:
-                    ws[0][j] = ws.back()
-                    ws.pop_back()
-                else:
-                    j += 1
-            if ws.size() == 0:
-                self._waiters.erase(wit)
+            self._unlink_wait(c, i)
         c.wait_keys.clear()
+        c.wait_pos.clear()
         c.wait_get = False
         if c.waiting:
             self.waiting -= 1
@@ -802,6 +1086,7 @@ cdef class KVServer:
             c = self._lookup(ws[i].fd, ws[i].cid)
             if c == NULL or not c.waiting or c.wait_gen != ws[i].gen:
                 continue
+            c.wait_pos[ws[i].slot] = NO_POS
             c.wait_left -= 1
             if c.wait_left <= 0:
                 self._finish_wait(c, ws[i])
@@ -817,7 +1102,7 @@ cdef class KVServer:
             if e == NULL:    # woken by a queue push of the same name
                 put_u64(c.wbuf, 0)
             else:
-                put_blob(c.wbuf, e.val(), e.vlen)
+                _put_value(c, e)
         else:
             self._drop_wait(c)
             put_u8(c.wbuf, REPLY_STOP_WAITING)
@@ -832,68 +1117,142 @@ cdef class KVServer:
         wit = self._waiters.find(key)
         if wit == self._waiters.end():
             return
-        while deref_waiters(wit).size() > 0:
-            w = deref_waiters(wit).front()
-            deref_waiters(wit).erase(deref_waiters(wit).begin())
-            c = self._lookup(w.fd, w.cid)
-            if c == NULL or not c.waiting or c.wait_gen != w.gen:
-                continue
-            c.wait_left -= 1
-            if c.wait_left <= 0:
-                self._finish_wait(c, w)
-            break
-        wit = self._waiters.find(key)
-        if wit != self._waiters.end() and deref_waiters(wit).size() == 0:
-            self._waiters.erase(wit)
+        w = deref_waiters(wit).front()
+        c = self._lookup(w.fd, w.cid)
+        if c == NULL or not c.waiting or c.wait_gen != w.gen:
+            return   # not reached: only pending waits have entries
+        self._unlink_wait(c, w.slot)
+        c.wait_left -= 1
+        if c.wait_left <= 0:
+            self._finish_wait(c, w)
 
     # ----------------------------------------------------------------------------- output
 
     cdef void _flush(self, Conn *c) noexcept nogil:
+        """Sends what the kernel takes of c's replies; re-arms epoll for the rest."""
         cdef ssize_t sent
-        cdef size_t left
-        while c.wpos < c.wbuf.size():
-            left = c.wbuf.size() - c.wpos
-            sent = send(c.fd, c.wbuf.data() + c.wpos, left, MSG_NOSIGNAL)
+        cdef Waiter w
+        if c.refs.size() and not self._flush_refs(c):
+            return
+        while c.refs.size() == 0 and c.wpos < c.wbuf.size():
+            sent = send(c.fd, c.wbuf.data() + c.wpos, c.wbuf.size() - c.wpos, MSG_NOSIGNAL)
             if sent < 0:
                 if errno == EINTR:
                     continue
                 if errno == EAGAIN:
-                    if not c.want_out:
-                        _set_events(self._epfd, c, True)
-                    return
+                    break
                 self._close_conn(c, NULL)
                 return
             c.wpos += <size_t>sent
             self._replied = True
-        c.wbuf.clear()
-        c.wpos = 0
-        if c.wbuf.capacity() > SHRINK_ABOVE:
-            string().swap(c.wbuf)
-        if c.want_out:
-            _set_events(self._epfd, c, False)
+        if c.wpos == c.wbuf.size() and c.refs.size() == 0:
+            c.wbuf.clear()
+            c.wpos = 0
+            if c.wbuf.capacity() > SHRINK_ABOVE:
+                string().swap(c.wbuf)
+        self._account(c)
+        if c.paused and _unsent(c) <= self._max_unsent // 2:
+            c.paused = False
+            if c.rb_len > 0:   # requests it sent before it was paused: run them this round
+                w.fd, w.cid = c.fd, c.cid
+                self._resume.push_back(w)
+        self._arm(c)
+
+    cdef bint _flush_refs(self, Conn *c) noexcept nogil:
+        """Sends c's replies while they include streamed values: one sendmsg gathers wbuf spans
+        and the values between them. Returns False if c was closed; stops at EAGAIN."""
+        cdef iovec iov[MAX_IOV]
+        cdef int n
+        cdef size_t pos, i, off, end, take
+        cdef ssize_t sent
+        cdef fe_entry *e
+        while c.ref_i < c.refs.size():
+            n, pos, i, off = 0, c.wpos, c.ref_i, c.ref_off
+            while n < MAX_IOV:
+                if i < c.refs.size() and pos == c.refs[i].at:
+                    e = c.refs[i].e
+                    iov[n].iov_base = e.val() + off
+                    iov[n].iov_len = e.vlen - off
+                    n += 1
+                    i += 1
+                    off = 0
+                    continue
+                end = c.refs[i].at if i < c.refs.size() else c.wbuf.size()
+                if end > pos:
+                    iov[n].iov_base = <void *>(c.wbuf.data() + pos)
+                    iov[n].iov_len = end - pos
+                    n += 1
+                    pos = end
+                if i >= c.refs.size():
+                    break
+            sent = fe_sendv(c.fd, iov, n)
+            if sent < 0:
+                if errno == EINTR:
+                    continue
+                if errno == EAGAIN:
+                    return True
+                self._close_conn(c, NULL)
+                return False
+            self._replied = True
+            while sent > 0:   # advance over what went out
+                if c.ref_i < c.refs.size() and c.wpos == c.refs[c.ref_i].at:
+                    e = c.refs[c.ref_i].e
+                    take = e.vlen - c.ref_off
+                    if <size_t>sent < take:
+                        take = <size_t>sent
+                    c.ref_off += take
+                    c.ref_unsent -= take
+                    sent -= <ssize_t>take
+                    if c.ref_off == e.vlen:
+                        self._kv.unpin(e)
+                        c.ref_i += 1
+                        c.ref_off = 0
+                else:
+                    end = c.refs[c.ref_i].at if c.ref_i < c.refs.size() else c.wbuf.size()
+                    take = end - c.wpos
+                    if <size_t>sent < take:
+                        take = <size_t>sent
+                    c.wpos += take
+                    sent -= <ssize_t>take
+        c.refs.clear()   # all streamed: what is left is plain bytes
+        c.ref_i = 0
+        return True
+
+    cdef void _drop_refs(self, Conn *c, size_t after) noexcept nogil:
+        """Unpins c's unsent streamed values placed after wbuf byte ``after`` (0: all)."""
+        cdef fe_entry *e
+        while c.refs.size() > c.ref_i and (after == 0 or c.refs.back().at > after):
+            e = c.refs.back().e
+            c.ref_unsent -= e.vlen - (c.ref_off if c.refs.size() - 1 == c.ref_i else 0)
+            self._kv.unpin(e)
+            c.refs.pop_back()
+        if c.refs.size() == c.ref_i:
+            c.refs.clear()
+            c.ref_i = c.ref_off = 0
 
     cdef void _close_conn(self, Conn *c, const char *why) noexcept nogil:
         cdef size_t i
         cdef int fd = c.fd
         cdef vector[pair[string, string]] actions
+        cdef char msg[320]
         self._drop_wait(c)
         actions.swap(c.on_close)
-        epoll_ctl(self._epfd, EPOLL_CTL_DEL, fd, NULL)
+        if why != NULL:
+            # The GIL only for a logged one: the first ten, then every thousandth.
+            self.protocol_errors += 1
+            self._last_why = why
+            if self.protocol_errors <= 10 or self.protocol_errors % 1000 == 0:
+                snprintf(msg, sizeof(msg), "closed its connection: %s (%llu so far)", why,
+                         <unsigned long long>self.protocol_errors)
+                self._log_conn(fd, msg)
+        self._buffered -= c.counted
+        self._drop_refs(c, 0)
+        epoll_ctl(self._epfd, EPOLL_CTL_DEL, fd, NULL)   # no check: close() removes it anyway
         close(fd)
         self._conns[fd] = NULL
         PyMem_RawFree(c.rb)
         del c
         self.closed += 1
-        if why != NULL:
-            self.protocol_errors += 1
-            with gil:
-                try:
-                    self._last_error = why.decode()
-                    if self.protocol_errors <= 10 or self.protocol_errors % 1000 == 0:
-                        _log.warning("store: closed a client connection: %s (%d so far)",
-                                     self._last_error, self.protocol_errors)
-                except BaseException:
-                    pass
         # A disconnect is an event others may wait for (a peer that died).
         for i in range(actions.size()):
             # out of memory here loses the action; there is no connection left to tell
@@ -911,7 +1270,6 @@ cdef extern from *:
         do { (out).swap((it)->second.front()); (it)->second.pop_front(); } while (0)
     #define PREFETCH_SLOT 16
     #define PREFETCH_ENTRY 8
-    #define FE_MAX_REPLY ((size_t)1 << 32)
     static inline bool fe_reserve(std::string &s, size_t n) {
         try { s.reserve(n); return true; } catch (...) { return false; }
     }
@@ -922,4 +1280,3 @@ cdef extern from *:
     size_t PREFETCH_SLOT
     size_t PREFETCH_ENTRY
     cbool fe_reserve(string &s, size_t n) nogil
-    size_t MAX_REPLY "FE_MAX_REPLY"   # largest MULTI_GET reply built (4 GiB)

@@ -3,8 +3,12 @@
 from datetime import timedelta
 from typing import Iterable, Union
 
+from fastelastic.errors import StoreConnectionError
+
 _Value = Union[str, bytes, bytearray, memoryview]
 _Timeout = Union[timedelta, float, None]
+
+class HandshakeReset(StoreConnectionError): ...
 
 class KVClient:
     timeout_ms: int

@@ -23,6 +23,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-value", type=int, default=8 << 20, help="longest value, bytes")
     parser.add_argument("--max-keys", type=int, default=131072,
                         help="most keys in one multi-key request")
+    parser.add_argument("--max-reply", type=int, default=64 << 20,
+                        help="largest reply built for one request (MULTI_GET, LIST_KEYS), bytes; "
+                             "larger ones close that client's connection")
+    parser.add_argument("--max-unsent", type=int, default=1 << 20,
+                        help="a client with more unsent reply bytes than this is not read until "
+                             "it drains them (backpressure)")
+    parser.add_argument("--buffer-budget", type=int, default=256 << 20,
+                        help="bytes all connections' buffers may hold together; above it the "
+                             "connection holding the most is closed")
+    parser.add_argument("--handshake-ms", type=int, default=1000,
+                        help="close connections that have not completed the handshake this long "
+                             "after connecting, milliseconds")
     parser.add_argument("--spin-us", type=int, default=None,
                         help="how long the loop polls before it sleeps, microseconds "
                              f"(default: ${SPIN_ENV} or 50; 0: never)")
@@ -35,8 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spin = spin_us() if args.spin_us is None else args.spin_us
         handle = host_server(args.host, args.port, max_key=args.max_key,
-                             max_value=args.max_value, max_keys=args.max_keys, spin_us=spin)
-    except StoreError as e:
+                             max_value=args.max_value, max_keys=args.max_keys, spin_us=spin,
+                             max_reply=args.max_reply, max_unsent=args.max_unsent,
+                             buffer_budget=args.buffer_budget, handshake_ms=args.handshake_ms)
+    except (StoreError, ValueError) as e:
         print(f"fastelastic.store: error: {e}", file=sys.stderr)
         return 1
     done = threading.Event()
