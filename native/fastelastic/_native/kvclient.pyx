@@ -31,6 +31,7 @@ from fastelastic._native.includes.linux cimport (
 from fastelastic._native.spin cimport spin_again, spin_deadline
 from fastelastic._native.wire cimport *
 
+import hmac as _hmac
 import os
 
 from fastelastic.errors import QueueEmptyError, StoreConnectionError, StoreError, StoreTimeoutError
@@ -126,9 +127,11 @@ cdef class KVClient:
         if self._lock == NULL:
             raise MemoryError()
 
-    def __init__(self, int fd, str peer, double timeout, *, int64_t spin_us=0):
+    def __init__(self, int fd, str peer, double timeout, *, int64_t spin_us=0,
+                 bytes token=b""):
         cdef int one = 1
         cdef uint32_t nonce
+        cdef bytes challenge = None
         self._fd = fd
         self._owner_pid = getpid()
         self._peer = peer
@@ -157,14 +160,43 @@ cdef class KVClient:
                 self._handshaking = False
             nonce = load_u32(self._in + self._in_pos)
             self._in_pos += 4
+            if nonce == EXT_AUTH_NONCE:
+                if self._need_intr(AUTH_CHALLENGE_LEN, REPLY) != IO_OK:
+                    raise self._fail(IO_CLOSED, "token challenge")
+                challenge = PyBytes_FromStringAndSize(self._in + self._in_pos,
+                                                      AUTH_CHALLENGE_LEN)
+                self._in_pos += AUTH_CHALLENGE_LEN
+                if token:
+                    self._prove(token, challenge)
         finally:
             PyThread_release_lock(self._lock)
-        if nonce == <uint32_t>(~(<uint32_t>EXT_NONCE)):
+        if nonce == EXT_AUTH_NONCE and not token:
+            self.close()
+            raise StoreConnectionError(
+                f"the store at {peer} requires a token: give this client the same token file as "
+                "the server (--rdzv-conf token_file=PATH or FASTELASTIC_STORE_TOKEN_FILE)")
+        if nonce == <uint32_t>(~(<uint32_t>EXT_NONCE)) or nonce == EXT_AUTH_NONCE:
             self._ext = True
         elif nonce != EXT_NONCE:
             self._broken = True
             raise StoreConnectionError(
                 f"store at {peer} answered the handshake with a wrong nonce; is it a TCPStore?")
+
+    cdef int _prove(self, bytes token, bytes challenge) except -1:
+        """Answers the server's challenge with HMAC-SHA256(token, context + challenge); the
+        token itself never goes on the wire."""
+        cdef bytes proof = _hmac.new(token, AUTH_CONTEXT + challenge, "sha256").digest()
+        self._out.clear()
+        put_u8(self._out, CMD_EXT_AUTH)
+        self._out.append(<const char *>proof, 32)
+        try:
+            self._transact(1, REPLY)
+        except StoreConnectionError:
+            raise StoreConnectionError(
+                f"the store at {self._peer} rejected this client's token proof: its token file "
+                "differs from the server's") from None
+        self._in_pos += 1
+        return 0
 
     def __dealloc__(self):
         if self._fd >= 0 and self._owner_pid == getpid():

@@ -93,6 +93,7 @@ cdef cppclass Conn:
     uint32_t events         # the epoll mask armed now
     size_t counted          # bytes of its buffers counted in KVServer._buffered
     char challenge[32]      # CONN_AUTH: the nonce the client must prove the token with
+    cbool challenged        # ... and it was sent
     cbool waiting           # a WAIT or BARRIER is pending
     int64_t wait_left       # keys the pending wait still misses
     uint64_t wait_gen       # bumped on every wait and cancel; stale Waiter entries carry an old one
@@ -170,6 +171,8 @@ cdef class KVServer:
     cdef void _notify(self, const string &key) noexcept nogil
     cdef void _notify_one(self, const string &key) noexcept nogil
     cdef int _refuse_reply(self, Conn *c, size_t size) noexcept nogil
+    cdef int _challenge(self, Conn *c) noexcept nogil
+    cdef int _check_proof(self, Conn *c, const char *proof) noexcept nogil
     cdef int _out_of_memory(self, Conn *c) noexcept nogil
     cdef int _missing(self, const string &key) noexcept nogil
     cdef void _register_wait(self, Conn *c, const string &key) noexcept nogil

@@ -22,7 +22,7 @@ cimport cython
 from cpython.mem cimport PyMem_RawFree, PyMem_RawMalloc, PyMem_RawRealloc
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdio cimport snprintf
-from libc.string cimport memcmp, memcpy, memmove, strerror
+from libc.string cimport memcmp, memcpy, memmove, strerror, strlen
 from libcpp cimport bool as cbool
 from libcpp.pair cimport pair
 from libcpp.string cimport string
@@ -42,10 +42,25 @@ from fastelastic._native.kvtune cimport *
 from fastelastic._native.spin cimport spin_again, spin_deadline
 from fastelastic._native.wire cimport *
 
+cdef extern from "hmac_sha256.h" nogil:
+    void fe_hmac_sha256(const void *key, size_t klen, const void *a, size_t alen,
+                        const void *b, size_t blen, unsigned char *out)
+    int fe_equal_ct(const unsigned char *a, const unsigned char *b, size_t n)
+    int fe_random(void *buf, size_t n)
+
 import logging
 import os
 
 _log = logging.getLogger("fastelastic.store")
+
+
+def hmac_sha256(bytes key, bytes a, bytes b):
+    """The server's own HMAC-SHA256(key, a + b) (for tests against Python's hmac)."""
+    cdef unsigned char out[32]
+    fe_hmac_sha256(<const char *>key, len(key), <const char *>a, len(a), <const char *>b,
+                   len(b), out)
+    return out[:32]
+
 
 cdef extern from *:
     """
@@ -426,6 +441,7 @@ cdef class KVServer:
             c.wpos = 0
             c.ref_i = c.ref_off = c.ref_unsent = 0
             c.state = CONN_HANDSHAKE
+            c.challenged = False
             c.ext = False
             c.dirty = False
             c.paused = False
@@ -686,6 +702,8 @@ cdef class KVServer:
         cdef size_t lim0 = self._max_key, lim1 = self._max_value
         if cmd == CMD_VALIDATE or cmd == CMD_PING:
             off = 5
+        elif cmd == CMD_EXT_AUTH:
+            off = 1 + AUTH_CHALLENGE_LEN
         elif cmd == CMD_GETNUMKEYS or cmd == CMD_CANCEL_WAIT or cmd == CMD_LIST_KEYS:
             off = 1
         elif cmd == CMD_SET or cmd == CMD_APPEND or cmd == CMD_QUEUE_PUSH \
@@ -919,8 +937,12 @@ cdef class KVServer:
             nonce = load_u32(q)
             if nonce == EXT_NONCE:
                 c.ext = True
+                if c.state == CONN_AUTH:
+                    return self._challenge(c)
                 nonce = ~nonce
             put_u32(c.wbuf, nonce)
+        elif cmd == CMD_EXT_AUTH:
+            return self._check_proof(c, q)
         elif cmd == CMD_VALIDATE:
             self._close_conn(c, "VALIDATE sent twice")
             return -1
@@ -997,6 +1019,34 @@ cdef class KVServer:
         format_decimal(num, result[0])
         if not self._kv.set(key.data(), key.size(), h, num.data(), num.size()):
             return self._out_of_memory(c)
+        return 0
+
+    cdef int _challenge(self, Conn *c) noexcept nogil:
+        """Token required: answers the capability PING with a fresh random challenge."""
+        if fe_random(c.challenge, AUTH_CHALLENGE_LEN) < 0:
+            self._close_conn(c, "no random bytes for a token challenge")
+            return -1
+        put_u32(c.wbuf, EXT_AUTH_NONCE)
+        fe_append(c.wbuf, c.challenge, AUTH_CHALLENGE_LEN)
+        c.challenged = True
+        return 0
+
+    cdef int _check_proof(self, Conn *c, const char *proof) noexcept nogil:
+        """EXT_AUTH: the client's HMAC of our challenge under the token; READY if it matches."""
+        cdef unsigned char want[32]
+        if c.state != CONN_AUTH or not c.challenged:
+            self._close_conn(c, "EXT_AUTH without a token challenge")
+            return -1
+        fe_hmac_sha256(self._token.data(), self._token.size(), AUTH_CONTEXT,
+                       strlen(AUTH_CONTEXT), c.challenge, AUTH_CHALLENGE_LEN, want)
+        c.challenged = False   # one proof per challenge
+        if not fe_equal_ct(want, <const unsigned char *>proof, 32):
+            self._log_conn(c.fd, "wrong token proof: closing the connection (is its token "
+                           "file the same as the server's?)")
+            self._close_conn(c, "wrong token proof")
+            return -1
+        self._set_state(c, CONN_READY)
+        put_u8(c.wbuf, 0)
         return 0
 
     cdef int _refuse_reply(self, Conn *c, size_t size) noexcept nogil:

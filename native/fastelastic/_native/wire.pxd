@@ -42,6 +42,17 @@ cdef enum:
     REPLY_READY = 0
     REPLY_NOT_READY = 1
     REPLY_VALUE = 2          # EXT_WAIT_GET: a blob follows
+    # A server that requires a token answers the capability PING with this instead of ~EXT_NONCE,
+    # followed by a 32-byte challenge; the client answers EXT_AUTH with
+    # HMAC-SHA256(token, AUTH_CONTEXT + challenge), and the server with one 0 byte if it matches.
+    EXT_AUTH_NONCE = 0x5EC2E7ED
+    AUTH_CHALLENGE_LEN = 32
+
+cdef extern from *:
+    """
+    #define FE_AUTH_CONTEXT "fastelastic-store-auth-v1"
+    """
+    const char *AUTH_CONTEXT "FE_AUTH_CONTEXT"   # (without its NUL) prefixes the challenge
 
 
 cdef inline uint64_t load_u64(const char *p) noexcept nogil:

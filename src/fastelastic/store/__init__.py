@@ -17,6 +17,7 @@ from typing import Iterable, Optional, Union
 from fastelastic._native.kvclient import HandshakeReset, KVClient
 from fastelastic.errors import StoreConnectionError, StoreTimeoutError
 from fastelastic.store._hosting import ServerHandle, host_server, raise_fd_limit, spin_us
+from fastelastic.store.auth import token_from_env
 
 __all__ = ["Store", "TCPStore", "PrefixStore", "connect_socket", "raise_fd_limit"]
 
@@ -96,6 +97,11 @@ class TCPStore(KVClient, Store):
         server_limits: (master only) the hosted server's bounds, as keyword arguments of
             :class:`~fastelastic._native.kvserver.KVServer` (``max_reply``, ``max_unsent``,
             ``buffer_budget``, ``handshake_ms``, ``max_key``, ``max_value``, ``max_keys``).
+        token: a shared secret (see :mod:`fastelastic.store.auth`). A master given one hosts a
+            server that serves only clients proving it; a client proves it when the server
+            asks. None: a client uses ``FASTELASTIC_STORE_TOKEN_FILE`` if set; a master hosts
+            an open server (the env variable never guards a server implicitly, so the workers'
+            store stays open to torch's clients).
     """
 
     def __init__(
@@ -111,6 +117,7 @@ class TCPStore(KVClient, Store):
         use_libuv: bool = True,
         *,
         server_limits: Optional[dict[str, int]] = None,
+        token: Optional[bytes] = None,
     ) -> None:
         seconds = _seconds(timeout)
         self._server: Optional[ServerHandle] = None
@@ -121,7 +128,7 @@ class TCPStore(KVClient, Store):
             # Like torch's, the server listens on every interface whatever host_name says.
             self._server = host_server(
                 "", port, multi_tenant=multi_tenant, listen_fd=master_listen_fd,
-                **(server_limits or {}),
+                **(server_limits or {}), **({"token": token} if token else {}),
             )
             weakref.finalize(self, self._server.release)
             port = self._server.port
@@ -137,7 +144,8 @@ class TCPStore(KVClient, Store):
                 sock = connect_socket(connect_host, port, deadline)
                 try:
                     KVClient.__init__(
-                        self, sock.detach(), f"{host_name}:{port}", seconds, spin_us=spin_us()
+                        self, sock.detach(), f"{host_name}:{port}", seconds, spin_us=spin_us(),
+                        token=(token if token is not None else token_from_env()) or b"",
                     )
                     break
                 except HandshakeReset:

@@ -10,6 +10,7 @@ import threading
 
 from fastelastic.errors import StoreError
 from fastelastic.store._hosting import SPIN_ENV, host_server, spin_us
+from fastelastic.store.auth import TOKEN_FILE_ENV, read_token, token_from_env
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--handshake-ms", type=int, default=1000,
                         help="close connections that have not completed the handshake this long "
                              "after connecting, milliseconds")
+    parser.add_argument("--token-file", default=None,
+                        help="serve only clients that prove they know the secret in this file "
+                             f"(default: ${TOKEN_FILE_ENV} if set; else no token)")
     parser.add_argument("--spin-us", type=int, default=None,
                         help="how long the loop polls before it sleeps, microseconds "
                              f"(default: ${SPIN_ENV} or 50; 0: never)")
@@ -46,10 +50,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
         spin = spin_us() if args.spin_us is None else args.spin_us
+        token = read_token(args.token_file) if args.token_file else token_from_env()
         handle = host_server(args.host, args.port, max_key=args.max_key,
                              max_value=args.max_value, max_keys=args.max_keys, spin_us=spin,
                              max_reply=args.max_reply, max_unsent=args.max_unsent,
-                             buffer_budget=args.buffer_budget, handshake_ms=args.handshake_ms)
+                             buffer_budget=args.buffer_budget, handshake_ms=args.handshake_ms,
+                             token=token or b"")
     except (StoreError, ValueError) as e:
         print(f"fastelastic.store: error: {e}", file=sys.stderr)
         return 1
@@ -57,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
     print(f"fastelastic store listening on {args.host or '*'}:{handle.port}", flush=True)
+    if token:
+        logging.getLogger("fastelastic.store").info("clients must prove the store token")
     done.wait()
     handle.release()
     return 0
