@@ -393,9 +393,11 @@ class StormClient:
     TIME_WAIT is left behind) and exits.
     """
 
-    def __init__(self, port: int, n: int, key: str) -> None:
+    def __init__(self, port: int, n: int, key: str, barrier: tuple[str, int] | None = None
+                 ) -> None:
+        extra = [barrier[0], str(barrier[1])] if barrier else []
         self._err = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen([storm_binary(), str(port), str(n), key],
+        self.proc = subprocess.Popen([storm_binary(), str(port), str(n), key, *extra],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self._err, bufsize=0)
         self._buf = b""

@@ -167,7 +167,7 @@ cdef class KVServer:
                  size_t max_unsent=DEFAULT_MAX_UNSENT, size_t buffer_budget=DEFAULT_BUFFER_BUDGET,
                  int64_t handshake_ms=DEFAULT_HANDSHAKE_MS, bytes token=b""):
         cdef epoll_event ev
-        cdef int fd
+        cdef int fd, one = 1
         cdef uint64_t i = 0
         if max_reply < max_value + 64:
             raise ValueError(f"max_reply ({max_reply}) must exceed max_value ({max_value}): "
@@ -198,6 +198,8 @@ cdef class KVServer:
         ev.data.u64 = TAG_WAKE
         check_rc(epoll_ctl(self._epfd, EPOLL_CTL_ADD, self._wakefd, &ev))
         for fd in listen_fds:
+            # accepted sockets inherit TCP_NODELAY: no setsockopt per connection
+            check_rc(setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one)))
             ev.events = EPOLLIN
             ev.data.u64 = TAG_LISTEN | i
             check_rc(epoll_ctl(self._epfd, EPOLL_CTL_ADD, fd, &ev))
@@ -322,6 +324,7 @@ cdef class KVServer:
     cdef int _loop(self) except -1 nogil:
         cdef epoll_event events[MAX_EVENTS]
         cdef int n, i, fd
+        cdef size_t j
         cdef uint64_t tag, drain
         cdef Conn *c
         cdef Waiter w
@@ -337,6 +340,11 @@ cdef class KVServer:
                 with gil:
                     raise OSError(errno, os.strerror(errno))
             for i in range(n):
+                if (i & 63) == 63:
+                    # A long round (a connection storm): drain the accept queues every 64
+                    # events, so they do not overflow into 1 s SYN retransmissions.
+                    for j in range(self._listen_fds.size()):
+                        self._on_accept(self._listen_fds[j])
                 tag = events[i].data.u64
                 if tag == TAG_WAKE:
                     read(self._wakefd, &drain, 8)
@@ -396,7 +404,7 @@ cdef class KVServer:
         return c
 
     cdef void _on_accept(self, int lfd) noexcept nogil:
-        cdef int fd, one = 1, n = 0
+        cdef int fd, n = 0
         cdef char msg[160]
         cdef epoll_event ev
         cdef Conn *c
@@ -418,7 +426,6 @@ cdef class KVServer:
                         self._spare_fd = open(b"/dev/null", O_RDONLY | O_CLOEXEC)
                 return
             n += 1
-            setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one))
             ev.events = EPOLLIN | EPOLLRDHUP
             ev.data.u64 = <uint64_t>fd
             if epoll_ctl(self._epfd, EPOLL_CTL_ADD, fd, &ev) < 0:

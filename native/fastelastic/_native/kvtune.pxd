@@ -4,7 +4,7 @@ cdef enum:
     RDBUF_SIZE = 256 * 1024         # the loop's shared read buffer
     READ_BUDGET = 4                 # recv calls per readiness event, for fairness
     MAX_EVENTS = 512                # epoll events per loop round
-    ACCEPT_BUDGET = 256             # connections accepted per listener readiness event
+    ACCEPT_BUDGET = 4096            # connections accepted per listener readiness event
     SHRINK_ABOVE = 1 << 20          # give buffers back once they are idle and this large
     DIRECT_READ_ABOVE = 64 * 1024   # a partial request this large is read straight into c.rb
     STREAM_ABOVE = 64 * 1024        # values this large are sent from the map, not copied
