@@ -51,12 +51,18 @@ cdef struct Waiter:
     int fd
     uint64_t cid
     uint64_t gen
-    size_t slot             # its index in the connection's wait_keys / wait_pos
+    size_t slot             # its index in the connection's wait_keys
 
 
 cdef struct OutRef:         # a streamed value: e's bytes go out after wbuf[0:at]
     size_t at
     fe_entry *e
+
+
+cdef cppclass Streamed:     # a connection's streamed values (allocated while it has any)
+    vector[OutRef] refs     # in order (see KVServer._flush_refs)
+    size_t i                # refs[0:i] are sent (and unpinned)
+    size_t off              # bytes of refs[i]'s value sent
 
 
 cdef struct Pending:        # a connection that has until ``deadline`` to finish its handshake
@@ -71,8 +77,14 @@ cdef enum ConnState:
     CONN_READY = 2          # any request
 
 
+cdef cppclass WaitKey:
+    string key
+    size_t pos              # where its Waiter sits in _waiters[key] (NO_POS: gone already)
+
+
 cdef cppclass Conn:
     int fd
+    uint32_t events         # the epoll mask armed now
     uint64_t cid
     char *rb                # unparsed input: a request one recv could not complete
     size_t rb_len           # ... its bytes so far (rb[0:rb_len]; PyMem_Raw-allocated)
@@ -82,24 +94,19 @@ cdef cppclass Conn:
     uint64_t scan_i         # ... and this many of its blobs
     string wbuf             # replies not yet accepted by the kernel
     size_t wpos
-    vector[OutRef] refs     # large values streamed from the map, in order (see _flush)
-    size_t ref_i            # refs[0:ref_i] are sent (and unpinned)
-    size_t ref_off          # bytes of refs[ref_i]'s value sent
-    size_t ref_unsent       # bytes of refs[ref_i:] not sent
+    Streamed *st            # large values streamed from the map, or NULL
+    size_t ref_unsent       # bytes of them not sent yet
+    size_t counted          # bytes of its buffers counted in KVServer._buffered
+    char *challenge         # CONN_AUTH: the nonce the client must prove the token with
     ConnState state         # changed only by KVServer._set_state
     cbool ext               # answered the capability PING: may send CMD_EXT_*
     cbool dirty             # has replies queued by another connection's write
     cbool paused            # unsent replies over max_unsent: not reading until they drain
-    uint32_t events         # the epoll mask armed now
-    size_t counted          # bytes of its buffers counted in KVServer._buffered
-    char challenge[32]      # CONN_AUTH: the nonce the client must prove the token with
-    cbool challenged        # ... and it was sent
     cbool waiting           # a WAIT or BARRIER is pending
+    cbool wait_get          # the pending wait is an EXT_WAIT_GET: answer with the value
     int64_t wait_left       # keys the pending wait still misses
     uint64_t wait_gen       # bumped on every wait and cancel; stale Waiter entries carry an old one
-    vector[string] wait_keys
-    vector[size_t] wait_pos  # where each wait key's Waiter sits in _waiters[key] (NO_POS: gone)
-    cbool wait_get          # the pending wait is an EXT_WAIT_GET: answer with the value
+    vector[WaitKey] wait_keys
     vector[pair[string, string]] on_close
 
 

@@ -9,7 +9,7 @@ Invariants:
 - A client that breaks the protocol loses its own connection and nothing else: the request is
   not executed, its registrations are dropped and its ``on_close`` actions run.
 - ``Waiter`` entries name a connection by (fd, cid, gen) and sit in ``_waiters[key]`` only while
-  that wait is pending: each connection knows where its entries are (``wait_pos``), so dropping a
+  that wait is pending: each connection knows where its entries are (``WaitKey.pos``), so dropping a
   wait removes them in O(1) each.
 - Memory is bounded: a connection is not read while its unsent replies exceed ``max_unsent``; no
   reply is built above ``max_reply``; before its handshake a connection buffers at most 4 bytes
@@ -77,7 +77,7 @@ cdef extern from *:
     """
     #define FE_NO_POS ((size_t)-1)
     """
-    const size_t NO_POS "FE_NO_POS"    # Conn.wait_pos: this key's Waiter is gone already
+    const size_t NO_POS "FE_NO_POS"    # WaitKey.pos: this key's Waiter is gone already
 
 
 cdef int check_rc(int rc) except -1:
@@ -101,7 +101,10 @@ cdef inline void _put_value(Conn *c, fe_entry *e) noexcept nogil:
     put_u64(c.wbuf, e.vlen)
     r.at = c.wbuf.size()
     r.e = e
-    c.refs.push_back(r)   # (reserved by the caller's check of max_reply; cannot fail big)
+    if c.st == NULL:
+        c.st = new Streamed()
+        c.st.i = c.st.off = 0
+    c.st.refs.push_back(r)
     fe_entry_pin(e)
     c.ref_unsent += e.vlen
 
@@ -258,6 +261,7 @@ cdef class KVServer:
         for i in range(self._conns.size()):
             if self._conns[i] != NULL:
                 self._drop_refs(self._conns[i], 0)
+                PyMem_RawFree(self._conns[i].challenge)
                 close(self._conns[i].fd)
                 PyMem_RawFree(self._conns[i].rb)
                 del self._conns[i]
@@ -446,9 +450,10 @@ cdef class KVServer:
             c.scan_off = 0
             c.scan_i = 0
             c.wpos = 0
-            c.ref_i = c.ref_off = c.ref_unsent = 0
+            c.st = NULL
+            c.ref_unsent = 0
             c.state = CONN_HANDSHAKE
-            c.challenged = False
+            c.challenge = NULL
             c.ext = False
             c.dirty = False
             c.paused = False
@@ -1030,23 +1035,27 @@ cdef class KVServer:
 
     cdef int _challenge(self, Conn *c) noexcept nogil:
         """Token required: answers the capability PING with a fresh random challenge."""
+        if c.challenge == NULL:
+            c.challenge = <char *>PyMem_RawMalloc(AUTH_CHALLENGE_LEN)
+            if c.challenge == NULL:
+                return self._out_of_memory(c)
         if fe_random(c.challenge, AUTH_CHALLENGE_LEN) < 0:
             self._close_conn(c, "no random bytes for a token challenge")
             return -1
         put_u32(c.wbuf, EXT_AUTH_NONCE)
         fe_append(c.wbuf, c.challenge, AUTH_CHALLENGE_LEN)
-        c.challenged = True
         return 0
 
     cdef int _check_proof(self, Conn *c, const char *proof) noexcept nogil:
         """EXT_AUTH: the client's HMAC of our challenge under the token; READY if it matches."""
         cdef unsigned char want[32]
-        if c.state != CONN_AUTH or not c.challenged:
+        if c.state != CONN_AUTH or c.challenge == NULL:
             self._close_conn(c, "EXT_AUTH without a token challenge")
             return -1
         fe_hmac_sha256(self._token.data(), self._token.size(), AUTH_CONTEXT,
                        strlen(AUTH_CONTEXT), c.challenge, AUTH_CHALLENGE_LEN, want)
-        c.challenged = False   # one proof per challenge
+        PyMem_RawFree(c.challenge)   # one proof per challenge
+        c.challenge = NULL
         if not fe_equal_ct(want, <const unsigned char *>proof, 32):
             self._log_conn(c.fd, "wrong token proof: closing the connection (is its token "
                            "file the same as the server's?)")
@@ -1087,22 +1096,23 @@ cdef class KVServer:
         w.cid = c.cid
         w.gen = c.wait_gen
         w.slot = c.wait_keys.size()
-        c.wait_pos.push_back(ws.size())
+        c.wait_keys.resize(w.slot + 1)
+        c.wait_keys.back().key = key
+        c.wait_keys.back().pos = ws.size()
         ws.push_back(w)
-        c.wait_keys.push_back(key)
         c.wait_left += 1
 
     cdef void _unlink_wait(self, Conn *c, size_t slot) noexcept nogil:
         """Removes c's Waiter for its slot-th wait key in O(1): the list's last entry moves into
         its place, and that entry's connection is told its new position."""
-        cdef size_t pos = c.wait_pos[slot]
+        cdef size_t pos = c.wait_keys[slot].pos
         cdef vector[Waiter] *ws
         cdef Waiter moved
         cdef Conn *o
         if pos == NO_POS:
             return
-        c.wait_pos[slot] = NO_POS
-        wit = self._waiters.find(c.wait_keys[slot])
+        c.wait_keys[slot].pos = NO_POS
+        wit = self._waiters.find(c.wait_keys[slot].key)
         if wit == self._waiters.end():
             return
         ws = &deref_waiters(wit)
@@ -1112,7 +1122,7 @@ cdef class KVServer:
             ws[0][pos] = moved
             o = self._lookup(moved.fd, moved.cid)
             if o != NULL:
-                o.wait_pos[moved.slot] = pos
+                o.wait_keys[moved.slot].pos = pos
         if ws.size() == 0:
             self._waiters.erase(wit)
 
@@ -1122,7 +1132,6 @@ cdef class KVServer:
         for i in range(c.wait_keys.size()):
             self._unlink_wait(c, i)
         c.wait_keys.clear()
-        c.wait_pos.clear()
         c.wait_get = False
         if c.waiting:
             self.waiting -= 1
@@ -1143,7 +1152,7 @@ cdef class KVServer:
             c = self._lookup(ws[i].fd, ws[i].cid)
             if c == NULL or not c.waiting or c.wait_gen != ws[i].gen:
                 continue
-            c.wait_pos[ws[i].slot] = NO_POS
+            c.wait_keys[ws[i].slot].pos = NO_POS
             c.wait_left -= 1
             if c.wait_left <= 0:
                 self._finish_wait(c, ws[i])
@@ -1152,7 +1161,7 @@ cdef class KVServer:
         """Answers a satisfied wait, and queues c's reply to be sent this loop round."""
         cdef string key
         if c.wait_get:
-            key = c.wait_keys[0]
+            key = c.wait_keys[0].key
             self._drop_wait(c)
             e = self._kv.find(key)
             put_u8(c.wbuf, REPLY_VALUE)
@@ -1189,9 +1198,9 @@ cdef class KVServer:
         """Sends what the kernel takes of c's replies; re-arms epoll for the rest."""
         cdef ssize_t sent
         cdef Waiter w
-        if c.refs.size() and not self._flush_refs(c):
+        if c.st != NULL and not self._flush_refs(c):
             return
-        while c.refs.size() == 0 and c.wpos < c.wbuf.size():
+        while c.st == NULL and c.wpos < c.wbuf.size():
             sent = send(c.fd, c.wbuf.data() + c.wpos, c.wbuf.size() - c.wpos, MSG_NOSIGNAL)
             if sent < 0:
                 if errno == EINTR:
@@ -1202,7 +1211,7 @@ cdef class KVServer:
                 return
             c.wpos += <size_t>sent
             self._replied = True
-        if c.wpos == c.wbuf.size() and c.refs.size() == 0:
+        if c.wpos == c.wbuf.size() and c.st == NULL:
             c.wbuf.clear()
             c.wpos = 0
             if c.wbuf.capacity() > SHRINK_ABOVE:
@@ -1223,24 +1232,25 @@ cdef class KVServer:
         cdef size_t pos, i, off, end, take
         cdef ssize_t sent
         cdef fe_entry *e
-        while c.ref_i < c.refs.size():
-            n, pos, i, off = 0, c.wpos, c.ref_i, c.ref_off
+        cdef Streamed *st = c.st
+        while st.i < st.refs.size():
+            n, pos, i, off = 0, c.wpos, st.i, st.off
             while n < MAX_IOV:
-                if i < c.refs.size() and pos == c.refs[i].at:
-                    e = c.refs[i].e
+                if i < st.refs.size() and pos == st.refs[i].at:
+                    e = st.refs[i].e
                     iov[n].iov_base = e.val() + off
                     iov[n].iov_len = e.vlen - off
                     n += 1
                     i += 1
                     off = 0
                     continue
-                end = c.refs[i].at if i < c.refs.size() else c.wbuf.size()
+                end = st.refs[i].at if i < st.refs.size() else c.wbuf.size()
                 if end > pos:
                     iov[n].iov_base = <void *>(c.wbuf.data() + pos)
                     iov[n].iov_len = end - pos
                     n += 1
                     pos = end
-                if i >= c.refs.size():
+                if i >= st.refs.size():
                     break
             sent = fe_sendv(c.fd, iov, n)
             if sent < 0:
@@ -1252,40 +1262,43 @@ cdef class KVServer:
                 return False
             self._replied = True
             while sent > 0:   # advance over what went out
-                if c.ref_i < c.refs.size() and c.wpos == c.refs[c.ref_i].at:
-                    e = c.refs[c.ref_i].e
-                    take = e.vlen - c.ref_off
+                if st.i < st.refs.size() and c.wpos == st.refs[st.i].at:
+                    e = st.refs[st.i].e
+                    take = e.vlen - st.off
                     if <size_t>sent < take:
                         take = <size_t>sent
-                    c.ref_off += take
+                    st.off += take
                     c.ref_unsent -= take
                     sent -= <ssize_t>take
-                    if c.ref_off == e.vlen:
+                    if st.off == e.vlen:
                         self._kv.unpin(e)
-                        c.ref_i += 1
-                        c.ref_off = 0
+                        st.i += 1
+                        st.off = 0
                 else:
-                    end = c.refs[c.ref_i].at if c.ref_i < c.refs.size() else c.wbuf.size()
+                    end = st.refs[st.i].at if st.i < st.refs.size() else c.wbuf.size()
                     take = end - c.wpos
                     if <size_t>sent < take:
                         take = <size_t>sent
                     c.wpos += take
                     sent -= <ssize_t>take
-        c.refs.clear()   # all streamed: what is left is plain bytes
-        c.ref_i = 0
+        del st   # all streamed: what is left is plain bytes
+        c.st = NULL
         return True
 
     cdef void _drop_refs(self, Conn *c, size_t after) noexcept nogil:
         """Unpins c's unsent streamed values placed after wbuf byte ``after`` (0: all)."""
         cdef fe_entry *e
-        while c.refs.size() > c.ref_i and (after == 0 or c.refs.back().at > after):
-            e = c.refs.back().e
-            c.ref_unsent -= e.vlen - (c.ref_off if c.refs.size() - 1 == c.ref_i else 0)
+        cdef Streamed *st = c.st
+        if st == NULL:
+            return
+        while st.refs.size() > st.i and (after == 0 or st.refs.back().at > after):
+            e = st.refs.back().e
+            c.ref_unsent -= e.vlen - (st.off if st.refs.size() - 1 == st.i else 0)
             self._kv.unpin(e)
-            c.refs.pop_back()
-        if c.refs.size() == c.ref_i:
-            c.refs.clear()
-            c.ref_i = c.ref_off = 0
+            st.refs.pop_back()
+        if st.refs.size() == st.i:
+            del st
+            c.st = NULL
 
     cdef void _close_conn(self, Conn *c, const char *why) noexcept nogil:
         cdef size_t i
@@ -1304,6 +1317,7 @@ cdef class KVServer:
                 self._log_conn(fd, msg)
         self._buffered -= c.counted
         self._drop_refs(c, 0)
+        PyMem_RawFree(c.challenge)
         epoll_ctl(self._epfd, EPOLL_CTL_DEL, fd, NULL)   # no check: close() removes it anyway
         close(fd)
         self._conns[fd] = NULL
