@@ -31,7 +31,6 @@ from fastelastic._native.includes.linux cimport (
 from fastelastic._native.spin cimport spin_again, spin_deadline
 from fastelastic._native.wire cimport *
 
-import hmac as _hmac
 import os
 
 from fastelastic.errors import QueueEmptyError, StoreConnectionError, StoreError, StoreTimeoutError
@@ -185,7 +184,9 @@ cdef class KVClient:
     cdef int _prove(self, bytes token, bytes challenge) except -1:
         """Answers the server's challenge with HMAC-SHA256(token, context + challenge); the
         token itself never goes on the wire."""
-        cdef bytes proof = _hmac.new(token, AUTH_CONTEXT + challenge, "sha256").digest()
+        import hmac   # here, not at import: hashlib loads OpenSSL (~4 MiB) into every process
+
+        cdef bytes proof = hmac.new(token, AUTH_CONTEXT + challenge, "sha256").digest()
         self._out.clear()
         put_u8(self._out, CMD_EXT_AUTH)
         self._out.append(<const char *>proof, 32)
