@@ -88,6 +88,62 @@ cdef int check_rc(int rc) except -1:
     return rc
 
 
+# ------------------------------------------------------------------------- the command table
+# What each command's request looks like on the wire (tcpstore-protocol.md section 2): one entry
+# per command byte, read by _measure (how long a request is, which limit each length has) and by
+# _gate (extensions need the capability PING). A byte without an entry is a protocol error.
+
+cdef enum:
+    SH_UNKNOWN = 0
+    SH_FIXED = 1     # ``size`` bytes in all (command byte included)
+    SH_BLOBS = 2     # ``nblobs`` length-prefixed blobs (a key, then values), then ``size`` bytes
+    SH_MULTI = 3     # a count, then that many keys (``pairs``: key and value blobs)
+
+
+cdef struct Shape:
+    uint8_t kind
+    uint8_t nblobs
+    uint8_t size
+    cbool pairs
+    cbool ext        # one of our extensions
+
+
+cdef Shape SHAPES[256]
+
+
+cdef void _shape(uint8_t cmd, uint8_t kind, uint8_t nblobs, uint8_t size, bint pairs=False):
+    SHAPES[cmd].kind = kind
+    SHAPES[cmd].nblobs = nblobs
+    SHAPES[cmd].size = size
+    SHAPES[cmd].pairs = pairs
+    SHAPES[cmd].ext = cmd >= CMD_EXT_WAIT_GET
+
+
+cdef void _fill_shapes():
+    cdef int c
+    for c in range(256):
+        SHAPES[c].kind = SH_UNKNOWN
+        SHAPES[c].ext = c >= CMD_EXT_WAIT_GET
+    for c in (CMD_VALIDATE, CMD_PING):
+        _shape(c, SH_FIXED, 0, 5)
+    _shape(CMD_EXT_AUTH, SH_FIXED, 0, 1 + AUTH_CHALLENGE_LEN)
+    for c in (CMD_GETNUMKEYS, CMD_CANCEL_WAIT, CMD_LIST_KEYS):
+        _shape(c, SH_FIXED, 0, 1)
+    for c in (CMD_SET, CMD_APPEND, CMD_QUEUE_PUSH, CMD_EXT_ON_DISCONNECT_APPEND):
+        _shape(c, SH_BLOBS, 2, 0)
+    _shape(CMD_COMPARE_SET, SH_BLOBS, 3, 0)
+    for c in (CMD_GET, CMD_DELETE_KEY, CMD_QUEUE_POP, CMD_QUEUE_LEN, CMD_EXT_WAIT_GET):
+        _shape(c, SH_BLOBS, 1, 0)
+    for c in (CMD_ADD, CMD_BARRIER):
+        _shape(c, SH_BLOBS, 1, 8)
+    for c in (CMD_CHECK, CMD_WAIT, CMD_MULTI_GET, CMD_EXT_TRY_MULTI_GET):
+        _shape(c, SH_MULTI, 0, 0)
+    _shape(CMD_MULTI_SET, SH_MULTI, 0, 0, True)
+
+
+_fill_shapes()
+
+
 cdef inline size_t _unsent(Conn *c) noexcept nogil:
     return c.wbuf.size() - c.wpos + c.ref_unsent
 
@@ -651,7 +707,7 @@ cdef class KVServer:
         c.need = 0
         while off < n:
             cmd = <uint8_t>p[off]
-            if (c.state != CONN_READY or cmd >= CMD_EXT_WAIT_GET) and self._gate(c, cmd) < 0:
+            if (c.state != CONN_READY or SHAPES[cmd].ext) and self._gate(c, cmd) < 0:
                 return -1
             m = self._measure(p + off, n - off, &need, &c.scan_off, &c.scan_i)
             if m == 0:
@@ -695,7 +751,7 @@ cdef class KVServer:
                 self._close_conn(c, "request before the token proof (this store requires a "
                                  "token: --token-file / FASTELASTIC_STORE_TOKEN_FILE)")
                 return -1
-        if cmd >= CMD_EXT_WAIT_GET and not c.ext:
+        if SHAPES[cmd].ext and not c.ext:
             self._close_conn(c, "extension request before the capability PING")
             return -1
         return 0
@@ -709,27 +765,12 @@ cdef class KVServer:
         bytes must be buffered before it can be); -1 if it is malformed or over a limit."""
         cdef size_t off = 1
         cdef uint64_t count, i, ln, start = 0
-        cdef uint8_t cmd = <uint8_t>p[0]
-        cdef int nblobs = 0
+        cdef const Shape *sh = &SHAPES[<uint8_t>p[0]]
         cdef size_t lim0 = self._max_key, lim1 = self._max_value
-        if cmd == CMD_VALIDATE or cmd == CMD_PING:
-            off = 5
-        elif cmd == CMD_EXT_AUTH:
-            off = 1 + AUTH_CHALLENGE_LEN
-        elif cmd == CMD_GETNUMKEYS or cmd == CMD_CANCEL_WAIT or cmd == CMD_LIST_KEYS:
-            off = 1
-        elif cmd == CMD_SET or cmd == CMD_APPEND or cmd == CMD_QUEUE_PUSH \
-                or cmd == CMD_EXT_ON_DISCONNECT_APPEND:
-            nblobs = 2
-        elif cmd == CMD_COMPARE_SET:
-            nblobs = 3
-        elif cmd == CMD_GET or cmd == CMD_DELETE_KEY or cmd == CMD_QUEUE_POP \
-                or cmd == CMD_QUEUE_LEN or cmd == CMD_EXT_WAIT_GET:
-            nblobs = 1
-        elif cmd == CMD_ADD or cmd == CMD_BARRIER:
-            nblobs = 1
-        elif cmd == CMD_CHECK or cmd == CMD_WAIT or cmd == CMD_MULTI_GET \
-                or cmd == CMD_MULTI_SET or cmd == CMD_EXT_TRY_MULTI_GET:
+        cdef uint64_t per = 2 if sh.pairs else 1
+        if sh.kind == SH_FIXED:
+            off = 0   # size is all of it (below)
+        elif sh.kind == SH_MULTI:
             if n < 9:
                 need[0] = 9
                 return 0
@@ -740,14 +781,14 @@ cdef class KVServer:
             if scan_off[0] > 0:
                 off = scan_off[0]
                 start = scan_i[0]
-            for i in range(start, count if cmd != CMD_MULTI_SET else count * 2):
+            for i in range(start, count * per):
                 if n - off < 8:
                     scan_off[0] = off
                     scan_i[0] = i
                     need[0] = off + 8
                     return 0
                 ln = load_u64(p + off)
-                if ln > (lim1 if (cmd == CMD_MULTI_SET and (i & 1)) else lim0):
+                if ln > (lim1 if (sh.pairs and (i & 1)) else lim0):
                     return -1
                 if n - off - 8 < ln:
                     scan_off[0] = off
@@ -758,9 +799,9 @@ cdef class KVServer:
             scan_off[0] = 0
             scan_i[0] = 0
             return <ssize_t>off
-        else:
+        elif sh.kind != SH_BLOBS:
             return -1
-        for i in range(<uint64_t>nblobs):
+        for i in range(<uint64_t>sh.nblobs):
             if n - off < 8:
                 need[0] = off + 8
                 return 0
@@ -771,8 +812,7 @@ cdef class KVServer:
                 need[0] = off + 8 + ln
                 return 0
             off += 8 + <size_t>ln
-        if cmd == CMD_ADD or cmd == CMD_BARRIER:
-            off += 8
+        off += sh.size   # a fixed request's length; ADD, BARRIER: the int64 after the key
         if n < off:
             need[0] = off
             return 0
