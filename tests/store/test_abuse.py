@@ -125,7 +125,7 @@ _GOOD_CLIENT = textwrap.dedent("""
             errors.append(repr(e))
             break
         lat.append((time.perf_counter() - t) * 1000)
-        time.sleep(0.002)
+        time.sleep(0.0005)
     lat.sort()
     p99 = lat[int(len(lat) * 0.99)] if lat else None
     print(json.dumps({"n": len(lat), "p99": p99, "max": lat[-1] if lat else None,
@@ -257,6 +257,7 @@ def test_never_reading_pipeliner_is_paused(server):
     srv = server()
     owner = TCPStore("127.0.0.1", srv.port, timeout=10, wait_for_workers=False)
     owner.set("big", b"x" * MIB)
+    assert owner.get("big") == b"x" * MIB   # in before the attackers ask
     good = GoodClient(srv.port)
     before = srv.status_kib("VmRSS")
     socks = []
@@ -526,6 +527,7 @@ def test_bounds_are_options_of_the_hosted_store():
                       server_limits={"max_reply": 20 << 20, "max_value": 1 << 20})
     try:
         master.set("v", b"v" * (1 << 20))
+        assert len(master.get("v")) == 1 << 20   # the SET is in before the raw client asks
         r = Raw(master.port)
         r.send(req(MULTI_GET, u64(21), *[blob("/v")] * 21))
         assert r.is_closed_by_peer()
@@ -547,6 +549,7 @@ def test_sets_still_arrive_while_a_reader_is_paused(server):
     srv = server("--max-unsent", str(256 << 10))
     owner = TCPStore("127.0.0.1", srv.port, timeout=10, wait_for_workers=False)
     owner.set("big", b"y" * (512 << 10))
+    assert owner.check(["big"])   # in before the raw client asks
     r = Raw(srv.port)
     r.send(req(GET, blob("/big")) * 8 + req(SET, blob("/after"), blob("1")) + req(GET,
                                                                                  blob("/after")))
