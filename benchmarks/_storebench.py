@@ -134,6 +134,9 @@ done.wait()
 """
 
 
+BASELINE_ENV = "FE_BENCH_BASELINE"
+
+
 class ServerProc:
     """One store server in its own process, so its CPU and RSS can be read from /proc.
 
@@ -145,13 +148,21 @@ class ServerProc:
         self.impl = impl
         if impl == "fastelastic":
             cmd = [sys.executable, "-m", "fastelastic.store", "--host", "127.0.0.1", "--port", "0"]
+        elif impl == "torch" and os.environ.get(BASELINE_ENV):
+            # A/B of two fastelastic builds in one run: the "torch" column is the server of the
+            # source tree named by FE_BENCH_BASELINE (e.g. a checkout of the previous commit with
+            # its .so files), so every server row compares the new build against the old.
+            cmd = [sys.executable, "-m", "fastelastic.store", "--host", "127.0.0.1", "--port", "0"]
         elif impl == "torch":
             cmd = [sys.executable, "-c", _TORCH_SERVER]
         else:
             raise ValueError(f"unknown impl {impl!r}")
+        env = None
+        if impl == "torch" and os.environ.get(BASELINE_ENV):
+            env = dict(os.environ, PYTHONPATH=os.environ[BASELINE_ENV])
         self._err = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._err,
-                                     stdin=subprocess.DEVNULL)
+                                     stdin=subprocess.DEVNULL, env=env)
         self.pid = self.proc.pid
         line = _read_line(self.proc, start_timeout)
         m = re.search(rb"listening on .*:(\d+)\s*$", line or b"")
@@ -415,9 +426,11 @@ class StormClient:
     TIME_WAIT is left behind) and exits.
     """
 
-    def __init__(self, port: int, n: int, key: str) -> None:
+    def __init__(self, port: int, n: int, key: str, barrier: tuple[str, int] | None = None
+                 ) -> None:
+        extra = [barrier[0], str(barrier[1])] if barrier else []
         self._err = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen([storm_binary(), str(port), str(n), key],
+        self.proc = subprocess.Popen([storm_binary(), str(port), str(n), key, *extra],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self._err, bufsize=0)
         self._buf = b""

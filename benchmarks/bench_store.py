@@ -22,6 +22,10 @@ schedstat sum where a phase is too short for 10 ms ticks) and RSS can be read. F
 * ``storm``: N light raw clients (``stormclient.c``, in 1-2 processes) connect, handshake and
   ADD at once.
 * ``rss``: server RSS holding 10,000 idle connections (a fresh server per implementation).
+* ``barrier``: 19,000 light clients (the most one process can hold here: RLIMIT_NOFILE's hard
+  limit is 20,000) connect at once with no pacing, handshake, ADD, then WAIT on one barrier key
+  that the last arrival sets (a fresh server per implementation); server CPU and RSS per
+  connection, for the projection to 98,304 ranks in BENCHMARKS.md.
 
 Run: ``python -m pytest benchmarks/bench_store.py --benchmark-only -q`` (about 5 minutes);
 smoke: ``python -m pytest benchmarks/bench_store.py --benchmark-disable -q`` (small sizes).
@@ -433,3 +437,75 @@ def test_rss_idle(benchmark, sizes, results, impl):
          "base_rss_mib": base_rss / 2**20, "bytes_per_conn": (state["rss"] - base_rss) / n,
          "conns": n, "server_fds_held": state["fds"]}
     results.add("rss", "idle", impl, m, benchmark.extra_info)
+
+
+# ------------------------------------------------------------------------------ barrier storm
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_storm_barrier(benchmark, sizes, results, impl):
+    """n clients at once: connect, handshake, ADD, WAIT on one barrier key, all released."""
+    n, procs = sizes["barrier_n"], 2
+    server = sb.ServerProc(impl)
+    live: list[sb.StormClient] = []
+    runs: list[dict] = []
+    state = {"round": 0}
+    os.environ["STORM_LIMIT_S"] = "60"   # torch's server may never release the barrier
+    try:
+        base_rss, base_fds = server.rss(), server.nfds()
+
+        def setup():
+            for c in live:
+                c.finish()
+            live.clear()
+            server.wait_fds_at_most(base_fds + 2, 60)
+            state["round"] += 1
+            r = state["round"]
+            live.extend(sb.StormClient(server.port, n // procs, f"/arrive{r}",
+                                       (f"/barrier{r}", n // procs * procs))
+                        for _ in range(procs))
+            for c in live:
+                c.line(120)
+
+        def storm() -> None:
+            drops = sb.listen_drops()
+            cpu0 = server.cpu_precise()
+            ccpu0 = sum(sb.cpu_seconds_precise(c.proc.pid) for c in live)
+            for c in live:
+                c.tell("go")
+            rs = [c.line(300) for c in live]
+            cpu = server.cpu_precise() - cpu0
+            rss = server.rss()   # every connection is still open, each waited once
+            ccpu = sum(sb.cpu_seconds_precise(c.proc.pid) for c in live) - ccpu0
+            agg = {k: sum(r[k] for r in rs) for k in
+                   ("done", "refused", "reset", "closed", "bad_reply", "other", "unfinished")}
+            t0 = min(r["t0"] for r in rs)
+            runs.append({"time_s": max(r["t1"] for r in rs) - t0,
+                         "add_s": max(r["t_add"] for r in rs) - t0,
+                         "server_cpu_s": cpu, "client_cpu_s": ccpu,
+                         "rss_per_conn": (rss - base_rss) / n,
+                         "listen_drops": sb.listen_drops() - drops, **agg})
+
+        benchmark.pedantic(storm, setup=setup, rounds=sizes["barrier_rounds"], iterations=1)
+    finally:
+        os.environ.pop("STORM_LIMIT_S", None)
+        for c in live:
+            c.finish()
+        server.stop()
+    best = min(runs, key=lambda r: r["time_s"])
+    m = {"time_s": best["time_s"], "add_s": best["add_s"],
+         "time_median_s": statistics.median(r["time_s"] for r in runs),
+         "server_cpu_s": statistics.median(r["server_cpu_s"] for r in runs),
+         "server_cpu_us_per_conn": statistics.median(r["server_cpu_s"] for r in runs) / n * 1e6,
+         "client_cpu_s": statistics.median(r["client_cpu_s"] for r in runs),
+         "rss_bytes_per_conn": statistics.median(r["rss_per_conn"] for r in runs),
+         "done": min(r["done"] for r in runs),
+         "errors": sum(r["refused"] + r["reset"] + r["closed"] + r["bad_reply"] + r["other"]
+                       + r["unfinished"] for r in runs),
+         "listen_drops": sum(r["listen_drops"] for r in runs), "clients": n, "runs": len(runs)}
+    results.add("barrier", str(n), impl, m, benchmark.extra_info)
+    for r in runs:
+        assert r["done"] + sum(r[k] for k in ("refused", "reset", "closed", "bad_reply", "other",
+                                              "unfinished")) == n // procs * procs, r
+    if impl == "fastelastic":
+        assert m["errors"] == 0 and m["done"] == n, m

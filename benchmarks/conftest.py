@@ -25,7 +25,7 @@ SIZES = {
         "multi_n": [10_000, 100_000], "multi_rounds": {10_000: 5, 100_000: 3},
         "multi_torch_rounds": {10_000: 3, 100_000: 1}, "multi_bound_s": 90.0,
         "storm_n": [1024, 8192, 16384], "storm_rounds": {1024: 5, 8192: 3, 16384: 3},
-        "rss_conns": 10_000,
+        "rss_conns": 10_000, "barrier_n": 19_000, "barrier_rounds": 2,
         "restart_nproc": 4, "restart_rounds": 5,
     },
     "smoke": {
@@ -34,7 +34,7 @@ SIZES = {
         "multi_n": [1_000, 10_000], "multi_rounds": {1_000: 1, 10_000: 1},
         "multi_torch_rounds": {1_000: 1, 10_000: 1}, "multi_bound_s": 60.0,
         "storm_n": [1024], "storm_rounds": {1024: 1},
-        "rss_conns": 1000,
+        "rss_conns": 1000, "barrier_n": 512, "barrier_rounds": 1,
         "restart_nproc": 2, "restart_rounds": 1,
     },
 }
@@ -202,6 +202,16 @@ _ROWS = [
           ("listen_drops", "TcpExt ListenDrops, system-wide (accept queue full)", "", 1, "",
            None),
           ("errors", "refused/reset/unfinished", "", 1, "", None))],
+    *[("barrier", str(n), m, f"barrier storm {n:,} clients: {lab}", u, sc, d, t)
+      for n in (512, 19_000) for (m, lab, u, sc, d, t) in (
+          ("time_s", "time to all connected+ADD+released", "ms", 1000, "", None),
+          ("add_s", "time to every ADD answered", "ms", 1000, "", None),
+          ("server_cpu_us_per_conn", "server CPU per connection", "µs", 1, "<=", 0.4),
+          ("rss_bytes_per_conn", "server RSS per held connection", "B", 1, "", None),
+          ("client_cpu_s", "light clients' CPU", "ms", 1000, "", None),
+          ("listen_drops", "TcpExt ListenDrops (accept queue full)", "", 1, "", None),
+          ("done", "clients released", "", 1, "", None),
+          ("errors", "refused/reset/closed/unfinished", "", 1, "", None))],
     ("rss", "idle", "rss_mib", "server RSS with idle connections", "MiB", 1, "", None),
     ("rss", "idle", "delta_mib", "server RSS growth for those connections", "MiB", 1, "", None),
 ]
@@ -269,6 +279,14 @@ def _extra_lines(res: Results) -> list[str]:
         errs = {i: m.get("errors") for i, m in n16.items()}
         lines.append(f"- storm 16,384: refused/reset/unfinished per implementation: {errs} "
                      "(target: none for fastelastic).")
+    for n in (512, 19_000):
+        cpu = res.get("barrier", str(n), "fastelastic", "server_cpu_us_per_conn")
+        rpc = res.get("barrier", str(n), "fastelastic", "rss_bytes_per_conn")
+        if _num(cpu) and _num(rpc):
+            lines.append(f"- barrier storm {n:,}: projected to 98,304 ranks at the same cost per "
+                         f"connection: server CPU {cpu * 98_304 / 1e6:.2f} s, RSS "
+                         f"{rpc * 98_304 / 2**20:.0f} MiB (RSS per connection <= 2 KiB: "
+                         f"{'yes' if rpc <= 2048 else 'NO'}).")
     rss = res.get("rss", "idle", "fastelastic", "rss_mib")
     if _num(rss):
         n = res.get("rss", "idle", "fastelastic", "conns")

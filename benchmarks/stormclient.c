@@ -1,6 +1,7 @@
 /* The light client of the store benchmark's connection storm: N raw sockets on one epoll.
  *
- * Usage: stormclient PORT N KEY. Driven by StormClient in _storebench.py over stdin/stdout:
+ * Usage: stormclient PORT N KEY [BARRIER_KEY TOTAL]. Driven by StormClient in _storebench.py
+ * over stdin/stdout:
  *   1. creates N non-blocking sockets, each bound to 127.0.0.{2 + i % 16} with
  *      IP_BIND_ADDRESS_NO_PORT, and prints {"ready": N};
  *   2. on a "go" line (anything else, or EOF, ends it) connects all N to 127.0.0.1:PORT in
@@ -8,6 +9,9 @@
  *      reading the 12-byte reply (4-byte PING echo, then the 8-byte ADD result), then prints
  *      {"t0", "t1", "done", "refused", "reset", "closed", "bad_reply", "other", "unfinished"}
  *      (t0, t1: CLOCK_MONOTONIC seconds, as Python's time.monotonic(); t1 = the last reply);
+ *      with BARRIER_KEY, each client then WAITs on it, and the one whose ADD returned TOTAL
+ *      SETs it first (all clients of all processes meet at one barrier); "t_add" is the last
+ *      ADD reply and t1 the last release;
  *   3. on a "close" line (or EOF) closes every socket with SO_LINGER {1, 0}: an RST, so no
  *      TIME_WAIT is left behind for the next storm.
  *
@@ -34,7 +38,10 @@
 #define OP_VALIDATE 0x00
 #define OP_ADD 0x04
 #define OP_PING 0x0d
+#define OP_SET 0x01
+#define OP_WAIT 0x06
 #define REPLY_LEN 12 /* 4-byte PING echo + 8-byte ADD result */
+#define REPLY_MAX 13 /* ... + the barrier WAIT's 1-byte release */
 #define BATCH 256
 #define SOURCE_ADDRS 16
 #define LIMIT_S 120.0
@@ -48,8 +55,8 @@ static const char *const count_names[F_COUNT] = {
 struct conn {
     int fd;
     unsigned char state;
-    unsigned char got; /* reply bytes received so far, < REPLY_LEN */
-    unsigned char buf[REPLY_LEN];
+    unsigned char got; /* reply bytes received so far, < reply_len */
+    unsigned char buf[REPLY_MAX];
 };
 
 static struct conn *conns;
@@ -59,6 +66,11 @@ static long pending; /* connected or connecting, not yet done or failed */
 static unsigned char *payload;
 static size_t payload_len;
 static unsigned char nonce[4];
+static size_t reply_len = REPLY_LEN;
+static unsigned char *wait_req, *set_wait_req; /* barrier mode: WAIT; SET then WAIT */
+static size_t wait_len, set_wait_len;
+static uint64_t total; /* barrier mode: the ADD result that releases the barrier */
+static double t_add;
 
 static double now(void)
 {
@@ -111,6 +123,38 @@ static void build_payload(const char *key, uint32_t nonce_value)
     memcpy(p, key, klen);
     p += klen;
     put_le(p, 1, 8);
+}
+
+/* Barrier mode: WAIT(bkey), and SET(bkey, "1") + WAIT(bkey) for the client that completes it. */
+static void build_barrier(const char *bkey)
+{
+    size_t klen = strlen(bkey);
+    unsigned char *p;
+
+    wait_len = 1 + 8 + 8 + klen;
+    set_wait_len = 1 + 8 + klen + 8 + 1 + wait_len;
+    wait_req = malloc(wait_len);
+    set_wait_req = malloc(set_wait_len);
+    if (wait_req == NULL || set_wait_req == NULL)
+        die("malloc");
+    p = wait_req;
+    *p++ = OP_WAIT;
+    put_le(p, 1, 8);
+    p += 8;
+    put_le(p, klen, 8);
+    p += 8;
+    memcpy(p, bkey, klen);
+    p = set_wait_req;
+    *p++ = OP_SET;
+    put_le(p, klen, 8);
+    p += 8;
+    memcpy(p, bkey, klen);
+    p += klen;
+    put_le(p, 1, 8);
+    p += 8;
+    *p++ = '1';
+    memcpy(p, wait_req, wait_len);
+    reply_len = REPLY_MAX;
 }
 
 static void raise_nofile(void)
@@ -247,17 +291,34 @@ static int on_readable(uint32_t i)
         return 0;
     }
     n = (size_t)r;
-    if (c->got + n < REPLY_LEN) {
-        memcpy(c->buf + c->got, data, n);
-        c->got = (unsigned char)(c->got + n);
-        return 0;
-    }
-    if (c->got + n != REPLY_LEN) {
+    if (c->got + n > reply_len) {
         finish(c, F_BAD_REPLY);
         return 0;
     }
     memcpy(c->buf + c->got, data, n);
-    if (memcmp(c->buf, nonce, 4) != 0) {
+    if (c->got < REPLY_LEN && c->got + n >= REPLY_LEN) {
+        /* the ADD result is in */
+        uint64_t added = 0;
+        if (memcmp(c->buf, nonce, 4) != 0) {
+            finish(c, F_BAD_REPLY);
+            return 0;
+        }
+        t_add = now();
+        if (reply_len > REPLY_LEN) {
+            for (int k = 0; k < 8; k++)
+                added |= (uint64_t)c->buf[4 + k] << (8 * k);
+            const unsigned char *req = added == total ? set_wait_req : wait_req;
+            size_t len = added == total ? set_wait_len : wait_len;
+            if (send(c->fd, req, len, MSG_NOSIGNAL) != (ssize_t)len) {
+                finish(c, F_OTHER);
+                return 0;
+            }
+        }
+    }
+    c->got = (unsigned char)(c->got + n);
+    if (c->got < reply_len)
+        return 0;
+    if (reply_len > REPLY_LEN && c->buf[REPLY_LEN] != 0) { /* STOP_WAITING */
         finish(c, F_BAD_REPLY);
         return 0;
     }
@@ -275,13 +336,17 @@ int main(int argc, char **argv)
     int one = 1, nev;
     struct linger rst = {1, 0};
 
-    if (argc != 4 || (port = strtol(argv[1], NULL, 10)) <= 0 || port > 65535 ||
+    if ((argc != 4 && argc != 6) || (port = strtol(argv[1], NULL, 10)) <= 0 || port > 65535 ||
         (n = strtol(argv[2], NULL, 10)) <= 0 || n > 1000000) {
-        fprintf(stderr, "usage: %s PORT N KEY\n", argv[0]);
+        fprintf(stderr, "usage: %s PORT N KEY [BARRIER_KEY TOTAL]\n", argv[0]);
         return 2;
     }
     raise_nofile();
     build_payload(argv[3], (uint32_t)getpid() & 0xFFFFFFu);
+    if (argc == 6) {
+        total = strtoull(argv[5], NULL, 10);
+        build_barrier(argv[4]);
+    }
 
     memset(&server, 0, sizeof server);
     server.sin_family = AF_INET;
@@ -318,7 +383,7 @@ int main(int argc, char **argv)
         return 0;
 
     t0 = t1 = now();
-    deadline = t0 + LIMIT_S;
+    deadline = t0 + (getenv("STORM_LIMIT_S") ? atof(getenv("STORM_LIMIT_S")) : LIMIT_S);
     while ((idx < n || pending > 0) && now() < deadline) {
         /* Connect in batches, handling replies in between, so early clients are not held
          * back. */
@@ -340,7 +405,7 @@ int main(int argc, char **argv)
                 t1 = now();
         }
     }
-    printf("{\"t0\": %.9f, \"t1\": %.9f", t0, t1);
+    printf("{\"t0\": %.9f, \"t1\": %.9f, \"t_add\": %.9f", t0, t1, t_add);
     for (int k = 0; k < F_COUNT; k++)
         printf(", \"%s\": %ld", count_names[k], counts[k]);
     printf(", \"unfinished\": %ld}\n", pending + (n - (long)idx));

@@ -9,8 +9,11 @@ import time
 VALIDATE, SET, COMPARE_SET, GET, ADD, CHECK, WAIT, GETNUMKEYS, DELETE_KEY, APPEND = range(10)
 MULTI_GET, MULTI_SET, CANCEL_WAIT, PING, QUEUE_PUSH, QUEUE_POP, QUEUE_LEN = range(10, 17)
 LIST_KEYS, BARRIER = 0x11, 0x12
+EXT_WAIT_GET, EXT_TRY_MULTI_GET, EXT_ON_DISCONNECT_APPEND = 0x40, 0x41, 0x42
 MAGIC = 0x3C85F7CE
+EXT_NONCE = 0x7E57FA57
 HANDSHAKE = struct.pack("<BIBI", VALIDATE, MAGIC, PING, 4242)
+EXT_HANDSHAKE = struct.pack("<BIBI", VALIDATE, MAGIC, PING, EXT_NONCE)
 
 
 def blob(b: bytes | str) -> bytes:
@@ -30,11 +33,15 @@ def req(cmd: int, *parts: bytes) -> bytes:
 class Raw:
     """One raw connection; reads with a bounded timeout so a test never hangs."""
 
-    def __init__(self, port: int, handshake: bool = True, timeout: float = 5.0) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    def __init__(self, port: int, handshake: bool = True, timeout: float = 5.0,
+                 ext: bool = False, host: str = "127.0.0.1") -> None:
+        self.sock = socket.create_connection((host, port), timeout=timeout)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.timeout = timeout
-        if handshake:
+        if handshake and ext:   # our capability PING: extensions allowed from now on
+            self.sock.sendall(EXT_HANDSHAKE)
+            assert self.recv(4) == struct.pack("<I", ~EXT_NONCE & 0xFFFFFFFF)
+        elif handshake:
             self.sock.sendall(HANDSHAKE)
             assert self.recv(4) == struct.pack("<I", 4242)
 

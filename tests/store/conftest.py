@@ -20,8 +20,8 @@ def master():
 def raw(master):
     conns = []
 
-    def make(handshake: bool = True) -> Raw:
-        c = Raw(master.port, handshake=handshake)
+    def make(handshake: bool = True, ext: bool = False) -> Raw:
+        c = Raw(master.port, handshake=handshake, ext=ext)
         conns.append(c)
         return c
 

@@ -183,7 +183,7 @@ def test_disconnect_during_a_wakeup_round_releases_its_watchers(master):
     pairs = b"".join(blob(f"/w{i}") + blob(b"v") for i in range(1, n))
     for trial in range(30):
         go, dead = f"/go{trial}".encode(), f"/dead{trial}".encode()
-        a = Raw(master.port)
+        a = Raw(master.port, ext=True)
         a.send(req(0x42, blob(dead), blob(b"x")))  # EXT_ON_DISCONNECT_APPEND
         assert a.recv_u8() == 0
         a.send(req(WAIT, u64(1), blob(go)))

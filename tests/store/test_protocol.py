@@ -332,7 +332,7 @@ def test_ext_capability_ping_and_wait_get(raw, master):
 
 
 def test_ext_on_disconnect_append(raw, master):
-    c, observer = raw(), raw()
+    c, observer = raw(ext=True), raw()
     c.send(req(0x42, blob("/dead"), blob("n1;")))
     assert c.recv_u8() == 0
     observer.send(req(WAIT, u64(1), blob("/dead")))

@@ -23,6 +23,7 @@ cdef class KVClient:
     cdef Spinner _spin
     cdef cbool _ext
     cdef cbool _broken
+    cdef cbool _handshaking   # a reset now raises HandshakeReset (retryable)
     cdef object _peer         # "host:port", for error messages
 
     cdef void _acquire(self) noexcept
@@ -36,6 +37,7 @@ cdef class KVClient:
     cdef int _need(self, size_t n, int64_t deadline) except? -1 nogil
     cdef Py_ssize_t _recv_reply(self) noexcept nogil
     cdef void _apply_socket_timeouts(self) noexcept
+    cdef int _prove(self, bytes token, bytes challenge) except -1
     cdef int _check_signals(self) except -1
     cdef int _need_intr(self, size_t n, int64_t deadline) except -1
     cdef int64_t _after_signal(self, int64_t deadline) noexcept

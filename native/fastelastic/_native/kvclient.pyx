@@ -23,7 +23,8 @@ from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memmove
 
 from fastelastic._native.includes.linux cimport (
-    EAGAIN, EINTR, F_GETFL, F_SETFL, IPPROTO_TCP, MSG_DONTWAIT, MSG_NOSIGNAL, O_NONBLOCK, POLLIN,
+    EAGAIN, ECONNRESET, EINTR, EMSGSIZE, EPIPE, F_GETFL, F_SETFL, IPPROTO_TCP, MSG_DONTWAIT,
+    MSG_NOSIGNAL, O_NONBLOCK, POLLIN,
     SO_RCVTIMEO, SO_SNDTIMEO, SOL_SOCKET, TCP_NODELAY, close, errno, fcntl, fe_monotonic_ns,
     getpid, poll, pollfd, recv, send, setsockopt, timeval,
 )
@@ -43,6 +44,22 @@ cdef enum:
     IO_CLOSED = 2
     IO_ERROR = 3
     IO_INTR = 4
+
+cdef extern from *:
+    """
+    /* No reply is this long: a length above it is a broken or hostile server, not a value. */
+    #define FE_MAX_IN ((size_t)1 << 40)
+    #include <errno.h>
+    static inline void fe_set_errno(int e) { errno = e; }
+    """
+    const size_t MAX_IN "FE_MAX_IN"
+    void fe_set_errno(int e) nogil
+
+
+class HandshakeReset(StoreConnectionError):
+    """The server closed or reset the connection during the handshake (it may be shedding
+    load, or it closed a handshake that took too long); connecting again may succeed."""
+
 
 cdef int64_t _NO_DEADLINE = -1
 # A reply's deadline: the socket is blocking with SO_RCVTIMEO set to the store timeout, so one
@@ -109,12 +126,16 @@ cdef class KVClient:
         if self._lock == NULL:
             raise MemoryError()
 
-    def __init__(self, int fd, str peer, double timeout, *, int64_t spin_us=0):
+    def __init__(self, int fd, str peer, double timeout, *, int64_t spin_us=0,
+                 bytes token=b""):
         cdef int one = 1
         cdef uint32_t nonce
+        cdef bytes challenge = None
         self._fd = fd
         self._owner_pid = getpid()
         self._peer = peer
+        self._broken = False
+        self._in_pos = self._in_len = 0
         self._timeout_ms = <int64_t>(timeout * 1000.0)
         self._spin.budget_ns = spin_us * 1000 if spin_us > 0 else 0
         fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK)
@@ -127,17 +148,56 @@ cdef class KVClient:
             put_u32(self._out, VALIDATE_MAGIC)
             put_u8(self._out, CMD_PING)
             put_u32(self._out, EXT_NONCE)
-            self._transact(4, REPLY)
+            self._handshaking = True
+            try:
+                self._transact(4, REPLY)
+            except StoreConnectionError:
+                close(self._fd)   # a caller may retry with a new socket: do not leak this one
+                self._fd = -1
+                raise
+            finally:
+                self._handshaking = False
             nonce = load_u32(self._in + self._in_pos)
             self._in_pos += 4
+            if nonce == EXT_AUTH_NONCE:
+                if self._need_intr(AUTH_CHALLENGE_LEN, REPLY) != IO_OK:
+                    raise self._fail(IO_CLOSED, "token challenge")
+                challenge = PyBytes_FromStringAndSize(self._in + self._in_pos,
+                                                      AUTH_CHALLENGE_LEN)
+                self._in_pos += AUTH_CHALLENGE_LEN
+                if token:
+                    self._prove(token, challenge)
         finally:
             PyThread_release_lock(self._lock)
-        if nonce == <uint32_t>(~(<uint32_t>EXT_NONCE)):
+        if nonce == EXT_AUTH_NONCE and not token:
+            self.close()
+            raise StoreConnectionError(
+                f"the store at {peer} requires a token: give this client the same token file as "
+                "the server (--rdzv-conf token_file=PATH or FASTELASTIC_STORE_TOKEN_FILE)")
+        if nonce == <uint32_t>(~(<uint32_t>EXT_NONCE)) or nonce == EXT_AUTH_NONCE:
             self._ext = True
         elif nonce != EXT_NONCE:
             self._broken = True
             raise StoreConnectionError(
                 f"store at {peer} answered the handshake with a wrong nonce; is it a TCPStore?")
+
+    cdef int _prove(self, bytes token, bytes challenge) except -1:
+        """Answers the server's challenge with HMAC-SHA256(token, context + challenge); the
+        token itself never goes on the wire."""
+        import hmac   # here, not at import: hashlib loads OpenSSL (~4 MiB) into every process
+
+        cdef bytes proof = hmac.new(token, AUTH_CONTEXT + challenge, "sha256").digest()
+        self._out.clear()
+        put_u8(self._out, CMD_EXT_AUTH)
+        self._out.append(<const char *>proof, 32)
+        try:
+            self._transact(1, REPLY)
+        except StoreConnectionError:
+            raise StoreConnectionError(
+                f"the store at {self._peer} rejected this client's token proof: its token file "
+                "differs from the server's") from None
+        self._in_pos += 1
+        return 0
 
     def __dealloc__(self):
         if self._fd >= 0 and self._owner_pid == getpid():
@@ -212,6 +272,9 @@ cdef class KVClient:
         cdef size_t cap
         cdef char *grown
         cdef int rc
+        if n > MAX_IN:
+            fe_set_errno(EMSGSIZE)
+            return IO_ERROR
         while self._in_len - self._in_pos < n:
             if self._in_pos > 0 and self._in_pos == self._in_len:
                 self._in_pos = self._in_len = 0
@@ -273,6 +336,9 @@ cdef class KVClient:
         cdef int rc
         if self._broken or self._fd < 0:
             raise StoreConnectionError(f"the connection to the store at {self._peer} is closed")
+        if fe_take_oom():
+            self._out.clear()
+            raise MemoryError("out of memory building a store request")
         self._out_pos = 0
         self._reply_by = fe_monotonic_ns() + max(self._timeout_ms, 1) * 1000000
         while True:
@@ -317,6 +383,11 @@ cdef class KVClient:
     cdef object _fail(self, int rc, str what):
         cdef int err = errno
         self._broken = True
+        if self._handshaking and (
+                rc == IO_CLOSED or (rc == IO_ERROR and err in (ECONNRESET, EPIPE))):
+            return HandshakeReset(
+                f"store at {self._peer} closed the connection during the handshake "
+                f"({'closed' if rc == IO_CLOSED else os.strerror(err)})")
         if rc == IO_TIMEOUT:
             return StoreConnectionError(
                 f"store at {self._peer} did not answer a {what} within {self._timeout_ms} ms; "
@@ -406,6 +477,9 @@ cdef class KVClient:
             if rc != IO_OK:
                 return rc
             ln = load_u64(self._in + self._in_pos + off)
+            if ln > MAX_IN:   # off + 8 + ln must not wrap
+                fe_set_errno(EMSGSIZE)
+                return IO_ERROR
             rc = self._need(off + 8 + <size_t>ln, deadline)
             if rc != IO_OK:
                 return rc

@@ -1,6 +1,6 @@
 # Declarations of the epoll key-value server (see kvserver.pyx).
 
-from libc.stdint cimport int64_t, uint64_t
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libcpp cimport bool as cbool
 from libcpp.deque cimport deque
 from libcpp.pair cimport pair
@@ -19,6 +19,8 @@ cdef extern from "kvmap.h" nogil:
         char *key()
         char *val()
 
+    void fe_entry_pin(fe_entry *e)
+
     cdef cppclass fe_kvmap:
         @staticmethod
         uint64_t hash(const char *k, size_t n)
@@ -34,6 +36,8 @@ cdef extern from "kvmap.h" nogil:
         cbool append(const string &k, const char *v, size_t vn)
         cbool erase(const char *k, size_t n)
         void clear()
+        void unpin(fe_entry *e)
+        size_t retired_bytes()
 
 
 cdef struct KeyRef:
@@ -47,10 +51,40 @@ cdef struct Waiter:
     int fd
     uint64_t cid
     uint64_t gen
+    size_t slot             # its index in the connection's wait_keys
+
+
+cdef struct OutRef:         # a streamed value: e's bytes go out after wbuf[0:at]
+    size_t at
+    fe_entry *e
+
+
+cdef cppclass Streamed:     # a connection's streamed values (allocated while it has any)
+    vector[OutRef] refs     # in order (see KVServer._flush_refs)
+    size_t i                # refs[0:i] are sent (and unpinned)
+    size_t off              # bytes of refs[i]'s value sent
+
+
+cdef struct Pending:        # a connection that has until ``deadline`` to finish its handshake
+    int fd
+    uint64_t cid
+    int64_t deadline        # monotonic ns
+
+
+cdef enum ConnState:
+    CONN_HANDSHAKE = 0      # accepted: the first frame must be VALIDATE
+    CONN_AUTH = 1           # validated, the server wants a token: only PING and EXT_AUTH
+    CONN_READY = 2          # any request
+
+
+cdef cppclass WaitKey:
+    string key
+    size_t pos              # where its Waiter sits in _waiters[key] (NO_POS: gone already)
 
 
 cdef cppclass Conn:
     int fd
+    uint32_t events         # the epoll mask armed now
     uint64_t cid
     char *rb                # unparsed input: a request one recv could not complete
     size_t rb_len           # ... its bytes so far (rb[0:rb_len]; PyMem_Raw-allocated)
@@ -60,15 +94,19 @@ cdef cppclass Conn:
     uint64_t scan_i         # ... and this many of its blobs
     string wbuf             # replies not yet accepted by the kernel
     size_t wpos
-    cbool validated
+    Streamed *st            # large values streamed from the map, or NULL
+    size_t ref_unsent       # bytes of them not sent yet
+    size_t counted          # bytes of its buffers counted in KVServer._buffered
+    char *challenge         # CONN_AUTH: the nonce the client must prove the token with
+    ConnState state         # changed only by KVServer._set_state
     cbool ext               # answered the capability PING: may send CMD_EXT_*
     cbool dirty             # has replies queued by another connection's write
-    cbool want_out          # EPOLLOUT armed
+    cbool paused            # unsent replies over max_unsent: not reading until they drain
     cbool waiting           # a WAIT or BARRIER is pending
+    cbool wait_get          # the pending wait is an EXT_WAIT_GET: answer with the value
     int64_t wait_left       # keys the pending wait still misses
     uint64_t wait_gen       # bumped on every wait and cancel; stale Waiter entries carry an old one
-    vector[string] wait_keys
-    cbool wait_get          # the pending wait is an EXT_WAIT_GET: answer with the value
+    vector[WaitKey] wait_keys
     vector[pair[string, string]] on_close
 
 
@@ -93,17 +131,38 @@ cdef class KVServer:
     cdef size_t _max_key
     cdef size_t _max_value
     cdef uint64_t _max_keys
+    cdef size_t _max_reply
+    cdef size_t _max_unsent
+    cdef size_t _budget
+    cdef size_t _buffered       # every connection's buffers (see _account)
+    cdef int64_t _handshake_ns
+    cdef deque[Pending] _handshakes   # in accept order, so in deadline order
+    cdef vector[Waiter] _resume       # un-paused connections with requests still buffered
+    cdef string _token                # empty: no token required
+    cdef const char *_last_why
     # counters (read from Python without locking; they only ever grow)
     cdef readonly uint64_t ops
     cdef readonly uint64_t accepted
     cdef readonly uint64_t closed
     cdef readonly uint64_t protocol_errors
     cdef readonly int64_t waiting      # connections with a WAIT or BARRIER pending
-    cdef object _last_error
+    cdef readonly uint64_t refused_fds  # connections dropped at accept: out of fds
+    cdef readonly uint64_t shed         # connections closed because buffers went over budget
+    cdef readonly uint64_t paused       # times a connection stopped being read (backpressure)
 
     cdef int _wait(self, epoll_event *events, bint may_spin) noexcept nogil
     cdef int _loop(self) except -1 nogil
+    cdef int _timeout_ms(self) noexcept nogil
+    cdef void _expire_handshakes(self) noexcept nogil
     cdef void _on_accept(self, int lfd) noexcept nogil
+    cdef void _refused_fd(self) noexcept nogil
+    cdef void _set_state(self, Conn *c, ConnState state) noexcept nogil
+    cdef int _arm(self, Conn *c) noexcept nogil
+    cdef void _account(self, Conn *c) noexcept nogil
+    cdef bint _over_budget(self, Conn *c) noexcept nogil
+    cdef int _gate(self, Conn *c, uint8_t cmd) noexcept nogil
+    cdef void _consume_rb(self, Conn *c) noexcept nogil
+    cdef void _log_conn(self, int fd, const char *msg) noexcept nogil
     cdef void _on_readable(self, Conn *c) noexcept nogil
     cdef bint _grow_rb(self, Conn *c, size_t want) noexcept nogil
     cdef int _consume(self, Conn *c, const char *p, size_t n, size_t *used) noexcept nogil
@@ -111,14 +170,20 @@ cdef class KVServer:
                           uint64_t *scan_i) noexcept nogil
     cdef int _execute(self, Conn *c, const char *p) noexcept nogil
     cdef void _flush(self, Conn *c) noexcept nogil
+    cdef bint _flush_refs(self, Conn *c) noexcept nogil
+    cdef void _drop_refs(self, Conn *c, size_t after) noexcept nogil
     cdef void _close_conn(self, Conn *c, const char *why) noexcept nogil
     cdef int _bump(self, Conn *c, const string &key, int64_t delta,
                    int64_t *result) noexcept nogil
     cdef void _notify(self, const string &key) noexcept nogil
     cdef void _notify_one(self, const string &key) noexcept nogil
+    cdef int _refuse_reply(self, Conn *c, size_t size) noexcept nogil
+    cdef int _challenge(self, Conn *c) noexcept nogil
+    cdef int _check_proof(self, Conn *c, const char *proof) noexcept nogil
     cdef int _out_of_memory(self, Conn *c) noexcept nogil
     cdef int _missing(self, const string &key) noexcept nogil
     cdef void _register_wait(self, Conn *c, const string &key) noexcept nogil
+    cdef void _unlink_wait(self, Conn *c, size_t slot) noexcept nogil
     cdef void _drop_wait(self, Conn *c) noexcept nogil
     cdef void _finish_wait(self, Conn *c, Waiter w) noexcept nogil
     cdef Conn *_lookup(self, int fd, uint64_t cid) noexcept nogil

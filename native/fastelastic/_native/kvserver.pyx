@@ -8,14 +8,21 @@ Invariants:
   is), so execution never bounds-checks and a half-received request has no effect.
 - A client that breaks the protocol loses its own connection and nothing else: the request is
   not executed, its registrations are dropped and its ``on_close`` actions run.
-- ``Waiter`` entries name a connection by (fd, cid, gen); an entry whose connection closed or
-  whose wait was cancelled or satisfied no longer matches and is ignored.
+- ``Waiter`` entries name a connection by (fd, cid, gen) and sit in ``_waiters[key]`` only while
+  that wait is pending: each connection knows where its entries are (``WaitKey.pos``), so dropping a
+  wait removes them in O(1) each.
+- Memory is bounded: a connection is not read while its unsent replies exceed ``max_unsent``; no
+  reply is built above ``max_reply``; before its handshake a connection buffers at most 4 bytes
+  and lives at most ``handshake_ms``; and when every connection's buffers together exceed
+  ``buffer_budget`` the largest holder is disconnected (one log line names it).
+- Connection state changes only in ``_set_state``: HANDSHAKE -> (AUTH ->) READY.
 """
 
 cimport cython
 from cpython.mem cimport PyMem_RawFree, PyMem_RawMalloc, PyMem_RawRealloc
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
-from libc.string cimport memcmp, memcpy, memmove
+from libc.stdio cimport snprintf
+from libc.string cimport memcmp, memcpy, memmove, strerror, strlen
 from libcpp cimport bool as cbool
 from libcpp.pair cimport pair
 from libcpp.string cimport string
@@ -24,18 +31,36 @@ from libcpp.vector cimport vector
 
 from fastelastic._native.includes.linux cimport (
     EAGAIN, EINTR, EMFILE, ENFILE, EPOLL_CLOEXEC, EPOLL_CTL_ADD, EPOLL_CTL_DEL, EPOLL_CTL_MOD,
-    EPOLLERR, EPOLLHUP, EPOLLIN, EPOLLOUT, EPOLLRDHUP, EFD_CLOEXEC, EFD_NONBLOCK, IPPROTO_TCP,
+    EPOLLERR, EPOLLHUP, EPOLLIN, EPOLLOUT, EPOLLRDHUP, EFD_CLOEXEC, EFD_NONBLOCK, FE_DEBUG,
+    IPPROTO_TCP,
     MSG_NOSIGNAL, O_CLOEXEC, O_RDONLY, SOCK_CLOEXEC, SOCK_NONBLOCK, TCP_NODELAY, accept4, close,
-    epoll_create1, epoll_ctl, epoll_event, epoll_wait, errno, eventfd, getpid, open, read, recv,
-    send, setsockopt, write,
+    epoll_create1, epoll_ctl, epoll_event, epoll_wait, errno, eventfd, fe_monotonic_ns,
+    fe_nofile_limit, fe_peer_name, fe_sendv, getpid, iovec, open, read, recv, send, setsockopt,
+    write,
 )
+from fastelastic._native.kvtune cimport *
 from fastelastic._native.spin cimport spin_again, spin_deadline
 from fastelastic._native.wire cimport *
+
+cdef extern from "hmac_sha256.h" nogil:
+    void fe_hmac_sha256(const void *key, size_t klen, const void *a, size_t alen,
+                        const void *b, size_t blen, unsigned char *out)
+    int fe_equal_ct(const unsigned char *a, const unsigned char *b, size_t n)
+    int fe_random(void *buf, size_t n)
 
 import logging
 import os
 
 _log = logging.getLogger("fastelastic.store")
+
+
+def hmac_sha256(bytes key, bytes a, bytes b):
+    """The server's own HMAC-SHA256(key, a + b) (for tests against Python's hmac)."""
+    cdef unsigned char out[32]
+    fe_hmac_sha256(<const char *>key, len(key), <const char *>a, len(a), <const char *>b,
+                   len(b), out)
+    return out[:32]
+
 
 cdef extern from *:
     """
@@ -48,20 +73,96 @@ cdef extern from *:
     const uint64_t TAG_LISTEN "FE_TAG_LISTEN"
     const uint64_t TAG_LOW "FE_TAG_LOW"
 
+cdef extern from *:
+    """
+    #define FE_NO_POS ((size_t)-1)
+    """
+    const size_t NO_POS "FE_NO_POS"    # WaitKey.pos: this key's Waiter is gone already
+
+
+cdef int check_rc(int rc) except -1:
+    """The one rc check for syscalls made with the GIL: -1 raises OSError for errno (Python
+    picks the subclass, e.g. ConnectionResetError); anything else is returned."""
+    if rc < 0:
+        raise OSError(errno, os.strerror(errno))
+    return rc
+
+
+# ------------------------------------------------------------------------- the command table
+# What each command's request looks like on the wire (tcpstore-protocol.md section 2): one entry
+# per command byte, read by _measure (how long a request is, which limit each length has) and by
+# _gate (extensions need the capability PING). A byte without an entry is a protocol error.
+
 cdef enum:
-    RDBUF_SIZE = 256 * 1024
-    READ_BUDGET = 4                 # recv calls per readiness event, for fairness
-    MAX_EVENTS = 512
-    SHRINK_ABOVE = 1 << 20          # give buffers back once they are idle and this large
-    DIRECT_READ_ABOVE = 64 * 1024   # a partial request this large is read straight into c.rb
+    SH_UNKNOWN = 0
+    SH_FIXED = 1     # ``size`` bytes in all (command byte included)
+    SH_BLOBS = 2     # ``nblobs`` length-prefixed blobs (a key, then values), then ``size`` bytes
+    SH_MULTI = 3     # a count, then that many keys (``pairs``: key and value blobs)
 
 
-cdef inline void _set_events(int epfd, Conn *c, bint out) noexcept nogil:
-    cdef epoll_event ev
-    ev.events = EPOLLIN | EPOLLRDHUP | (EPOLLOUT if out else 0)
-    ev.data.u64 = <uint64_t>c.fd
-    epoll_ctl(epfd, EPOLL_CTL_MOD, c.fd, &ev)
-    c.want_out = out
+cdef struct Shape:
+    uint8_t kind
+    uint8_t nblobs
+    uint8_t size
+    cbool pairs
+    cbool ext        # one of our extensions
+
+
+cdef Shape SHAPES[256]
+
+
+cdef void _shape(uint8_t cmd, uint8_t kind, uint8_t nblobs, uint8_t size, bint pairs=False):
+    SHAPES[cmd].kind = kind
+    SHAPES[cmd].nblobs = nblobs
+    SHAPES[cmd].size = size
+    SHAPES[cmd].pairs = pairs
+    SHAPES[cmd].ext = cmd >= CMD_EXT_WAIT_GET
+
+
+cdef void _fill_shapes():
+    cdef int c
+    for c in range(256):
+        SHAPES[c].kind = SH_UNKNOWN
+        SHAPES[c].ext = c >= CMD_EXT_WAIT_GET
+    for c in (CMD_VALIDATE, CMD_PING):
+        _shape(c, SH_FIXED, 0, 5)
+    _shape(CMD_EXT_AUTH, SH_FIXED, 0, 1 + AUTH_CHALLENGE_LEN)
+    for c in (CMD_GETNUMKEYS, CMD_CANCEL_WAIT, CMD_LIST_KEYS):
+        _shape(c, SH_FIXED, 0, 1)
+    for c in (CMD_SET, CMD_APPEND, CMD_QUEUE_PUSH, CMD_EXT_ON_DISCONNECT_APPEND):
+        _shape(c, SH_BLOBS, 2, 0)
+    _shape(CMD_COMPARE_SET, SH_BLOBS, 3, 0)
+    for c in (CMD_GET, CMD_DELETE_KEY, CMD_QUEUE_POP, CMD_QUEUE_LEN, CMD_EXT_WAIT_GET):
+        _shape(c, SH_BLOBS, 1, 0)
+    for c in (CMD_ADD, CMD_BARRIER):
+        _shape(c, SH_BLOBS, 1, 8)
+    for c in (CMD_CHECK, CMD_WAIT, CMD_MULTI_GET, CMD_EXT_TRY_MULTI_GET):
+        _shape(c, SH_MULTI, 0, 0)
+    _shape(CMD_MULTI_SET, SH_MULTI, 0, 0, True)
+
+
+_fill_shapes()
+
+
+cdef inline size_t _unsent(Conn *c) noexcept nogil:
+    return c.wbuf.size() - c.wpos + c.ref_unsent
+
+
+cdef inline void _put_value(Conn *c, fe_entry *e) noexcept nogil:
+    """A value for c's reply: a large one is streamed from the map (pinned), not copied."""
+    cdef OutRef r
+    if e.vlen < STREAM_ABOVE:
+        put_blob(c.wbuf, e.val(), e.vlen)
+        return
+    put_u64(c.wbuf, e.vlen)
+    r.at = c.wbuf.size()
+    r.e = e
+    if c.st == NULL:
+        c.st = new Streamed()
+        c.st.i = c.st.off = 0
+    c.st.refs.push_back(r)
+    fe_entry_pin(e)
+    c.ref_unsent += e.vlen
 
 
 cdef inline void _read_keys(const char *q, uint64_t count, vector[string] &keys) noexcept nogil:
@@ -99,6 +200,16 @@ cdef class KVServer:
         max_key: longest key accepted, in bytes (wire bytes, including the client's ``/``).
         max_value: longest value accepted, in bytes.
         max_keys: most keys in one CHECK, WAIT, MULTI_GET or MULTI_SET.
+        max_reply: largest reply built for one request (MULTI_GET, LIST_KEYS), in bytes; a
+            request whose reply would be larger closes its connection, with a log line.
+        max_unsent: a connection whose unsent replies exceed this many bytes is not read
+            until they drain to half of it (backpressure on clients that do not read).
+        buffer_budget: bytes all connections' buffers may hold together; above it, the
+            connection holding the most is closed, with a log line naming it.
+        handshake_ms: a connection that has not completed its handshake (VALIDATE, and the
+            token proof when there is a token) this long after accept is closed.
+        token: a shared secret; when non-empty, every client must prove it knows it
+            (HMAC-SHA256 over a per-connection challenge) before any request is served.
         spin_us: how long the loop polls for the next request before it sleeps, in
             microseconds (0: sleep at once); see ``spin.pxd``.
     """
@@ -109,40 +220,52 @@ cdef class KVServer:
         self._spare_fd = -1
         self._rdbuf = NULL
 
-    def __init__(self, listen_fds, *, size_t max_key=8192, size_t max_value=8 * 1024 * 1024,
-                 uint64_t max_keys=131072, int64_t spin_us=0):
+    def __init__(self, listen_fds, *, size_t max_key=DEFAULT_MAX_KEY,
+                 size_t max_value=DEFAULT_MAX_VALUE, uint64_t max_keys=DEFAULT_MAX_KEYS,
+                 int64_t spin_us=0, size_t max_reply=DEFAULT_MAX_REPLY,
+                 size_t max_unsent=DEFAULT_MAX_UNSENT, size_t buffer_budget=DEFAULT_BUFFER_BUDGET,
+                 int64_t handshake_ms=DEFAULT_HANDSHAKE_MS, bytes token=b""):
         cdef epoll_event ev
-        cdef int fd
+        cdef int fd, one = 1
         cdef uint64_t i = 0
+        if max_reply < max_value + 64:
+            raise ValueError(f"max_reply ({max_reply}) must exceed max_value ({max_value}): "
+                             "a GET of the largest value must fit")
+        if buffer_budget < max_reply:
+            raise ValueError(f"buffer_budget ({buffer_budget}) must be at least max_reply "
+                             f"({max_reply})")
+        if handshake_ms <= 0:
+            raise ValueError(f"handshake_ms must be positive, got {handshake_ms}")
         self._owner_pid = getpid()
         self._spin.budget_ns = spin_us * 1000 if spin_us > 0 else 0
         self._max_key = max_key
         self._max_value = max_value
         self._max_keys = max_keys
+        self._max_reply = max_reply
+        self._max_unsent = max_unsent
+        self._budget = buffer_budget
+        self._handshake_ns = handshake_ms * 1000000
+        self._token = token
         self._next_cid = 1
-        self._last_error = None
         self._rdbuf = <char *>PyMem_RawMalloc(RDBUF_SIZE)
         if self._rdbuf == NULL:
             raise MemoryError()
         self._rdbuf_cap = RDBUF_SIZE
-        self._epfd = epoll_create1(EPOLL_CLOEXEC)
-        if self._epfd < 0:
-            raise OSError(errno, os.strerror(errno))
-        self._wakefd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)
-        if self._wakefd < 0:
-            raise OSError(errno, os.strerror(errno))
+        self._epfd = check_rc(epoll_create1(EPOLL_CLOEXEC))
+        self._wakefd = check_rc(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK))
         ev.events = EPOLLIN
         ev.data.u64 = TAG_WAKE
-        epoll_ctl(self._epfd, EPOLL_CTL_ADD, self._wakefd, &ev)
+        check_rc(epoll_ctl(self._epfd, EPOLL_CTL_ADD, self._wakefd, &ev))
         for fd in listen_fds:
+            # accepted sockets inherit TCP_NODELAY: no setsockopt per connection
+            check_rc(setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one)))
             ev.events = EPOLLIN
             ev.data.u64 = TAG_LISTEN | i
-            if epoll_ctl(self._epfd, EPOLL_CTL_ADD, fd, &ev) < 0:
-                raise OSError(errno, os.strerror(errno))
+            check_rc(epoll_ctl(self._epfd, EPOLL_CTL_ADD, fd, &ev))
             self._listen_fds.push_back(fd)
             i += 1
         # Held in reserve so that at EMFILE we can still accept and close, instead of spinning.
-        self._spare_fd = open(b"/dev/null", O_RDONLY | O_CLOEXEC)
+        self._spare_fd = check_rc(open(b"/dev/null", O_RDONLY | O_CLOEXEC))
 
     def serve_forever(self):
         """Runs the loop in this thread until :meth:`stop`; the GIL is released throughout."""
@@ -173,7 +296,16 @@ cdef class KVServer:
     @property
     def last_error(self):
         """The reason the most recent misbehaving connection was closed, or None."""
-        return self._last_error
+        return None if self._last_why == NULL else self._last_why.decode()
+
+    @property
+    def buffered(self):
+        """Bytes every connection's buffers hold now (what ``buffer_budget`` bounds)."""
+        return self._buffered
+
+    @property
+    def requires_token(self):
+        return not self._token.empty()
 
     def close(self):
         """Closes every fd the server owns. Call after the loop has returned."""
@@ -184,11 +316,16 @@ cdef class KVServer:
             return  # a forked child must not close its parent's sockets
         for i in range(self._conns.size()):
             if self._conns[i] != NULL:
+                self._drop_refs(self._conns[i], 0)
+                PyMem_RawFree(self._conns[i].challenge)
                 close(self._conns[i].fd)
                 PyMem_RawFree(self._conns[i].rb)
                 del self._conns[i]
                 self._conns[i] = NULL
         self._conns.clear()
+        self._handshakes.clear()
+        self._resume.clear()
+        self._buffered = 0
         for i in range(self._listen_fds.size()):
             close(self._listen_fds[i])
         self._listen_fds.clear()
@@ -219,11 +356,35 @@ cdef class KVServer:
                 n = epoll_wait(self._epfd, events, MAX_EVENTS, 0)
             if n != 0:
                 return n
-        return epoll_wait(self._epfd, events, MAX_EVENTS, -1)
+        return epoll_wait(self._epfd, events, MAX_EVENTS, self._timeout_ms())
+
+    cdef int _timeout_ms(self) noexcept nogil:
+        """How long the loop may sleep: until the oldest pending handshake expires, or -1."""
+        cdef int64_t left
+        if self._handshakes.empty():
+            return -1
+        left = self._handshakes.front().deadline - fe_monotonic_ns()
+        return 0 if left <= 0 else <int>((left + 999999) // 1000000)
+
+    cdef void _expire_handshakes(self) noexcept nogil:
+        """Closes connections whose handshake deadline passed (O(1) per connection: the queue
+        is in accept order, so the first unexpired entry ends the walk)."""
+        cdef int64_t now = fe_monotonic_ns()
+        cdef Pending p
+        cdef Conn *c
+        while not self._handshakes.empty():
+            p = self._handshakes.front()
+            c = self._lookup(p.fd, p.cid)
+            if c != NULL and c.state != CONN_READY:
+                if p.deadline > now:
+                    return
+                self._close_conn(c, "no handshake within the time limit")
+            self._handshakes.pop_front()
 
     cdef int _loop(self) except -1 nogil:
         cdef epoll_event events[MAX_EVENTS]
         cdef int n, i, fd
+        cdef size_t j
         cdef uint64_t tag, drain
         cdef Conn *c
         cdef Waiter w
@@ -239,6 +400,11 @@ cdef class KVServer:
                 with gil:
                     raise OSError(errno, os.strerror(errno))
             for i in range(n):
+                if (i & 63) == 63:
+                    # A long round (a connection storm): drain the accept queues every 64
+                    # events, so they do not overflow into 1 s SYN retransmissions.
+                    for j in range(self._listen_fds.size()):
+                        self._on_accept(self._listen_fds[j])
                 tag = events[i].data.u64
                 if tag == TAG_WAKE:
                     read(self._wakefd, &drain, 8)
@@ -251,7 +417,10 @@ cdef class KVServer:
                 if c == NULL:
                     continue
                 if events[i].events & (EPOLLIN | EPOLLHUP | EPOLLRDHUP | EPOLLERR):
-                    self._on_readable(c)
+                    if not c.paused:
+                        self._on_readable(c)
+                    elif events[i].events & (EPOLLHUP | EPOLLERR):
+                        self._close_conn(c, NULL)
                     c = self._conns[fd]
                 if c != NULL and (events[i].events & EPOLLOUT):
                     self._flush(c)
@@ -267,6 +436,22 @@ cdef class KVServer:
                     c.dirty = False
                     self._flush(c)
             self._dirty.clear()
+            # Connections un-paused this round: run the requests they had already sent.
+            d = 0
+            while d < self._resume.size():
+                w = self._resume[d]
+                d += 1
+                c = self._lookup(w.fd, w.cid)
+                if c != NULL and not c.paused and c.rb_len > 0:
+                    self._consume_rb(c)
+                    c = self._lookup(w.fd, w.cid)
+                    if c != NULL:
+                        self._flush(c)
+            self._resume.clear()
+            if not self._handshakes.empty():
+                self._expire_handshakes()
+            if self._buffered + self._kv.retired_bytes() > self._budget:
+                self._over_budget(NULL)
         return 0
 
     cdef Conn *_lookup(self, int fd, uint64_t cid) noexcept nogil:
@@ -279,24 +464,37 @@ cdef class KVServer:
         return c
 
     cdef void _on_accept(self, int lfd) noexcept nogil:
-        cdef int fd, one = 1
+        cdef int fd, n = 0
+        cdef char msg[160]
         cdef epoll_event ev
         cdef Conn *c
-        while True:
+        cdef Pending p
+        cdef int64_t now = fe_monotonic_ns()
+        while n < ACCEPT_BUDGET:
             fd = accept4(lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC)
             if fd < 0:
                 if errno == EINTR:
                     continue
-                if (errno == EMFILE or errno == ENFILE) and self._spare_fd >= 0:
-                    # Out of fds: shed the oldest pending connection rather than spin on it.
-                    close(self._spare_fd)
-                    fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC)
-                    if fd >= 0:
-                        close(fd)
-                    self._spare_fd = open(b"/dev/null", O_RDONLY | O_CLOEXEC)
-                    self.protocol_errors += 1
+                if errno == EMFILE or errno == ENFILE:
+                    self._refused_fd()
+                    if self._spare_fd >= 0:
+                        # Shed the oldest pending connection rather than spin on it.
+                        close(self._spare_fd)
+                        fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC)
+                        if fd >= 0:
+                            close(fd)
+                        self._spare_fd = open(b"/dev/null", O_RDONLY | O_CLOEXEC)
                 return
-            setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one))
+            n += 1
+            ev.events = EPOLLIN | EPOLLRDHUP
+            ev.data.u64 = <uint64_t>fd
+            if epoll_ctl(self._epfd, EPOLL_CTL_ADD, fd, &ev) < 0:
+                # ENOMEM or ENOSPC (max_user_watches): this one cannot be served
+                snprintf(msg, sizeof(msg), "could not watch a new connection (epoll_ctl: %s); "
+                         "closed it", strerror(errno))
+                self._log_conn(fd, msg)
+                close(fd)
+                continue
             c = new Conn()
             c.fd = fd
             c.cid = self._next_cid
@@ -308,10 +506,15 @@ cdef class KVServer:
             c.scan_off = 0
             c.scan_i = 0
             c.wpos = 0
-            c.validated = False
+            c.st = NULL
+            c.ref_unsent = 0
+            c.state = CONN_HANDSHAKE
+            c.challenge = NULL
             c.ext = False
             c.dirty = False
-            c.want_out = False
+            c.paused = False
+            c.events = ev.events
+            c.counted = 0
             c.waiting = False
             c.wait_left = 0
             c.wait_gen = 0
@@ -319,10 +522,89 @@ cdef class KVServer:
             if <size_t>fd >= self._conns.size():
                 self._conns.resize(<size_t>fd * 2 + 64, NULL)
             self._conns[fd] = c
-            ev.events = EPOLLIN | EPOLLRDHUP
-            ev.data.u64 = <uint64_t>fd
-            epoll_ctl(self._epfd, EPOLL_CTL_ADD, fd, &ev)
+            p.fd = fd
+            p.cid = c.cid
+            p.deadline = now + self._handshake_ns
+            self._handshakes.push_back(p)
             self.accepted += 1
+
+    cdef void _refused_fd(self) noexcept nogil:
+        """accept() ran out of fds: counted and logged (rate-limited) with the limit."""
+        self.refused_fds += 1
+        if self.refused_fds <= 10 or self.refused_fds % 1000 == 0:
+            with gil:
+                _log.error("store: out of file descriptors (RLIMIT_NOFILE %d, %d connections "
+                           "open): refused a connection (%d so far). Raise the limit "
+                           "(ulimit -n) on the host that runs the store.",
+                           fe_nofile_limit(), self.accepted - self.closed, self.refused_fds)
+
+    cdef void _set_state(self, Conn *c, ConnState state) noexcept nogil:
+        """The one place a connection's state changes; the handshake only moves forward."""
+        if FE_DEBUG and state <= c.state:
+            with gil:
+                raise AssertionError(f"connection state {c.state} -> {state}")
+        c.state = state
+
+    cdef int _arm(self, Conn *c) noexcept nogil:
+        """Sets c's epoll mask from its state: read unless paused, write while replies wait.
+        Returns -1 (c closed) if epoll_ctl fails."""
+        cdef epoll_event ev
+        ev.events = (0 if c.paused else EPOLLIN | EPOLLRDHUP) | (EPOLLOUT if _unsent(c) else 0)
+        if ev.events == c.events:
+            return 0
+        ev.data.u64 = <uint64_t>c.fd
+        if epoll_ctl(self._epfd, EPOLL_CTL_MOD, c.fd, &ev) < 0:
+            self._close_conn(c, "epoll_ctl failed on the connection")
+            return -1
+        c.events = ev.events
+        return 0
+
+    cdef void _account(self, Conn *c) noexcept nogil:
+        """Re-counts c's buffers (heap bytes of its reply string, its request buffer)."""
+        cdef size_t now = c.rb_cap + (c.wbuf.capacity() if c.wbuf.capacity() > 15 else 0)
+        self._buffered = self._buffered - c.counted + now
+        c.counted = now
+
+    cdef bint _over_budget(self, Conn *c) noexcept nogil:
+        """Brings the buffers back under the budget: first drops idle connections' spare
+        capacity, then closes whichever connection holds the most (c included). O(connections),
+        run only when the budget is exceeded. Returns True if c (may be NULL) was closed."""
+        cdef size_t i, most
+        cdef Conn *x
+        cdef Conn *worst
+        cdef uint64_t cid = c.cid if c != NULL else 0
+        cdef int fd = c.fd if c != NULL else -1
+        cdef char msg[160]
+        for i in range(self._conns.size()):
+            x = self._conns[i]
+            if x != NULL and _unsent(x) == 0 and x.wbuf.capacity() > 15:
+                x.wbuf.clear()
+                x.wpos = 0
+                string().swap(x.wbuf)
+                self._account(x)
+        while self._buffered + self._kv.retired_bytes() > self._budget:
+            worst = NULL
+            most = 0
+            for i in range(self._conns.size()):
+                x = self._conns[i]
+                if x != NULL and x.counted + x.ref_unsent > most:
+                    worst, most = x, x.counted + x.ref_unsent
+            if worst == NULL:
+                break
+            self.shed += 1
+            snprintf(msg, sizeof(msg), "connection buffers over the budget (%zu MiB): closing the "
+                     "connection that holds the most (%zu KiB)", self._budget >> 20, most >> 10)
+            self._log_conn(worst.fd, msg)
+            self._close_conn(worst, "connection buffers over the budget")
+        return c != NULL and self._lookup(fd, cid) == NULL
+
+    cdef void _log_conn(self, int fd, const char *msg) noexcept nogil:
+        """One warning naming the client at fd (takes the GIL: only for rare events)."""
+        cdef char peer[96]
+        fe_peer_name(fd, peer, sizeof(peer))
+        with gil:
+            _log.warning("store: client %s: %s", peer.decode(errors="replace"),
+                         msg.decode(errors="replace"))
 
     cdef void _on_readable(self, Conn *c) noexcept nogil:
         cdef ssize_t got
@@ -372,20 +654,27 @@ cdef class KVServer:
                     memcpy(c.rb + c.rb_len, self._rdbuf, <size_t>got)
                 c.rb_len += <size_t>got
                 if c.rb_len >= c.need:
-                    if self._consume(c, c.rb, c.rb_len, &used) < 0:
-                        return
-                    if used > 0:
-                        memmove(c.rb, c.rb + used, c.rb_len - used)
-                        c.rb_len -= used
-                    if c.rb_len == 0:   # the buffer lives only while a request is partial
-                        PyMem_RawFree(c.rb)
-                        c.rb = NULL
-                        c.rb_cap = 0
-            if self._lookup(fd, cid) == NULL:
+                    self._consume_rb(c)
+            c = self._lookup(fd, cid)
+            if c == NULL:
                 return
-            if <size_t>got < room:
+            if c.paused or <size_t>got < room:
                 break
         self._flush(c)
+
+    cdef void _consume_rb(self, Conn *c) noexcept nogil:
+        """Executes the complete requests buffered in c.rb; keeps only an incomplete tail."""
+        cdef size_t used
+        if self._consume(c, c.rb, c.rb_len, &used) < 0:
+            return
+        if used > 0:
+            memmove(c.rb, c.rb + used, c.rb_len - used)
+            c.rb_len -= used
+        if c.rb_len == 0:   # the buffer lives only while a request is partial
+            PyMem_RawFree(c.rb)
+            c.rb = NULL
+            c.rb_cap = 0
+            self._account(c)
 
     cdef bint _grow_rb(self, Conn *c, size_t want) noexcept nogil:
         """Makes c.rb hold at least want bytes; out of memory, closes c and returns False."""
@@ -401,6 +690,9 @@ cdef class KVServer:
             return False
         c.rb = grown
         c.rb_cap = cap
+        self._account(c)
+        if self._buffered + self._kv.retired_bytes() > self._budget and self._over_budget(c):
+            return False
         return True
 
     cdef int _consume(self, Conn *c, const char *p, size_t n, size_t *used) noexcept nogil:
@@ -409,10 +701,14 @@ cdef class KVServer:
         ``c.scan_off``/``c.scan_i`` carry how far a partial multi-key request at p was already
         measured, so a request that arrives in many reads is scanned once, not once per read.
         """
-        cdef size_t off = 0, need = 0
+        cdef size_t off = 0, need = 0, before
         cdef ssize_t m
+        cdef uint8_t cmd
         c.need = 0
         while off < n:
+            cmd = <uint8_t>p[off]
+            if (c.state != CONN_READY or SHAPES[cmd].ext) and self._gate(c, cmd) < 0:
+                return -1
             m = self._measure(p + off, n - off, &need, &c.scan_off, &c.scan_i)
             if m == 0:
                 c.need = need
@@ -420,10 +716,44 @@ cdef class KVServer:
             if m < 0:
                 self._close_conn(c, "malformed or over-limit request")
                 return -1
+            before = c.wbuf.size()
             if self._execute(c, p + off) < 0:
                 return -1
             off += <size_t>m
+            if fe_take_oom():
+                self._drop_refs(c, before)
+                c.wbuf.resize(before)   # no half reply: the client sees the close instead
+                self._close_conn(c, "out of memory writing a reply")
+                return -1
+            if c.wbuf.capacity() > 15 or c.counted:
+                self._account(c)
+                if (self._buffered + self._kv.retired_bytes() > self._budget
+                        and self._over_budget(c)):
+                    return -1
+            if _unsent(c) > self._max_unsent:
+                # Backpressure: the client is not reading its replies; stop reading its requests
+                # (the rest stays buffered) until they drain (see _flush).
+                c.paused = True
+                self.paused += 1
+                break
         used[0] = off
+        return 0
+
+    cdef int _gate(self, Conn *c, uint8_t cmd) noexcept nogil:
+        """Which requests a connection may send in its state; -1 (closed) if not this one.
+        Checked on a request's first byte, before anything of it is buffered."""
+        if c.state == CONN_HANDSHAKE:
+            if cmd != CMD_VALIDATE:
+                self._close_conn(c, "first request is not VALIDATE")
+                return -1
+        elif c.state == CONN_AUTH:
+            if cmd != CMD_PING and cmd != CMD_EXT_AUTH:
+                self._close_conn(c, "request before the token proof (this store requires a "
+                                 "token: --token-file / FASTELASTIC_STORE_TOKEN_FILE)")
+                return -1
+        if SHAPES[cmd].ext and not c.ext:
+            self._close_conn(c, "extension request before the capability PING")
+            return -1
         return 0
 
     # ----------------------------------------------------------------------------- parsing
@@ -435,25 +765,12 @@ cdef class KVServer:
         bytes must be buffered before it can be); -1 if it is malformed or over a limit."""
         cdef size_t off = 1
         cdef uint64_t count, i, ln, start = 0
-        cdef uint8_t cmd = <uint8_t>p[0]
-        cdef int nblobs = 0
+        cdef const Shape *sh = &SHAPES[<uint8_t>p[0]]
         cdef size_t lim0 = self._max_key, lim1 = self._max_value
-        if cmd == CMD_VALIDATE or cmd == CMD_PING:
-            off = 5
-        elif cmd == CMD_GETNUMKEYS or cmd == CMD_CANCEL_WAIT or cmd == CMD_LIST_KEYS:
-            off = 1
-        elif cmd == CMD_SET or cmd == CMD_APPEND or cmd == CMD_QUEUE_PUSH \
-                or cmd == CMD_EXT_ON_DISCONNECT_APPEND:
-            nblobs = 2
-        elif cmd == CMD_COMPARE_SET:
-            nblobs = 3
-        elif cmd == CMD_GET or cmd == CMD_DELETE_KEY or cmd == CMD_QUEUE_POP \
-                or cmd == CMD_QUEUE_LEN or cmd == CMD_EXT_WAIT_GET:
-            nblobs = 1
-        elif cmd == CMD_ADD or cmd == CMD_BARRIER:
-            nblobs = 1
-        elif cmd == CMD_CHECK or cmd == CMD_WAIT or cmd == CMD_MULTI_GET \
-                or cmd == CMD_MULTI_SET or cmd == CMD_EXT_TRY_MULTI_GET:
+        cdef uint64_t per = 2 if sh.pairs else 1
+        if sh.kind == SH_FIXED:
+            off = 0   # size is all of it (below)
+        elif sh.kind == SH_MULTI:
             if n < 9:
                 need[0] = 9
                 return 0
@@ -464,14 +781,14 @@ cdef class KVServer:
             if scan_off[0] > 0:
                 off = scan_off[0]
                 start = scan_i[0]
-            for i in range(start, count if cmd != CMD_MULTI_SET else count * 2):
+            for i in range(start, count * per):
                 if n - off < 8:
                     scan_off[0] = off
                     scan_i[0] = i
                     need[0] = off + 8
                     return 0
                 ln = load_u64(p + off)
-                if ln > (lim1 if (cmd == CMD_MULTI_SET and (i & 1)) else lim0):
+                if ln > (lim1 if (sh.pairs and (i & 1)) else lim0):
                     return -1
                 if n - off - 8 < ln:
                     scan_off[0] = off
@@ -482,9 +799,9 @@ cdef class KVServer:
             scan_off[0] = 0
             scan_i[0] = 0
             return <ssize_t>off
-        else:
+        elif sh.kind != SH_BLOBS:
             return -1
-        for i in range(<uint64_t>nblobs):
+        for i in range(<uint64_t>sh.nblobs):
             if n - off < 8:
                 need[0] = off + 8
                 return 0
@@ -495,8 +812,7 @@ cdef class KVServer:
                 need[0] = off + 8 + ln
                 return 0
             off += 8 + <size_t>ln
-        if cmd == CMD_ADD or cmd == CMD_BARRIER:
-            off += 8
+        off += sh.size   # a fixed request's length; ADD, BARRIER: the int64 after the key
         if n < off:
             need[0] = off
             return 0
@@ -519,15 +835,15 @@ cdef class KVServer:
         cdef fe_entry *e
         cdef bint stored
         cdef uint64_t h
-        cdef size_t total
+        cdef size_t total, inline
         cdef bint found
         cdef pair[string, string] action
         self.ops += 1
-        if not c.validated:
-            if cmd != CMD_VALIDATE or load_u32(q) != VALIDATE_MAGIC:
-                self._close_conn(c, "first request is not VALIDATE with the TCPStore magic")
+        if c.state == CONN_HANDSHAKE:   # _gate let only VALIDATE through
+            if load_u32(q) != VALIDATE_MAGIC:
+                self._close_conn(c, "VALIDATE without the TCPStore magic")
                 return -1
-            c.validated = True
+            self._set_state(c, CONN_READY if self._token.empty() else CONN_AUTH)
             return 0
         if cmd == CMD_SET or cmd == CMD_APPEND:
             ln = load_u64(q)
@@ -548,7 +864,7 @@ cdef class KVServer:
             if e == NULL:
                 put_u64(c.wbuf, 0)
             else:
-                put_blob(c.wbuf, e.val(), e.vlen)
+                _put_value(c, e)
         elif cmd == CMD_EXT_WAIT_GET:
             # torch's get is WAIT then GET: two round trips even for a key that is there.
             ln = load_u64(q)
@@ -556,7 +872,7 @@ cdef class KVServer:
             e = self._kv.find(key)
             if e != NULL:
                 put_u8(c.wbuf, REPLY_VALUE)
-                put_blob(c.wbuf, e.val(), e.vlen)
+                _put_value(c, e)
             else:
                 self._drop_wait(c)
                 self._register_wait(c, key)
@@ -615,7 +931,7 @@ cdef class KVServer:
             count = load_u64(q)
             _ref_keys(q + 8, count, refs, False)
             found_vals.reserve(count)
-            total = 0
+            total = inline = 0
             # Pipelined lookups (see kvmap.h): slots PREFETCH_SLOT keys ahead, entries
             # PREFETCH_ENTRY ahead, so the misses of many keys overlap.
             for i in range(count):
@@ -628,18 +944,25 @@ cdef class KVServer:
                     put_u8(c.wbuf, 0)
                     return 0
                 found_vals.push_back(e)
-                total += 8 + (e.vlen if e != NULL else 0)
+                if e != NULL:
+                    total += e.vlen
+                    if e.vlen < STREAM_ABOVE:
+                        inline += e.vlen
+            total += 8 * count
+            inline += 8 * count
+            if total > self._max_reply:
+                return self._refuse_reply(c, total)
             if cmd == CMD_EXT_TRY_MULTI_GET:
                 put_u8(c.wbuf, 1)
-            if total > MAX_REPLY or not fe_reserve(c.wbuf, c.wbuf.size() + total):
-                self._close_conn(c, "MULTI_GET reply too large for memory")
+            if not fe_reserve(c.wbuf, c.wbuf.size() + inline):
+                self._close_conn(c, "out of memory for a MULTI_GET reply")
                 return -1
             for i in range(count):
                 e = found_vals[i]
                 if e == NULL:
                     put_u64(c.wbuf, 0)
                 else:
-                    put_blob(c.wbuf, e.val(), e.vlen)
+                    _put_value(c, e)
         elif cmd == CMD_MULTI_SET:
             count = load_u64(q)
             _ref_keys(q + 8, count, refs, True)
@@ -666,8 +989,12 @@ cdef class KVServer:
             nonce = load_u32(q)
             if nonce == EXT_NONCE:
                 c.ext = True
+                if c.state == CONN_AUTH:
+                    return self._challenge(c)
                 nonce = ~nonce
             put_u32(c.wbuf, nonce)
+        elif cmd == CMD_EXT_AUTH:
+            return self._check_proof(c, q)
         elif cmd == CMD_VALIDATE:
             self._close_conn(c, "VALIDATE sent twice")
             return -1
@@ -690,6 +1017,13 @@ cdef class KVServer:
                 if count == 1:
                     self._queues.erase(qit)
         elif cmd == CMD_LIST_KEYS:
+            total = 8
+            for i in range(self._kv.capacity()):
+                e = self._kv.at(i)
+                if e != NULL:
+                    total += 8 + e.klen
+            if total > self._max_reply:
+                return self._refuse_reply(c, total)
             put_u64(c.wbuf, self._kv.size())
             for i in range(self._kv.capacity()):
                 e = self._kv.at(i)
@@ -739,6 +1073,47 @@ cdef class KVServer:
             return self._out_of_memory(c)
         return 0
 
+    cdef int _challenge(self, Conn *c) noexcept nogil:
+        """Token required: answers the capability PING with a fresh random challenge."""
+        if c.challenge == NULL:
+            c.challenge = <char *>PyMem_RawMalloc(AUTH_CHALLENGE_LEN)
+            if c.challenge == NULL:
+                return self._out_of_memory(c)
+        if fe_random(c.challenge, AUTH_CHALLENGE_LEN) < 0:
+            self._close_conn(c, "no random bytes for a token challenge")
+            return -1
+        put_u32(c.wbuf, EXT_AUTH_NONCE)
+        fe_append(c.wbuf, c.challenge, AUTH_CHALLENGE_LEN)
+        return 0
+
+    cdef int _check_proof(self, Conn *c, const char *proof) noexcept nogil:
+        """EXT_AUTH: the client's HMAC of our challenge under the token; READY if it matches."""
+        cdef unsigned char want[32]
+        if c.state != CONN_AUTH or c.challenge == NULL:
+            self._close_conn(c, "EXT_AUTH without a token challenge")
+            return -1
+        fe_hmac_sha256(self._token.data(), self._token.size(), AUTH_CONTEXT,
+                       strlen(AUTH_CONTEXT), c.challenge, AUTH_CHALLENGE_LEN, want)
+        PyMem_RawFree(c.challenge)   # one proof per challenge
+        c.challenge = NULL
+        if not fe_equal_ct(want, <const unsigned char *>proof, 32):
+            self._log_conn(c.fd, "wrong token proof: closing the connection (is its token "
+                           "file the same as the server's?)")
+            self._close_conn(c, "wrong token proof")
+            return -1
+        self._set_state(c, CONN_READY)
+        put_u8(c.wbuf, 0)
+        return 0
+
+    cdef int _refuse_reply(self, Conn *c, size_t size) noexcept nogil:
+        """A reply over max_reply is not built: the client is told by a close and the log."""
+        cdef char msg[160]
+        snprintf(msg, sizeof(msg), "refused a reply of %zu bytes (max_reply %zu); closing the "
+                 "connection", size, self._max_reply)
+        self._log_conn(c.fd, msg)
+        self._close_conn(c, "reply over max_reply")
+        return -1
+
     cdef int _out_of_memory(self, Conn *c) noexcept nogil:
         """A write the server could not allocate for: the writer's connection is closed."""
         self._close_conn(c, "out of memory storing the request's key or value")
@@ -756,31 +1131,46 @@ cdef class KVServer:
 
     cdef void _register_wait(self, Conn *c, const string &key) noexcept nogil:
         cdef Waiter w
+        cdef vector[Waiter] *ws = &self._waiters[key]
         w.fd = c.fd
         w.cid = c.cid
         w.gen = c.wait_gen
-        self._waiters[key].push_back(w)
-        c.wait_keys.push_back(key)
+        w.slot = c.wait_keys.size()
+        c.wait_keys.resize(w.slot + 1)
+        c.wait_keys.back().key = key
+        c.wait_keys.back().pos = ws.size()
+        ws.push_back(w)
         c.wait_left += 1
+
+    cdef void _unlink_wait(self, Conn *c, size_t slot) noexcept nogil:
+        """Removes c's Waiter for its slot-th wait key in O(1): the list's last entry moves into
+        its place, and that entry's connection is told its new position."""
+        cdef size_t pos = c.wait_keys[slot].pos
+        cdef vector[Waiter] *ws
+        cdef Waiter moved
+        cdef Conn *o
+        if pos == NO_POS:
+            return
+        c.wait_keys[slot].pos = NO_POS
+        wit = self._waiters.find(c.wait_keys[slot].key)
+        if wit == self._waiters.end():
+            return
+        ws = &deref_waiters(wit)
+        moved = ws.back()
+        ws.pop_back()
+        if pos < ws.size():
+            ws[0][pos] = moved
+            o = self._lookup(moved.fd, moved.cid)
+            if o != NULL:
+                o.wait_keys[moved.slot].pos = pos
+        if ws.size() == 0:
+            self._waiters.erase(wit)
 
     cdef void _drop_wait(self, Conn *c) noexcept nogil:
         """Forgets c's pending wait and removes its entries, so no wake-up follows a cancel."""
-        cdef size_t i, j
-        cdef vector[Waiter] *ws
+        cdef size_t i
         for i in range(c.wait_keys.size()):
-            wit = self._waiters.find(c.wait_keys[i])
-            if wit == self._waiters.end():
-                continue
-            ws = &deref_waiters(wit)
-            j = 0
-            while j < ws.size():
-                if ws[0][j].cid == c.cid:
-                    ws[0][j] = ws.back()
-                    ws.pop_back()
-                else:
-                    j += 1
-            if ws.size() == 0:
-                self._waiters.erase(wit)
+            self._unlink_wait(c, i)
         c.wait_keys.clear()
         c.wait_get = False
         if c.waiting:
@@ -802,6 +1192,7 @@ cdef class KVServer:
             c = self._lookup(ws[i].fd, ws[i].cid)
             if c == NULL or not c.waiting or c.wait_gen != ws[i].gen:
                 continue
+            c.wait_keys[ws[i].slot].pos = NO_POS
             c.wait_left -= 1
             if c.wait_left <= 0:
                 self._finish_wait(c, ws[i])
@@ -810,14 +1201,14 @@ cdef class KVServer:
         """Answers a satisfied wait, and queues c's reply to be sent this loop round."""
         cdef string key
         if c.wait_get:
-            key = c.wait_keys[0]
+            key = c.wait_keys[0].key
             self._drop_wait(c)
             e = self._kv.find(key)
             put_u8(c.wbuf, REPLY_VALUE)
             if e == NULL:    # woken by a queue push of the same name
                 put_u64(c.wbuf, 0)
             else:
-                put_blob(c.wbuf, e.val(), e.vlen)
+                _put_value(c, e)
         else:
             self._drop_wait(c)
             put_u8(c.wbuf, REPLY_STOP_WAITING)
@@ -832,68 +1223,147 @@ cdef class KVServer:
         wit = self._waiters.find(key)
         if wit == self._waiters.end():
             return
-        while deref_waiters(wit).size() > 0:
-            w = deref_waiters(wit).front()
-            deref_waiters(wit).erase(deref_waiters(wit).begin())
-            c = self._lookup(w.fd, w.cid)
-            if c == NULL or not c.waiting or c.wait_gen != w.gen:
-                continue
-            c.wait_left -= 1
-            if c.wait_left <= 0:
-                self._finish_wait(c, w)
-            break
-        wit = self._waiters.find(key)
-        if wit != self._waiters.end() and deref_waiters(wit).size() == 0:
-            self._waiters.erase(wit)
+        w = deref_waiters(wit).front()
+        c = self._lookup(w.fd, w.cid)
+        if c == NULL or not c.waiting or c.wait_gen != w.gen:
+            return   # not reached: only pending waits have entries
+        self._unlink_wait(c, w.slot)
+        c.wait_left -= 1
+        if c.wait_left <= 0:
+            self._finish_wait(c, w)
 
     # ----------------------------------------------------------------------------- output
 
     cdef void _flush(self, Conn *c) noexcept nogil:
+        """Sends what the kernel takes of c's replies; re-arms epoll for the rest."""
         cdef ssize_t sent
-        cdef size_t left
-        while c.wpos < c.wbuf.size():
-            left = c.wbuf.size() - c.wpos
-            sent = send(c.fd, c.wbuf.data() + c.wpos, left, MSG_NOSIGNAL)
+        cdef Waiter w
+        if c.st != NULL and not self._flush_refs(c):
+            return
+        while c.st == NULL and c.wpos < c.wbuf.size():
+            sent = send(c.fd, c.wbuf.data() + c.wpos, c.wbuf.size() - c.wpos, MSG_NOSIGNAL)
             if sent < 0:
                 if errno == EINTR:
                     continue
                 if errno == EAGAIN:
-                    if not c.want_out:
-                        _set_events(self._epfd, c, True)
-                    return
+                    break
                 self._close_conn(c, NULL)
                 return
             c.wpos += <size_t>sent
             self._replied = True
-        c.wbuf.clear()
-        c.wpos = 0
-        if c.wbuf.capacity() > SHRINK_ABOVE:
-            string().swap(c.wbuf)
-        if c.want_out:
-            _set_events(self._epfd, c, False)
+        if c.wpos == c.wbuf.size() and c.st == NULL:
+            c.wbuf.clear()
+            c.wpos = 0
+            if c.wbuf.capacity() > SHRINK_ABOVE:
+                string().swap(c.wbuf)
+        self._account(c)
+        if c.paused and _unsent(c) <= self._max_unsent // 2:
+            c.paused = False
+            if c.rb_len > 0:   # requests it sent before it was paused: run them this round
+                w.fd, w.cid = c.fd, c.cid
+                self._resume.push_back(w)
+        self._arm(c)
+
+    cdef bint _flush_refs(self, Conn *c) noexcept nogil:
+        """Sends c's replies while they include streamed values: one sendmsg gathers wbuf spans
+        and the values between them. Returns False if c was closed; stops at EAGAIN."""
+        cdef iovec iov[MAX_IOV]
+        cdef int n
+        cdef size_t pos, i, off, end, take
+        cdef ssize_t sent
+        cdef fe_entry *e
+        cdef Streamed *st = c.st
+        while st.i < st.refs.size():
+            n, pos, i, off = 0, c.wpos, st.i, st.off
+            while n < MAX_IOV:
+                if i < st.refs.size() and pos == st.refs[i].at:
+                    e = st.refs[i].e
+                    iov[n].iov_base = e.val() + off
+                    iov[n].iov_len = e.vlen - off
+                    n += 1
+                    i += 1
+                    off = 0
+                    continue
+                end = st.refs[i].at if i < st.refs.size() else c.wbuf.size()
+                if end > pos:
+                    iov[n].iov_base = <void *>(c.wbuf.data() + pos)
+                    iov[n].iov_len = end - pos
+                    n += 1
+                    pos = end
+                if i >= st.refs.size():
+                    break
+            sent = fe_sendv(c.fd, iov, n)
+            if sent < 0:
+                if errno == EINTR:
+                    continue
+                if errno == EAGAIN:
+                    return True
+                self._close_conn(c, NULL)
+                return False
+            self._replied = True
+            while sent > 0:   # advance over what went out
+                if st.i < st.refs.size() and c.wpos == st.refs[st.i].at:
+                    e = st.refs[st.i].e
+                    take = e.vlen - st.off
+                    if <size_t>sent < take:
+                        take = <size_t>sent
+                    st.off += take
+                    c.ref_unsent -= take
+                    sent -= <ssize_t>take
+                    if st.off == e.vlen:
+                        self._kv.unpin(e)
+                        st.i += 1
+                        st.off = 0
+                else:
+                    end = st.refs[st.i].at if st.i < st.refs.size() else c.wbuf.size()
+                    take = end - c.wpos
+                    if <size_t>sent < take:
+                        take = <size_t>sent
+                    c.wpos += take
+                    sent -= <ssize_t>take
+        del st   # all streamed: what is left is plain bytes
+        c.st = NULL
+        return True
+
+    cdef void _drop_refs(self, Conn *c, size_t after) noexcept nogil:
+        """Unpins c's unsent streamed values placed after wbuf byte ``after`` (0: all)."""
+        cdef fe_entry *e
+        cdef Streamed *st = c.st
+        if st == NULL:
+            return
+        while st.refs.size() > st.i and (after == 0 or st.refs.back().at > after):
+            e = st.refs.back().e
+            c.ref_unsent -= e.vlen - (st.off if st.refs.size() - 1 == st.i else 0)
+            self._kv.unpin(e)
+            st.refs.pop_back()
+        if st.refs.size() == st.i:
+            del st
+            c.st = NULL
 
     cdef void _close_conn(self, Conn *c, const char *why) noexcept nogil:
         cdef size_t i
         cdef int fd = c.fd
         cdef vector[pair[string, string]] actions
+        cdef char msg[320]
         self._drop_wait(c)
         actions.swap(c.on_close)
-        epoll_ctl(self._epfd, EPOLL_CTL_DEL, fd, NULL)
+        if why != NULL:
+            # The GIL only for a logged one: the first ten, then every thousandth.
+            self.protocol_errors += 1
+            self._last_why = why
+            if self.protocol_errors <= 10 or self.protocol_errors % 1000 == 0:
+                snprintf(msg, sizeof(msg), "closed its connection: %s (%llu so far)", why,
+                         <unsigned long long>self.protocol_errors)
+                self._log_conn(fd, msg)
+        self._buffered -= c.counted
+        self._drop_refs(c, 0)
+        PyMem_RawFree(c.challenge)
+        epoll_ctl(self._epfd, EPOLL_CTL_DEL, fd, NULL)   # no check: close() removes it anyway
         close(fd)
         self._conns[fd] = NULL
         PyMem_RawFree(c.rb)
         del c
         self.closed += 1
-        if why != NULL:
-            self.protocol_errors += 1
-            with gil:
-                try:
-                    self._last_error = why.decode()
-                    if self.protocol_errors <= 10 or self.protocol_errors % 1000 == 0:
-                        _log.warning("store: closed a client connection: %s (%d so far)",
-                                     self._last_error, self.protocol_errors)
-                except BaseException:
-                    pass
         # A disconnect is an event others may wait for (a peer that died).
         for i in range(actions.size()):
             # out of memory here loses the action; there is no connection left to tell
@@ -911,7 +1381,6 @@ cdef extern from *:
         do { (out).swap((it)->second.front()); (it)->second.pop_front(); } while (0)
     #define PREFETCH_SLOT 16
     #define PREFETCH_ENTRY 8
-    #define FE_MAX_REPLY ((size_t)1 << 32)
     static inline bool fe_reserve(std::string &s, size_t n) {
         try { s.reserve(n); return true; } catch (...) { return false; }
     }
@@ -922,4 +1391,3 @@ cdef extern from *:
     size_t PREFETCH_SLOT
     size_t PREFETCH_ENTRY
     cbool fe_reserve(string &s, size_t n) nogil
-    size_t MAX_REPLY "FE_MAX_REPLY"   # largest MULTI_GET reply built (4 GiB)

@@ -2,6 +2,7 @@
 
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy
+from libcpp cimport bool as cbool
 from libcpp.string cimport string
 
 # Command codes (tcpstore-protocol.md section 2), and our extensions, which only a peer that
@@ -29,6 +30,7 @@ cdef enum:
     CMD_EXT_WAIT_GET = 0x40
     CMD_EXT_TRY_MULTI_GET = 0x41
     CMD_EXT_ON_DISCONNECT_APPEND = 0x42
+    CMD_EXT_AUTH = 0x43
 
 cdef enum:
     VALIDATE_MAGIC = 0x3C85F7CE
@@ -40,6 +42,17 @@ cdef enum:
     REPLY_READY = 0
     REPLY_NOT_READY = 1
     REPLY_VALUE = 2          # EXT_WAIT_GET: a blob follows
+    # A server that requires a token answers the capability PING with this instead of ~EXT_NONCE,
+    # followed by a 32-byte challenge; the client answers EXT_AUTH with
+    # HMAC-SHA256(token, AUTH_CONTEXT + challenge), and the server with one 0 byte if it matches.
+    EXT_AUTH_NONCE = 0x5EC2E7ED
+    AUTH_CHALLENGE_LEN = 32
+
+cdef extern from *:
+    """
+    #define FE_AUTH_CONTEXT "fastelastic-store-auth-v1"
+    """
+    const char *AUTH_CONTEXT "FE_AUTH_CONTEXT"   # (without its NUL) prefixes the challenge
 
 
 cdef inline uint64_t load_u64(const char *p) noexcept nogil:
@@ -54,22 +67,37 @@ cdef inline uint32_t load_u32(const char *p) noexcept nogil:
     return v
 
 
+cdef extern from *:
+    """
+    #include <string>
+    /* Appends that never throw: out of memory sets fe_oom (per thread) and drops the bytes, so a
+       caller checks once per request instead of every append turning into a Python error. */
+    static thread_local bool fe_oom = false;
+    static inline void fe_append(std::string &s, const char *p, size_t n) noexcept {
+        try { s.append(p, n); } catch (...) { fe_oom = true; }
+    }
+    static inline bool fe_take_oom(void) noexcept { bool o = fe_oom; fe_oom = false; return o; }
+    """
+    void fe_append(string &s, const char *p, size_t n) noexcept nogil
+    cbool fe_take_oom() noexcept nogil
+
+
 cdef inline void put_u8(string &out, uint8_t v) noexcept nogil:
-    out.push_back(<char>v)
+    fe_append(out, <const char *>&v, 1)
 
 
 cdef inline void put_u32(string &out, uint32_t v) noexcept nogil:
-    out.append(<const char *>&v, 4)
+    fe_append(out, <const char *>&v, 4)
 
 
 cdef inline void put_u64(string &out, uint64_t v) noexcept nogil:
-    out.append(<const char *>&v, 8)
+    fe_append(out, <const char *>&v, 8)
 
 
 cdef inline void put_blob(string &out, const char *p, size_t n) noexcept nogil:
     cdef uint64_t n64 = n
-    out.append(<const char *>&n64, 8)
-    out.append(p, n)
+    fe_append(out, <const char *>&n64, 8)
+    fe_append(out, p, n)
 
 
 cdef inline int parse_decimal(const char *p, size_t n, int64_t *result) noexcept nogil:

@@ -3,12 +3,18 @@
 from datetime import timedelta
 from typing import Iterable, Union
 
+from fastelastic.errors import StoreConnectionError
+
 _Value = Union[str, bytes, bytearray, memoryview]
 _Timeout = Union[timedelta, float, None]
 
+class HandshakeReset(StoreConnectionError): ...
+
 class KVClient:
     timeout_ms: int
-    def __init__(self, fd: int, peer: str, timeout: float, *, spin_us: int = 0) -> None: ...
+    def __init__(
+        self, fd: int, peer: str, timeout: float, *, spin_us: int = 0, token: bytes = b""
+    ) -> None: ...
     def close(self) -> None: ...
     @property
     def supports_extensions(self) -> bool: ...

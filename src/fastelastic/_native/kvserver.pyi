@@ -2,12 +2,17 @@
 
 from typing import Optional, Sequence
 
+def hmac_sha256(key: bytes, a: bytes, b: bytes) -> bytes: ...
+
 class KVServer:
     ops: int
     accepted: int
     closed: int
     protocol_errors: int
     waiting: int
+    refused_fds: int
+    shed: int
+    paused: int
     def __init__(
         self,
         listen_fds: Sequence[int],
@@ -16,6 +21,11 @@ class KVServer:
         max_value: int = 8388608,
         max_keys: int = 131072,
         spin_us: int = 0,
+        max_reply: int = 67108864,
+        max_unsent: int = 1048576,
+        buffer_budget: int = 268435456,
+        handshake_ms: int = 1000,
+        token: bytes = b"",
     ) -> None: ...
     def serve_forever(self) -> None: ...
     def stop(self) -> None: ...
@@ -26,3 +36,7 @@ class KVServer:
     def num_keys(self) -> int: ...
     @property
     def last_error(self) -> Optional[str]: ...
+    @property
+    def buffered(self) -> int: ...
+    @property
+    def requires_token(self) -> bool: ...

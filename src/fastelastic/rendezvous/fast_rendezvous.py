@@ -769,9 +769,11 @@ def _prefix_store(prefix: str, store: Any) -> Any:
 
 
 def _host_store(
-    host: str, port: int, is_host: bool | None, read_timeout: timedelta
+    host: str, port: int, is_host: bool | None, read_timeout: timedelta,
+    token: bytes | None = None,
 ) -> tuple[Any, Any]:
-    """Hosts the store on ``port`` if this node is the host, else connects.
+    """Hosts the store on ``port`` if this node is the host, else connects (with ``token``,
+    the store serves only clients that prove it; see fastelastic.store.auth).
 
     Returns:
         ``(client, server)``; ``server`` is None when another process hosts it.
@@ -792,12 +794,12 @@ def _host_store(
             ) from e
         try:
             server = TCPStore(host, port, is_master=True, multi_tenant=True,
-                              wait_for_workers=False, timeout=read_timeout)
+                              wait_for_workers=False, timeout=read_timeout, token=token)
             return server, server
         except (StoreError, OSError) as e:
             log.info("store on %s:%d already hosted (%s); joining as a client", host, port, e)
     try:
-        client = TCPStore(host, port, is_master=False, timeout=read_timeout)
+        client = TCPStore(host, port, is_master=False, timeout=read_timeout, token=token)
     except (StoreError, OSError) as e:
         raise RendezvousConnectionError(
             f"The rendezvous store at {host}:{port} could not be reached: {e}"
@@ -811,7 +813,8 @@ def create_fast_handler(params: RendezvousParameters) -> FastRendezvousHandler:
     ``rdzv_conf`` keys: ``join_timeout``, ``last_call_timeout``, ``close_timeout``,
     ``heartbeat``, ``keep_alive_interval``, ``keep_alive_max_attempt``, ``read_timeout``
     (store operations, default 60 s), ``is_host`` (default: the endpoint host is this machine),
-    ``rank`` (preferred node rank).
+    ``rank`` (preferred node rank), ``token_file`` (a shared secret guarding the rendezvous
+    store; default ``$FASTELASTIC_STORE_TOKEN_FILE``).
 
     Raises:
         ValueError: A malformed option.
@@ -833,7 +836,11 @@ def create_fast_handler(params: RendezvousParameters) -> FastRendezvousHandler:
     if keep_alive_max_attempt is None:
         raise ValueError("keep_alive_max_attempt must not be None.")
     rank = params.get_as_int("rank", -1)
-    client, server = _host_store(host, port, params.get_as_bool("is_host"), read_timeout)
+    from fastelastic.store.auth import TOKEN_FILE_ENV, read_token
+
+    token_file = params.get("token_file") or os.environ.get(TOKEN_FILE_ENV)
+    token = read_token(str(token_file)) if token_file else None
+    client, server = _host_store(host, port, params.get_as_bool("is_host"), read_timeout, token)
     return FastRendezvousHandler(
         params.run_id,
         client,

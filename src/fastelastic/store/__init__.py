@@ -14,7 +14,7 @@ import weakref
 from datetime import timedelta
 from typing import Iterable, Optional, Union
 
-from fastelastic._native.kvclient import KVClient
+from fastelastic._native.kvclient import HandshakeReset, KVClient
 from fastelastic.errors import StoreConnectionError, StoreTimeoutError
 from fastelastic.store import _torch
 from fastelastic.store._hosting import (
@@ -25,12 +25,14 @@ from fastelastic.store._hosting import (
     spin_us,
 )
 from fastelastic.store._torch import as_torch_store
+from fastelastic.store.auth import token_from_env
 
 __all__ = [
     "Store", "TCPStore", "PrefixStore", "as_torch_store", "connect_socket", "raise_fd_limit"
 ]
 
 _DEFAULT_TIMEOUT = timedelta(seconds=300)
+_HANDSHAKE_ATTEMPTS = 5
 Value = Union[str, bytes]
 
 
@@ -105,6 +107,14 @@ class TCPStore(KVClient, Store):
         multi_tenant: masters in one process on the same port share one server.
         master_listen_fd: an already listening socket for the server to use.
         use_libuv: accepted for torch compatibility; our server is always the native one.
+        server_limits: (master only) the hosted server's bounds, as keyword arguments of
+            :class:`~fastelastic._native.kvserver.KVServer` (``max_reply``, ``max_unsent``,
+            ``buffer_budget``, ``handshake_ms``, ``max_key``, ``max_value``, ``max_keys``).
+        token: a shared secret (see :mod:`fastelastic.store.auth`). A master given one hosts a
+            server that serves only clients proving it; a client proves it when the server
+            asks. None: a client uses ``FASTELASTIC_STORE_TOKEN_FILE`` if set; a master hosts
+            an open server (the env variable never guards a server implicitly, so the workers'
+            store stays open to torch's clients).
 
     In a process that has imported ``torch.distributed``, the object constructed is a
     ``torch.distributed.Store`` wrapping this class's instance (see ``as_torch_store``), so torch
@@ -129,6 +139,9 @@ class TCPStore(KVClient, Store):
         multi_tenant: bool = False,
         master_listen_fd: Optional[int] = None,
         use_libuv: bool = True,
+        *,
+        server_limits: Optional[dict[str, int]] = None,
+        token: Optional[bytes] = None,
     ) -> None:
         seconds = _seconds(timeout)
         self._server: Optional[ServerHandle] = None
@@ -138,7 +151,8 @@ class TCPStore(KVClient, Store):
         if is_master:
             # Like torch's, the server listens on every interface whatever host_name says.
             self._server = host_server(
-                "", port, multi_tenant=multi_tenant, listen_fd=master_listen_fd
+                "", port, multi_tenant=multi_tenant, listen_fd=master_listen_fd,
+                **(server_limits or {}), **({"token": token} if token else {}),
             )
             weakref.finalize(self, self._server.release)
             port = self._server.port
@@ -146,11 +160,22 @@ class TCPStore(KVClient, Store):
         else:
             connect_host = host_name
         self._port = port
-        sock = connect_socket(connect_host, port, time.monotonic() + seconds)
+        deadline = time.monotonic() + seconds
         try:
-            KVClient.__init__(
-                self, sock.detach(), f"{host_name}:{port}", seconds, spin_us=spin_us()
-            )
+            for attempt in range(_HANDSHAKE_ATTEMPTS):
+                # A reset during the handshake (a server shedding a connect storm) is retried,
+                # a bounded number of times, as torch's client does.
+                sock = connect_socket(connect_host, port, deadline)
+                try:
+                    KVClient.__init__(
+                        self, sock.detach(), f"{host_name}:{port}", seconds, spin_us=spin_us(),
+                        token=(token if token is not None else token_from_env()) or b"",
+                    )
+                    break
+                except HandshakeReset:
+                    if attempt + 1 == _HANDSHAKE_ATTEMPTS or time.monotonic() >= deadline:
+                        raise
+                    time.sleep(min(0.01 * 2**attempt, max(0.0, deadline - time.monotonic())))
         except BaseException:
             if self._server is not None:
                 self._server.release()

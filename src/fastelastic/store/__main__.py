@@ -10,6 +10,7 @@ import threading
 
 from fastelastic.errors import StoreError
 from fastelastic.store._hosting import SPIN_ENV, host_server, spin_us
+from fastelastic.store.auth import TOKEN_FILE_ENV, read_token, token_from_env
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,6 +24,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-value", type=int, default=8 << 20, help="longest value, bytes")
     parser.add_argument("--max-keys", type=int, default=131072,
                         help="most keys in one multi-key request")
+    parser.add_argument("--max-reply", type=int, default=64 << 20,
+                        help="largest reply built for one request (MULTI_GET, LIST_KEYS), bytes; "
+                             "larger ones close that client's connection")
+    parser.add_argument("--max-unsent", type=int, default=1 << 20,
+                        help="a client with more unsent reply bytes than this is not read until "
+                             "it drains them (backpressure)")
+    parser.add_argument("--buffer-budget", type=int, default=256 << 20,
+                        help="bytes all connections' buffers may hold together; above it the "
+                             "connection holding the most is closed")
+    parser.add_argument("--handshake-ms", type=int, default=1000,
+                        help="close connections that have not completed the handshake this long "
+                             "after connecting, milliseconds")
+    parser.add_argument("--token-file", default=None,
+                        help="serve only clients that prove they know the secret in this file "
+                             f"(default: ${TOKEN_FILE_ENV} if set; else no token)")
     parser.add_argument("--spin-us", type=int, default=None,
                         help="how long the loop polls before it sleeps, microseconds "
                              f"(default: ${SPIN_ENV} or 50; 0: never)")
@@ -34,15 +50,21 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
         spin = spin_us() if args.spin_us is None else args.spin_us
+        token = read_token(args.token_file) if args.token_file else token_from_env()
         handle = host_server(args.host, args.port, max_key=args.max_key,
-                             max_value=args.max_value, max_keys=args.max_keys, spin_us=spin)
-    except StoreError as e:
+                             max_value=args.max_value, max_keys=args.max_keys, spin_us=spin,
+                             max_reply=args.max_reply, max_unsent=args.max_unsent,
+                             buffer_budget=args.buffer_budget, handshake_ms=args.handshake_ms,
+                             token=token or b"")
+    except (StoreError, ValueError) as e:
         print(f"fastelastic.store: error: {e}", file=sys.stderr)
         return 1
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
     print(f"fastelastic store listening on {args.host or '*'}:{handle.port}", flush=True)
+    if token:
+        logging.getLogger("fastelastic.store").info("clients must prove the store token")
     done.wait()
     handle.release()
     return 0

@@ -157,7 +157,7 @@ def listen_socket(host: str, port: int) -> socket.socket:
 class ServerHandle:
     """One running :class:`KVServer` and its thread; shared by multi-tenant stores on a port."""
 
-    def __init__(self, sock: socket.socket, **limits: int) -> None:
+    def __init__(self, sock: socket.socket, **limits: Any) -> None:
         raise_fd_limit()
         sock.setblocking(False)
         self.sock = sock
@@ -208,7 +208,7 @@ class ServerHandle:
 
 def host_server(
     host: str, port: int, *, multi_tenant: bool = False, listen_fd: Optional[int] = None,
-    **limits: int,
+    **limits: Any,
 ) -> ServerHandle:
     """Starts (or, multi-tenant, shares) a server listening on host:port."""
     with _lock:

@@ -13,6 +13,52 @@ __all__ = ["AgentRow", "JobView", "watch"]
 _COLUMNS = ("NODE", "PID", "RUN", "GROUP", "STATE", "WORLD", "RESTARTS", "ALIVE", "LAST EVENT")
 _FINAL = ("SUCCEEDED", "FAILED")
 
+# The message schema (publisher.py): field -> accepted types. A field of another type is dropped
+# (the message counts as bad); unknown fields are ignored, so nothing unbounded is kept.
+_NUM = (int, float)
+_SCHEMA: dict[str, tuple[type, ...]] = {
+    "v": (int,), "kind": (str,), "host": (str,), "pid": (int,), "run_id": (str,),
+    "role": (str,), "group_rank": (int, type(None)), "state": (str,),
+    "world_size": (int, type(None)), "group_world_size": (int, type(None)),
+    "local_world_size": (int,), "restarts": (int,), "max_restarts": (int,),
+    "workers_alive": (int,), "last_event": (str,), "seq": (int,), "time": _NUM,
+}
+MAX_MESSAGE = 64 * 1024       # bytes; longer messages are dropped by the socket
+MAX_AGENTS = 200_000          # rows kept; messages from further agents count as bad
+_MAX_TEXT = 256               # characters kept of any string field
+
+# Terminal control characters (C0, DEL, C1) and bidi/format overrides, shown as U+FFFD: a
+# message from the network must not move the cursor, clear the screen or reorder the text.
+_CONTROLS = {c: "\ufffd" for c in [*range(0x20), *range(0x7F, 0xA0), 0x200E, 0x200F,
+                                   *range(0x202A, 0x202F), *range(0x2066, 0x206A), 0xFEFF]}
+
+
+def printable(text: str) -> str:
+    """text with every terminal control character replaced (see _CONTROLS)."""
+    return text.translate(_CONTROLS)
+
+
+def _conforming(msg: Any) -> tuple[dict[str, Any], bool] | None:
+    """The schema's fields of a decoded message (and whether all were well-typed), or None if
+    it is not an agent's message at all."""
+    if not isinstance(msg, dict):
+        return None
+    agent = msg.get("agent")
+    if not isinstance(agent, (str, int)) or isinstance(agent, bool):
+        return None
+    fields: dict[str, Any] = {"agent": str(agent)[:_MAX_TEXT]}
+    ok = True
+    for k, types in _SCHEMA.items():
+        if k not in msg:
+            continue
+        v = msg[k]
+        if (not isinstance(v, types) or (isinstance(v, bool) and bool not in types)
+                or (isinstance(v, int) and not -(1 << 63) <= v < 1 << 63)):
+            ok = False
+            continue
+        fields[k] = v[:_MAX_TEXT] if isinstance(v, str) else v
+    return fields, ok
+
 
 @dataclass
 class AgentRow:
@@ -27,7 +73,7 @@ class AgentRow:
         f = self.fields
 
         def show(v: Any) -> str:
-            return "-" if v is None else str(v)
+            return "-" if v is None else printable(str(v))
 
         state = show(f.get("state"))
         if state not in _FINAL and now - self.seen > stale_after:
@@ -63,18 +109,27 @@ class JobView:
         self.bad_messages = 0
 
     def update(self, raw: bytes, now: float | None = None) -> AgentRow | None:
-        """Applies one message; a malformed one is counted and ignored."""
+        """Applies one message. Any message is safe: one that is not JSON or not an agent's is
+        counted as bad and ignored; a field of the wrong type is dropped (and counted)."""
         try:
-            msg = json.loads(raw)
-            agent = str(msg["agent"])
-        except (ValueError, KeyError, TypeError):
+            checked = None if len(raw) > MAX_MESSAGE else _conforming(json.loads(raw))
+        except (ValueError, RecursionError, TypeError):   # not JSON, too deep, not bytes
+            checked = None
+        if checked is None:
             self.bad_messages += 1
             return None
+        msg, ok = checked
+        if not ok:
+            self.bad_messages += 1
+        agent = msg["agent"]
         row = self.rows.get(agent)
         if row is None:
+            if len(self.rows) >= MAX_AGENTS:
+                self.bad_messages += 1
+                return None
             row = self.rows[agent] = AgentRow(agent)
         if msg.get("seq", 0) >= row.fields.get("seq", 0):
-            row.fields.update({k: v for k, v in msg.items() if k != "event"})
+            row.fields.update(msg)
         if msg.get("kind") == "event":
             row.events += 1
         row.seen = time.monotonic() if now is None else now
@@ -162,6 +217,7 @@ def watch(
     sock = ctx.socket(zmq.SUB)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)   # a larger one drops its sender, not us
     tty = out.isatty()
     last_text = ""
     try:

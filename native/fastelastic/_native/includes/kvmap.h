@@ -11,6 +11,10 @@
  * Invariants: capacity is a power of two; a slot is empty iff e == nullptr; every key sits in
  * the probe run starting at its home slot (hash & mask) with no empty slot in between
  * (erase shifts entries back to keep it so); size_ * 2 <= capacity.
+ *
+ * Pins: a reply being streamed from an entry's value pins it (pin/unpin). A pinned entry is
+ * never changed in place or freed: a write makes a fresh entry and retires the old one, which
+ * the last unpin frees; retired_bytes() is what such entries hold meanwhile.
  */
 #ifndef FE_KVMAP_H
 #define FE_KVMAP_H
@@ -27,9 +31,13 @@ struct fe_entry {
     size_t vlen;
     size_t vcap;
     size_t klen;
+    uint32_t pins;      /* replies streaming this value */
+    bool retired;       /* no longer in the map: freed by the last unpin */
     char *key() { return reinterpret_cast<char *>(this + 1); }
     char *val() { return key() + klen; }
 };
+
+static inline void fe_entry_pin(fe_entry *e) { ++e->pins; }
 
 struct fe_slot {
     uint64_t hash;
@@ -82,7 +90,8 @@ class fe_kvmap {
     bool set(const char *k, size_t n, uint64_t h, const char *v, size_t vn) {
         fe_slot *s = slot_for_write(k, n, h);
         if (s == nullptr) return false;
-        if (s->e != nullptr && s->e->vcap >= vn && !(s->e->vcap > 256 && vn < s->e->vcap / 4)) {
+        if (s->e != nullptr && s->e->pins == 0 && s->e->vcap >= vn &&
+            !(s->e->vcap > 256 && vn < s->e->vcap / 4)) {
             std::memcpy(s->e->val(), v, vn);
             s->e->vlen = vn;
             return true;
@@ -99,6 +108,20 @@ class fe_kvmap {
         if (s == nullptr) return false;
         if (s->e == nullptr) return replace(s, k, n, h, v, vn, vn);
         fe_entry *e = s->e;
+        if (e->pins > 0) {   /* copy on write: the streamed value stays as it was */
+            size_t cap = e->vlen + vn > 2 * e->vlen ? e->vlen + vn : 2 * e->vlen;
+            fe_entry *g = static_cast<fe_entry *>(std::malloc(sizeof(fe_entry) + n + cap));
+            if (g == nullptr) return false;
+            g->klen = n;
+            g->vlen = e->vlen;
+            g->vcap = cap;
+            g->pins = 0;
+            g->retired = false;
+            std::memcpy(g->key(), k, n);
+            std::memcpy(g->val(), e->val(), e->vlen);
+            retire(e);
+            s->e = e = g;
+        }
         if (e->vcap - e->vlen < vn) {
             size_t cap = e->vcap * 2 > e->vlen + vn ? e->vcap * 2 : e->vlen + vn;
             fe_entry *g = static_cast<fe_entry *>(std::realloc(e, sizeof(fe_entry) + n + cap));
@@ -117,7 +140,7 @@ class fe_kvmap {
     bool erase(const char *k, size_t n) {
         fe_slot *s = probe(k, n, hash(k, n));
         if (s->e == nullptr) return false;
-        std::free(s->e);
+        retire(s->e);
         --size_;
         /* Backward-shift deletion: pull later members of the run into the hole. */
         size_t hole = static_cast<size_t>(s - slots_);
@@ -139,17 +162,36 @@ class fe_kvmap {
 
     void clear() {
         for (size_t i = 0; i <= mask_; ++i) {
-            std::free(slots_[i].e);
+            if (slots_[i].e != nullptr) retire(slots_[i].e);
             slots_[i].e = nullptr;
         }
         size_ = 0;
     }
+
+    void unpin(fe_entry *e) {
+        if (--e->pins == 0 && e->retired) {
+            retired_ -= sizeof(fe_entry) + e->klen + e->vcap;
+            std::free(e);
+        }
+    }
+    size_t retired_bytes() const { return retired_; }
 
   private:
     static constexpr size_t kMinCapacity = 64;
     fe_slot *slots_ = nullptr;
     size_t mask_ = 0;
     size_t size_ = 0;
+    size_t retired_ = 0;
+
+    /* An entry leaves the map: freed now, or when the last reply streaming it is sent. */
+    void retire(fe_entry *e) {
+        if (e->pins == 0) {
+            std::free(e);
+            return;
+        }
+        e->retired = true;
+        retired_ += sizeof(fe_entry) + e->klen + e->vcap;
+    }
 
     void alloc_slots(size_t cap) {
         slots_ = static_cast<fe_slot *>(std::calloc(cap, sizeof(fe_slot)));
@@ -183,10 +225,12 @@ class fe_kvmap {
         e->klen = n;
         e->vlen = vn;
         e->vcap = cap;
+        e->pins = 0;
+        e->retired = false;
         std::memcpy(e->key(), k, n);
         std::memcpy(e->val(), v, vn);
         if (s->e == nullptr) ++size_;
-        std::free(s->e);
+        else retire(s->e);
         s->hash = h;
         s->e = e;
         return true;

@@ -8,6 +8,8 @@ cdef extern from "compat.h" nogil:
     int fe_pidfd_open(int pid, unsigned int flags)
     int fe_pidfd_send_signal(int pidfd, int sig)
     int64_t fe_monotonic_ns()
+    int fe_peer_name(int fd, char *buf, size_t n)
+    long fe_nofile_limit()
 
 
 cdef extern from "<errno.h>" nogil:
@@ -27,6 +29,8 @@ cdef extern from "<errno.h>" nogil:
         ESRCH
         ENXIO
         ETIMEDOUT
+        ECONNABORTED
+        EMSGSIZE
 
 
 cdef extern from "<unistd.h>" nogil:
@@ -208,6 +212,10 @@ cdef extern from "<sys/uio.h>" nogil:
         void *iov_base
         size_t iov_len
     ssize_t writev(int fd, const iovec *iov, int iovcnt)
+
+
+cdef extern from "compat.h" nogil:
+    ssize_t fe_sendv(int fd, iovec *iov, int n)   # sendmsg(MSG_NOSIGNAL) of an iovec array
 
 
 cdef extern from "<sys/prctl.h>" nogil:
