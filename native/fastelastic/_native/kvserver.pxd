@@ -169,6 +169,25 @@ cdef class KVServer:
     cdef ssize_t _measure(self, const char *p, size_t n, size_t *need, size_t *scan_off,
                           uint64_t *scan_i) noexcept nogil
     cdef int _execute(self, Conn *c, const char *p) noexcept nogil
+    cdef int _cmd_set(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil
+    cdef int _cmd_get(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil
+    cdef int _cmd_ext_wait_get(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil
+    cdef int _cmd_add(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil
+    cdef int _cmd_compare_set(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil
+    cdef int _cmd_check(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil
+    cdef int _cmd_multi_get(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil
+    cdef int _cmd_multi_set(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil
+    cdef int _cmd_getnumkeys(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil
+    cdef int _cmd_delete_key(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil
+    cdef int _cmd_cancel_wait(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil
+    cdef int _cmd_ping(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil
+    cdef int _cmd_ext_auth(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil
+    cdef int _cmd_validate(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil
+    cdef int _cmd_queue_push(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil
+    cdef int _cmd_queue_pop(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil
+    cdef int _cmd_list_keys(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil
+    cdef int _cmd_barrier(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil
+    cdef int _cmd_on_disconnect(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil
     cdef void _flush(self, Conn *c) noexcept nogil
     cdef bint _flush_refs(self, Conn *c) noexcept nogil
     cdef void _drop_refs(self, Conn *c, size_t after) noexcept nogil

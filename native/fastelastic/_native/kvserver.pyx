@@ -821,23 +821,10 @@ cdef class KVServer:
     # ----------------------------------------------------------------------------- commands
 
     cdef int _execute(self, Conn *c, const char *p) noexcept nogil:
-        """Runs one complete request; returns -1 if it closed the connection."""
+        """Runs one complete request (one small method per command); returns -1 if it closed
+        the connection."""
         cdef uint8_t cmd = <uint8_t>p[0]
         cdef const char *q = p + 1
-        cdef uint64_t ln, ln2, ln3, count, i
-        cdef int64_t old, ws
-        cdef uint32_t nonce
-        cdef string key, val
-        cdef vector[string] keys
-        cdef unordered_set[string] seen
-        cdef vector[KeyRef] refs
-        cdef vector[fe_entry *] found_vals
-        cdef fe_entry *e
-        cdef bint stored
-        cdef uint64_t h
-        cdef size_t total, inline
-        cdef bint found
-        cdef pair[string, string] action
         self.ops += 1
         if c.state == CONN_HANDSHAKE:   # _gate let only VALIDATE through
             if load_u32(q) != VALIDATE_MAGIC:
@@ -846,215 +833,351 @@ cdef class KVServer:
             self._set_state(c, CONN_READY if self._token.empty() else CONN_AUTH)
             return 0
         if cmd == CMD_SET or cmd == CMD_APPEND:
-            ln = load_u64(q)
-            key.assign(q + 8, ln)
-            q += 8 + ln
-            ln2 = load_u64(q)
-            if cmd == CMD_SET:
-                stored = self._kv.set(key, q + 8, ln2)
-            else:
-                stored = self._kv.append(key, q + 8, ln2)
-            if not stored:
-                return self._out_of_memory(c)
-            self._notify(key)
+            return self._cmd_set(c, cmd, q)
         elif cmd == CMD_GET:
-            ln = load_u64(q)
-            key.assign(q + 8, ln)
-            e = self._kv.find(key)
+            return self._cmd_get(c, cmd, q)
+        elif cmd == CMD_EXT_WAIT_GET:
+            return self._cmd_ext_wait_get(c, cmd, q)
+        elif cmd == CMD_ADD:
+            return self._cmd_add(c, cmd, q)
+        elif cmd == CMD_COMPARE_SET:
+            return self._cmd_compare_set(c, cmd, q)
+        elif cmd == CMD_CHECK or cmd == CMD_WAIT:
+            return self._cmd_check(c, cmd, q)
+        elif cmd == CMD_MULTI_GET or cmd == CMD_EXT_TRY_MULTI_GET:
+            return self._cmd_multi_get(c, cmd, q)
+        elif cmd == CMD_MULTI_SET:
+            return self._cmd_multi_set(c, cmd, q)
+        elif cmd == CMD_GETNUMKEYS:
+            return self._cmd_getnumkeys(c, cmd, q)
+        elif cmd == CMD_DELETE_KEY:
+            return self._cmd_delete_key(c, cmd, q)
+        elif cmd == CMD_CANCEL_WAIT:
+            return self._cmd_cancel_wait(c, cmd, q)
+        elif cmd == CMD_PING:
+            return self._cmd_ping(c, cmd, q)
+        elif cmd == CMD_EXT_AUTH:
+            return self._cmd_ext_auth(c, cmd, q)
+        elif cmd == CMD_VALIDATE:
+            return self._cmd_validate(c, cmd, q)
+        elif cmd == CMD_QUEUE_PUSH:
+            return self._cmd_queue_push(c, cmd, q)
+        elif cmd == CMD_QUEUE_POP or cmd == CMD_QUEUE_LEN:
+            return self._cmd_queue_pop(c, cmd, q)
+        elif cmd == CMD_LIST_KEYS:
+            return self._cmd_list_keys(c, cmd, q)
+        elif cmd == CMD_BARRIER:
+            return self._cmd_barrier(c, cmd, q)
+        elif cmd == CMD_EXT_ON_DISCONNECT_APPEND:
+            return self._cmd_on_disconnect(c, cmd, q)
+        return 0
+
+    cdef int _cmd_set(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil:
+        """SET, APPEND."""
+        cdef uint64_t ln, ln2
+        cdef string key
+        cdef bint stored
+        ln = load_u64(q)
+        key.assign(q + 8, ln)
+        q += 8 + ln
+        ln2 = load_u64(q)
+        if cmd == CMD_SET:
+            stored = self._kv.set(key, q + 8, ln2)
+        else:
+            stored = self._kv.append(key, q + 8, ln2)
+        if not stored:
+            return self._out_of_memory(c)
+        self._notify(key)
+        return 0
+
+    cdef int _cmd_get(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil:
+        """GET."""
+        cdef uint64_t ln
+        cdef string key
+        cdef fe_entry * e
+        ln = load_u64(q)
+        key.assign(q + 8, ln)
+        e = self._kv.find(key)
+        if e == NULL:
+            put_u64(c.wbuf, 0)
+        else:
+            _put_value(c, e)
+        return 0
+
+    cdef int _cmd_ext_wait_get(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil:
+        """EXT_WAIT_GET."""
+        cdef uint64_t ln
+        cdef string key
+        cdef fe_entry * e
+        # torch's get is WAIT then GET: two round trips even for a key that is there.
+        ln = load_u64(q)
+        key.assign(q + 8, ln)
+        e = self._kv.find(key)
+        if e != NULL:
+            put_u8(c.wbuf, REPLY_VALUE)
+            _put_value(c, e)
+        else:
+            self._drop_wait(c)
+            self._register_wait(c, key)
+            c.wait_get = True
+            c.waiting = True
+            self.waiting += 1
+        return 0
+
+    cdef int _cmd_add(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil:
+        """ADD."""
+        cdef uint64_t ln
+        cdef int64_t old
+        cdef string key
+        ln = load_u64(q)
+        key.assign(q + 8, ln)
+        if self._bump(c, key, <int64_t>load_u64(q + 8 + ln), &old) < 0:
+            return -1
+        put_u64(c.wbuf, <uint64_t>old)
+        self._notify(key)
+        return 0
+
+    cdef int _cmd_compare_set(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil:
+        """COMPARE_SET."""
+        cdef uint64_t ln, ln2, ln3
+        cdef string key
+        cdef fe_entry * e
+        cdef uint64_t h
+        ln = load_u64(q)
+        key.assign(q + 8, ln)
+        q += 8 + ln
+        ln2 = load_u64(q)
+        ln3 = load_u64(q + 8 + ln2)
+        h = fe_kvmap.hash(key.data(), key.size())   # once, for the lookup and the write
+        e = self._kv.find(key.data(), key.size(), h)
+        if e == NULL and ln2 != 0:
+            put_blob(c.wbuf, q + 8, ln2)
+        elif e != NULL and not (e.vlen == ln2 and memcmp(e.val(), q + 8, ln2) == 0):
+            put_blob(c.wbuf, e.val(), e.vlen)
+            self._notify(key)
+        else:
+            if not self._kv.set(key.data(), key.size(), h, q + 16 + ln2, ln3):
+                return self._out_of_memory(c)
+            put_blob(c.wbuf, q + 16 + ln2, ln3)
+            self._notify(key)
+        return 0
+
+    cdef int _cmd_check(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil:
+        """CHECK, WAIT."""
+        cdef uint64_t count, i
+        cdef vector[string] keys
+        cdef unordered_set[string] seen
+        cdef bint found
+        count = load_u64(q)
+        _read_keys(q + 8, count, keys)
+        if cmd == CMD_CHECK:
+            found = True
+            for i in range(count):
+                if self._missing(keys[i]):
+                    found = False
+                    break
+            put_u8(c.wbuf, REPLY_READY if found else REPLY_NOT_READY)
+        else:
+            self._drop_wait(c)
+            c.wait_gen += 1
+            c.wait_left = 0
+            for i in range(count):
+                # a duplicate key in one WAIT is satisfied by one write
+                if self._missing(keys[i]) and seen.insert(keys[i]).second:
+                    self._register_wait(c, keys[i])
+            if c.wait_left == 0:
+                put_u8(c.wbuf, REPLY_STOP_WAITING)
+            else:
+                c.waiting = True
+                self.waiting += 1
+        return 0
+
+    cdef int _cmd_multi_get(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil:
+        """MULTI_GET, EXT_TRY_MULTI_GET."""
+        cdef uint64_t count, i
+        cdef vector[KeyRef] refs
+        cdef vector[fe_entry *] found_vals
+        cdef fe_entry * e
+        cdef size_t total, inline
+        count = load_u64(q)
+        _ref_keys(q + 8, count, refs, False)
+        found_vals.reserve(count)
+        total = inline = 0
+        # Pipelined lookups (see kvmap.h): slots PREFETCH_SLOT keys ahead, entries
+        # PREFETCH_ENTRY ahead, so the misses of many keys overlap.
+        for i in range(count):
+            if i + PREFETCH_SLOT < count:
+                self._kv.prefetch_slot(refs[i + PREFETCH_SLOT].h)
+            if i + PREFETCH_ENTRY < count:
+                self._kv.prefetch_entry(refs[i + PREFETCH_ENTRY].h)
+            e = self._kv.find(refs[i].k, refs[i].n, refs[i].h)
+            if e == NULL and cmd == CMD_EXT_TRY_MULTI_GET:
+                put_u8(c.wbuf, 0)
+                return 0
+            found_vals.push_back(e)
+            if e != NULL:
+                total += e.vlen
+                if e.vlen < STREAM_ABOVE:
+                    inline += e.vlen
+        total += 8 * count
+        inline += 8 * count
+        if total > self._max_reply:
+            return self._refuse_reply(c, total)
+        if cmd == CMD_EXT_TRY_MULTI_GET:
+            put_u8(c.wbuf, 1)
+        if not fe_reserve(c.wbuf, c.wbuf.size() + inline):
+            self._close_conn(c, "out of memory for a MULTI_GET reply")
+            return -1
+        for i in range(count):
+            e = found_vals[i]
             if e == NULL:
                 put_u64(c.wbuf, 0)
             else:
                 _put_value(c, e)
-        elif cmd == CMD_EXT_WAIT_GET:
-            # torch's get is WAIT then GET: two round trips even for a key that is there.
-            ln = load_u64(q)
-            key.assign(q + 8, ln)
-            e = self._kv.find(key)
-            if e != NULL:
-                put_u8(c.wbuf, REPLY_VALUE)
-                _put_value(c, e)
-            else:
-                self._drop_wait(c)
-                self._register_wait(c, key)
-                c.wait_get = True
-                c.waiting = True
-                self.waiting += 1
-        elif cmd == CMD_ADD:
-            ln = load_u64(q)
-            key.assign(q + 8, ln)
-            if self._bump(c, key, <int64_t>load_u64(q + 8 + ln), &old) < 0:
-                return -1
-            put_u64(c.wbuf, <uint64_t>old)
-            self._notify(key)
-        elif cmd == CMD_COMPARE_SET:
-            ln = load_u64(q)
-            key.assign(q + 8, ln)
-            q += 8 + ln
-            ln2 = load_u64(q)
-            ln3 = load_u64(q + 8 + ln2)
-            h = fe_kvmap.hash(key.data(), key.size())   # once, for the lookup and the write
-            e = self._kv.find(key.data(), key.size(), h)
-            if e == NULL and ln2 != 0:
-                put_blob(c.wbuf, q + 8, ln2)
-            elif e != NULL and not (e.vlen == ln2 and memcmp(e.val(), q + 8, ln2) == 0):
-                put_blob(c.wbuf, e.val(), e.vlen)
-                self._notify(key)
-            else:
-                if not self._kv.set(key.data(), key.size(), h, q + 16 + ln2, ln3):
-                    return self._out_of_memory(c)
-                put_blob(c.wbuf, q + 16 + ln2, ln3)
-                self._notify(key)
-        elif cmd == CMD_CHECK or cmd == CMD_WAIT:
-            count = load_u64(q)
-            _read_keys(q + 8, count, keys)
-            if cmd == CMD_CHECK:
-                found = True
-                for i in range(count):
-                    if self._missing(keys[i]):
-                        found = False
-                        break
-                put_u8(c.wbuf, REPLY_READY if found else REPLY_NOT_READY)
-            else:
-                self._drop_wait(c)
-                c.wait_gen += 1
-                c.wait_left = 0
-                for i in range(count):
-                    # a duplicate key in one WAIT is satisfied by one write
-                    if self._missing(keys[i]) and seen.insert(keys[i]).second:
-                        self._register_wait(c, keys[i])
-                if c.wait_left == 0:
-                    put_u8(c.wbuf, REPLY_STOP_WAITING)
-                else:
-                    c.waiting = True
-                    self.waiting += 1
-        elif cmd == CMD_MULTI_GET or cmd == CMD_EXT_TRY_MULTI_GET:
-            count = load_u64(q)
-            _ref_keys(q + 8, count, refs, False)
-            found_vals.reserve(count)
-            total = inline = 0
-            # Pipelined lookups (see kvmap.h): slots PREFETCH_SLOT keys ahead, entries
-            # PREFETCH_ENTRY ahead, so the misses of many keys overlap.
-            for i in range(count):
-                if i + PREFETCH_SLOT < count:
-                    self._kv.prefetch_slot(refs[i + PREFETCH_SLOT].h)
-                if i + PREFETCH_ENTRY < count:
-                    self._kv.prefetch_entry(refs[i + PREFETCH_ENTRY].h)
-                e = self._kv.find(refs[i].k, refs[i].n, refs[i].h)
-                if e == NULL and cmd == CMD_EXT_TRY_MULTI_GET:
-                    put_u8(c.wbuf, 0)
-                    return 0
-                found_vals.push_back(e)
-                if e != NULL:
-                    total += e.vlen
-                    if e.vlen < STREAM_ABOVE:
-                        inline += e.vlen
-            total += 8 * count
-            inline += 8 * count
-            if total > self._max_reply:
-                return self._refuse_reply(c, total)
-            if cmd == CMD_EXT_TRY_MULTI_GET:
-                put_u8(c.wbuf, 1)
-            if not fe_reserve(c.wbuf, c.wbuf.size() + inline):
-                self._close_conn(c, "out of memory for a MULTI_GET reply")
-                return -1
-            for i in range(count):
-                e = found_vals[i]
-                if e == NULL:
-                    put_u64(c.wbuf, 0)
-                else:
-                    _put_value(c, e)
-        elif cmd == CMD_MULTI_SET:
-            count = load_u64(q)
-            _ref_keys(q + 8, count, refs, True)
-            for i in range(count):   # pipelined like MULTI_GET's
-                if i + PREFETCH_SLOT < count:
-                    self._kv.prefetch_slot(refs[i + PREFETCH_SLOT].h)
-                if i + PREFETCH_ENTRY < count:
-                    self._kv.prefetch_entry(refs[i + PREFETCH_ENTRY].h)
-                if not self._kv.set(refs[i].k, refs[i].n, refs[i].h, refs[i].v + 8,
-                                    load_u64(refs[i].v)):
-                    return self._out_of_memory(c)
-                if not self._waiters.empty():
-                    key.assign(refs[i].k, refs[i].n)
-                    self._notify(key)
-        elif cmd == CMD_GETNUMKEYS:
-            put_u64(c.wbuf, self._kv.size())
-        elif cmd == CMD_DELETE_KEY:
-            ln = load_u64(q)
-            put_u64(c.wbuf, 1 if self._kv.erase(q + 8, ln) else 0)
-        elif cmd == CMD_CANCEL_WAIT:
-            self._drop_wait(c)
-            put_u8(c.wbuf, REPLY_WAIT_CANCELED)
-        elif cmd == CMD_PING:
-            nonce = load_u32(q)
-            if nonce == EXT_NONCE:
-                c.ext = True
-                if c.state == CONN_AUTH:
-                    return self._challenge(c)
-                nonce = ~nonce
-            put_u32(c.wbuf, nonce)
-        elif cmd == CMD_EXT_AUTH:
-            return self._check_proof(c, q)
-        elif cmd == CMD_VALIDATE:
-            self._close_conn(c, "VALIDATE sent twice")
-            return -1
-        elif cmd == CMD_QUEUE_PUSH:
-            ln = load_u64(q)
-            key.assign(q + 8, ln)
-            q += 8 + ln
-            ln2 = load_u64(q)
-            self._queues[key].push_back(string(q + 8, ln2))
-            self._notify_one(key)
-        elif cmd == CMD_QUEUE_POP or cmd == CMD_QUEUE_LEN:
-            ln = load_u64(q)
-            key.assign(q + 8, ln)
-            qit = self._queues.find(key)
-            count = 0 if qit == self._queues.end() else deref_qsize(qit)
-            put_u64(c.wbuf, count)
-            if cmd == CMD_QUEUE_POP and count > 0:
-                pop_front_into(qit, val)
-                put_blob(c.wbuf, val.data(), val.size())
-                if count == 1:
-                    self._queues.erase(qit)
-        elif cmd == CMD_LIST_KEYS:
-            total = 8
-            for i in range(self._kv.capacity()):
-                e = self._kv.at(i)
-                if e != NULL:
-                    total += 8 + e.klen
-            if total > self._max_reply:
-                return self._refuse_reply(c, total)
-            put_u64(c.wbuf, self._kv.size())
-            for i in range(self._kv.capacity()):
-                e = self._kv.at(i)
-                if e != NULL:
-                    put_blob(c.wbuf, e.key(), e.klen)
-        elif cmd == CMD_BARRIER:
-            ln = load_u64(q)
-            key.assign(q + 8, ln)
-            ws = <int64_t>load_u64(q + 8 + ln)
-            if self._bump(c, key, 1, &old) < 0:   # the count is an ordinary key, as torch's
-                return -1
-            if old >= ws:
-                self._notify(key)
-                put_u8(c.wbuf, REPLY_STOP_WAITING)
-            else:
-                self._drop_wait(c)
-                c.wait_gen += 1
-                c.wait_left = 0
-                self._register_wait(c, key)
-                c.waiting = True
-                self.waiting += 1
-        elif cmd == CMD_EXT_ON_DISCONNECT_APPEND:
-            ln = load_u64(q)
-            action.first.assign(q + 8, ln)
-            q += 8 + ln
-            ln2 = load_u64(q)
-            action.second.assign(q + 8, ln2)
-            c.on_close.push_back(action)
-            put_u8(c.wbuf, 0)
         return 0
 
+    cdef int _cmd_multi_set(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil:
+        """MULTI_SET."""
+        cdef uint64_t count, i
+        cdef string key
+        cdef vector[KeyRef] refs
+        count = load_u64(q)
+        _ref_keys(q + 8, count, refs, True)
+        for i in range(count):   # pipelined like MULTI_GET's
+            if i + PREFETCH_SLOT < count:
+                self._kv.prefetch_slot(refs[i + PREFETCH_SLOT].h)
+            if i + PREFETCH_ENTRY < count:
+                self._kv.prefetch_entry(refs[i + PREFETCH_ENTRY].h)
+            if not self._kv.set(refs[i].k, refs[i].n, refs[i].h, refs[i].v + 8,
+                                load_u64(refs[i].v)):
+                return self._out_of_memory(c)
+            if not self._waiters.empty():
+                key.assign(refs[i].k, refs[i].n)
+                self._notify(key)
+        return 0
+
+    cdef int _cmd_getnumkeys(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil:
+        """GETNUMKEYS."""
+        put_u64(c.wbuf, self._kv.size())
+        return 0
+
+    cdef int _cmd_delete_key(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil:
+        """DELETE_KEY."""
+        cdef uint64_t ln
+        ln = load_u64(q)
+        put_u64(c.wbuf, 1 if self._kv.erase(q + 8, ln) else 0)
+        return 0
+
+    cdef int _cmd_cancel_wait(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil:
+        """CANCEL_WAIT."""
+        self._drop_wait(c)
+        put_u8(c.wbuf, REPLY_WAIT_CANCELED)
+        return 0
+
+    cdef int _cmd_ping(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil:
+        """PING."""
+        cdef uint32_t nonce
+        nonce = load_u32(q)
+        if nonce == EXT_NONCE:
+            c.ext = True
+            if c.state == CONN_AUTH:
+                return self._challenge(c)
+            nonce = ~nonce
+        put_u32(c.wbuf, nonce)
+        return 0
+
+    cdef int _cmd_ext_auth(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil:
+        """EXT_AUTH."""
+        return self._check_proof(c, q)
+        return 0
+
+    cdef int _cmd_validate(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil:
+        """VALIDATE."""
+        self._close_conn(c, "VALIDATE sent twice")
+        return -1
+        return 0
+
+    cdef int _cmd_queue_push(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil:
+        """QUEUE_PUSH."""
+        cdef uint64_t ln, ln2
+        cdef string key
+        ln = load_u64(q)
+        key.assign(q + 8, ln)
+        q += 8 + ln
+        ln2 = load_u64(q)
+        self._queues[key].push_back(string(q + 8, ln2))
+        self._notify_one(key)
+        return 0
+
+    cdef int _cmd_queue_pop(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil:
+        """QUEUE_POP, QUEUE_LEN."""
+        cdef uint64_t ln, count
+        cdef string key, val
+        ln = load_u64(q)
+        key.assign(q + 8, ln)
+        qit = self._queues.find(key)
+        count = 0 if qit == self._queues.end() else deref_qsize(qit)
+        put_u64(c.wbuf, count)
+        if cmd == CMD_QUEUE_POP and count > 0:
+            pop_front_into(qit, val)
+            put_blob(c.wbuf, val.data(), val.size())
+            if count == 1:
+                self._queues.erase(qit)
+        return 0
+
+    cdef int _cmd_list_keys(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil:
+        """LIST_KEYS."""
+        cdef uint64_t i
+        cdef fe_entry * e
+        cdef size_t total
+        total = 8
+        for i in range(self._kv.capacity()):
+            e = self._kv.at(i)
+            if e != NULL:
+                total += 8 + e.klen
+        if total > self._max_reply:
+            return self._refuse_reply(c, total)
+        put_u64(c.wbuf, self._kv.size())
+        for i in range(self._kv.capacity()):
+            e = self._kv.at(i)
+            if e != NULL:
+                put_blob(c.wbuf, e.key(), e.klen)
+        return 0
+
+    cdef int _cmd_barrier(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil:
+        """BARRIER."""
+        cdef uint64_t ln
+        cdef int64_t old, ws
+        cdef string key
+        ln = load_u64(q)
+        key.assign(q + 8, ln)
+        ws = <int64_t>load_u64(q + 8 + ln)
+        if self._bump(c, key, 1, &old) < 0:   # the count is an ordinary key, as torch's
+            return -1
+        if old >= ws:
+            self._notify(key)
+            put_u8(c.wbuf, REPLY_STOP_WAITING)
+        else:
+            self._drop_wait(c)
+            c.wait_gen += 1
+            c.wait_left = 0
+            self._register_wait(c, key)
+            c.waiting = True
+            self.waiting += 1
+        return 0
+
+    cdef int _cmd_on_disconnect(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil:
+        """EXT_ON_DISCONNECT_APPEND."""
+        cdef uint64_t ln, ln2
+        cdef pair[string, string] action
+        ln = load_u64(q)
+        action.first.assign(q + 8, ln)
+        q += 8 + ln
+        ln2 = load_u64(q)
+        action.second.assign(q + 8, ln2)
+        c.on_close.push_back(action)
+        put_u8(c.wbuf, 0)
+        return 0
     cdef int _bump(self, Conn *c, const string &key, int64_t delta, int64_t *result) noexcept nogil:
         """Adds delta to the decimal counter at key (missing is 0; wraps like int64).
 
