@@ -108,3 +108,21 @@ def test_wait_members_raises_when_a_member_is_lost(port):
     with pytest.raises(RendezvousMemberLostError, match="silent"):
         hs[0].wait_members(hs[0]._store, ["never/written"], time.monotonic() + 10)
     assert time.monotonic() - t0 < 3
+
+
+def test_a_finished_node_leaving_is_no_loss(port):
+    hs = _handlers(port, 3)
+    _join(hs)
+    hs[2].mark_done()  # its workers succeeded; then it leaves (exit barrier timed out)
+    hs[2]._stop_heartbeats()
+    hs[2]._store.close()
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 1.0:  # > the 0.6 s window: neither dead nor silent
+        assert hs[0].lost_members() == []
+        time.sleep(0.05)
+    hs[1]._store.close()  # a real loss is still reported
+    deadline = time.monotonic() + 5
+    lost = []
+    while not lost and time.monotonic() < deadline:
+        lost = hs[0].lost_members()
+    assert [why.split(") ", 1)[1] for _, why in lost] == ["dead: its connection closed"]

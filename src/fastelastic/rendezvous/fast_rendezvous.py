@@ -27,6 +27,7 @@ Protocol (keys under ``fe.rdzv.<run_id>/``; round ``r`` keys under ``<r>/``):
   from the moment it took its ticket (created with its record).
 * ``<r>/gone``: created empty by the publisher; ``<rank>:closed;`` is appended by the server
   when a member's connection closes (process death, or a cut link ended by TCP keep-alive),
+  ``<rank>:done;`` by a member whose workers finished (its later exit is no loss),
   ``<rank>:silent;`` by a member that saw a peer's counter stand still for
   ``keep_alive_interval * keep_alive_max_attempt`` (frozen or hung). Every member reads it and
   its peers' counters with one ``multi_get`` per membership check (:py:meth:`lost_members`).
@@ -339,7 +340,7 @@ class FastRendezvousHandler(RendezvousHandler):
                 self._call(store.append, w.prefix + "gone", b"%d:silent;" % rank)
                 self._call(store.set, f"{w.prefix}left/{rank}", b"silent")
                 gone[rank] = "silent"
-        fresh = [(r, why) for r, why in gone.items() if r not in w.reported]
+        fresh = [(r, why) for r, why in gone.items() if r not in w.reported and why != "done"]
         if not fresh:
             return []
         w.reported.update(r for r, _ in fresh)
@@ -357,6 +358,16 @@ class FastRendezvousHandler(RendezvousHandler):
             who = "this node" if rank == w.rank else f"node {addr or '?'} (pid {pid or '?'})"
             out.append((rank, f"{who} {text}"))
         return out
+
+    def mark_done(self) -> None:
+        """Tells the other members that this node finished its work (its workers succeeded).
+
+        Its connection closing or its keep-alives stopping later is then no loss: a node that
+        leaves the exit barrier early does not make the others restart their workers.
+        """
+        w = self._watch
+        if w is not None:
+            self._call(self._side_store().append, w.prefix + "gone", b"%d:done;" % w.rank)
 
     def wait_members(self, store: Any, keys: list[str], deadline: float) -> None:
         """Waits for ``keys`` (written by other members) unless a member is lost first.

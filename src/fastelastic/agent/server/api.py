@@ -456,6 +456,7 @@ class SimpleElasticAgent(_AgentTelemetry, ElasticAgent):
             put_metric(f"workers.{role}.{state.name.lower()}", 1)
             if state == WorkerState.SUCCEEDED:
                 logger.info("[%s] worker group successfully finished", role)
+                self._mark_done(spec)
                 self._exit_barrier()
                 return run_result
             if state in {WorkerState.UNHEALTHY, WorkerState.FAILED}:
@@ -501,6 +502,16 @@ class SimpleElasticAgent(_AgentTelemetry, ElasticAgent):
                 elif self._report_lost_members(wg):
                     self._restart_workers(wg)
                     next_check = time.monotonic() + interval
+
+    def _mark_done(self, spec: WorkerSpec) -> None:
+        """Tells the peers this node finished, so its exit is not taken for a lost node."""
+        mark = getattr(spec.rdzv_handler, "mark_done", None)
+        if mark is None:
+            return
+        try:
+            mark()
+        except (StoreError, RendezvousError, OSError) as e:
+            logger.warning("could not tell the other nodes that this one finished: %s", e)
 
     def _lost_members(self, spec: WorkerSpec) -> list[tuple[int, str]]:
         """Members of the running round lost since the last check (rendezvous permitting)."""
