@@ -35,7 +35,6 @@ from fastelastic._native.procmon import set_pdeathsig
 from fastelastic.multiprocessing._guardian import guardian
 from fastelastic.multiprocessing._pcontext import _KILL_GRACE_S
 from fastelastic.multiprocessing.api import SubprocessContext
-from fastelastic.multiprocessing.subprocess_handler import get_subprocess_handler
 
 __all__ = [
     "PRELOAD_ENV",
@@ -451,17 +450,7 @@ class ZygoteContext(SubprocessContext):
                     pid = got
                     self._zpids[rank] = pid
                 else:
-                    handler = get_subprocess_handler(
-                        entrypoint=str(self.entrypoint),
-                        args=self.args[rank],
-                        env=self.envs[rank],
-                        stdout=out_fd,
-                        stderr=err_fd,
-                        local_rank_id=rank,
-                        numa_options=self._numa_options,
-                    )
-                    self.subprocess_handlers[rank] = handler
-                    pid = handler.proc.pid
+                    pid = self._start_plain(rank, out_fd, err_fd)
             finally:
                 for fd in (out_fd, err_fd):
                     if fd is not None:

@@ -195,21 +195,26 @@ class SubprocessContext(PContext):
         for rank in range(self.nprocs):
             out_fd, err_fd = self._child_stdio(rank)
             try:
-                handler = get_subprocess_handler(
-                    entrypoint=str(self.entrypoint),
-                    args=self.args[rank],
-                    env=self.envs[rank],
-                    stdout=out_fd,
-                    stderr=err_fd,
-                    local_rank_id=rank,
-                    numa_options=self._numa_options,
-                )
+                pid = self._start_plain(rank, out_fd, err_fd)
             finally:
                 for fd in (out_fd, err_fd):
                     if fd is not None:
                         os.close(fd)
-            self.subprocess_handlers[rank] = handler
-            self._track(rank, handler.proc.pid)
+            self._track(rank, pid)
+
+    def _start_plain(self, rank: int, out_fd: int | None, err_fd: int | None) -> int:
+        """Starts ``rank`` as a plain subprocess, keeps its handler and returns its pid."""
+        handler = get_subprocess_handler(
+            entrypoint=str(self.entrypoint),
+            args=self.args[rank],
+            env=self.envs[rank],
+            stdout=out_fd,
+            stderr=err_fd,
+            local_rank_id=rank,
+            numa_options=self._numa_options,
+        )
+        self.subprocess_handlers[rank] = handler
+        return handler.proc.pid
 
     def _exitcode(self, rank: int, status: int | None) -> int | None:
         if status is None:
