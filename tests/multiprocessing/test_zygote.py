@@ -54,6 +54,15 @@ def _wait_file(path: Path, timeout: float = 30) -> dict:
     return json.loads(path.read_text())
 
 
+def _start_waiting(zygote, out: Path, n: int, *mode: str):
+    """Starts ``n`` ``ready-wait`` workers writing to ``out``; returns the context and their pids
+    once each has written its pid file."""
+    out.mkdir()
+    pc = start_processes("zt", PY, _args(n, "ready-wait", str(out), *mode), _envs(n),
+                         DefaultLogsSpecs(), zygote=zygote)
+    return pc, [_wait_file(out / f"{r}.pid")["pid"] for r in range(n)]
+
+
 @pytest.fixture
 def zygote_factory():
     made: list[Zygote] = []
@@ -153,34 +162,22 @@ def test_exit_codes_and_signals_reported_exactly(tmp_path, zygote_factory, how):
 def test_close_delivers_sigterm_and_sigint(tmp_path, zygote_factory):
     z = zygote_factory()
     out = tmp_path / "o"
-    out.mkdir()
-    pc = start_processes("zt", PY, _args(2, "ready-wait", str(out), "term"), _envs(2),
-                         DefaultLogsSpecs(), zygote=z)
+    pc, _ = _start_waiting(z, out, 2, "term")
     assert isinstance(pc, ZygoteContext)
-    for r in range(2):
-        _wait_file(out / f"{r}.pid")
     t0 = time.monotonic()
     pc.close(signal.SIGTERM, timeout=20)
     assert time.monotonic() - t0 < 10  # the handler ran: no wait for the SIGKILL deadline
     for r in range(2):
         assert _wait_file(out / f"{r}.sig") == {"signal": signal.SIGTERM}
     assert pc.exitcodes() == {0: 0, 1: 0}
-    out2 = tmp_path / "o2"
-    out2.mkdir()
-    pc = start_processes("zt", PY, _args(1, "ready-wait", str(out2)), _envs(1),
-                         DefaultLogsSpecs(), zygote=z)
-    _wait_file(out2 / "0.pid")
+    pc, _ = _start_waiting(z, tmp_path / "o2", 1)
     pc.close(signal.SIGINT, timeout=20)  # default handler: KeyboardInterrupt, then SIGINT death
     assert pc.exitcodes() == {0: -signal.SIGINT}
 
 
 def test_worker_ignoring_sigterm_dies_at_the_shutdown_timeout(tmp_path, zygote_factory):
     z = zygote_factory()
-    out = tmp_path / "o"
-    out.mkdir()
-    pc = start_processes("zt", PY, _args(1, "ready-wait", str(out), "ignore-term"), _envs(1),
-                         DefaultLogsSpecs(), zygote=z)
-    pid = _wait_file(out / "0.pid")["pid"]
+    pc, (pid,) = _start_waiting(z, tmp_path / "o", 1, "ignore-term")
     t0 = time.monotonic()
     pc.close(signal.SIGTERM, timeout=1)
     elapsed = time.monotonic() - t0
@@ -320,11 +317,7 @@ def test_failed_import_falls_back(tmp_path, zygote_factory):
 def test_killing_the_zygote_mid_job(tmp_path, zygote_factory, caplog):
     caplog.set_level(logging.WARNING, logger="fastelastic.multiprocessing._zygote")
     z = zygote_factory()
-    out = tmp_path / "o"
-    out.mkdir()
-    pc = start_processes("zt", PY, _args(2, "ready-wait", str(out)), _envs(2),
-                         DefaultLogsSpecs(), zygote=z)
-    pids = [_wait_file(out / f"{r}.pid")["pid"] for r in range(2)]
+    pc, pids = _start_waiting(z, tmp_path / "o", 2)
     first = z.pid
     assert first is not None
     os.kill(first, signal.SIGKILL)
@@ -361,11 +354,7 @@ def test_worker_with_other_python_startup_env_starts_plainly(tmp_path, zygote_fa
 def test_worker_states_and_signals_reach_zygote_workers(tmp_path, zygote_factory):
     """What the health check and the D-state check read works for zygote workers."""
     z = zygote_factory()
-    out = tmp_path / "o"
-    out.mkdir()
-    pc = start_processes("zt", PY, _args(2, "ready-wait", str(out)), _envs(2),
-                         DefaultLogsSpecs(), zygote=z)
-    pids = [_wait_file(out / f"{r}.pid")["pid"] for r in range(2)]
+    pc, pids = _start_waiting(z, tmp_path / "o", 2)
     assert pc.pids() == {0: pids[0], 1: pids[1]}
     states = pc.worker_states()
     assert set(states) == {0, 1} and set(states.values()) <= {"sleeping", "running"}
