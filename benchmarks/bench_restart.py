@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pytest
 
-from bench_run import torch_cache_holder  # noqa: F401 - the fixture, shared
+from bench_run import report_table, torch_cache_holder  # noqa: F401 - the fixture, shared
 
 pytest.importorskip("torch", reason="!!! torch 2.13 is needed: fastrun is compared with torchrun")
 
@@ -257,11 +257,4 @@ def _report(request):
     yield
     if "_meta" not in _RESULTS:
         return
-    table = _table()
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line("")
-        reporter.write(table)
-    path = os.environ.get("FE_RESTART_TABLE")
-    if path:
-        Path(path).write_text(table)
+    report_table(request.config, _table(), "FE_RESTART_TABLE")

@@ -205,11 +205,15 @@ def _report(request):
     yield
     if not _RESULTS:
         return
-    table = _table()
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    report_table(request.config, _table(), "FE_RUN_TABLE")
+
+
+def report_table(config: pytest.Config, table: str, env_var: str) -> None:
+    """Prints a benchmark's markdown table in the terminal, and writes it to ``$env_var`` if set."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.write_line("")
         reporter.write(table)
-    path = os.environ.get("FE_RUN_TABLE")
+    path = os.environ.get(env_var)
     if path:
         Path(path).write_text(table)
