@@ -41,23 +41,14 @@ AGENT = textwrap.dedent(
 
 
 @pytest.mark.timeout(120)
-def test_three_agents_rendezvous_on_one_file(tmp_path):
+def test_three_agents_rendezvous_on_one_file(tmp_path, outputs_of):
     path, run_id, n = str(tmp_path / "rdzv"), uuid.uuid4().hex, 3
     procs = [
         subprocess.Popen([sys.executable, "-c", AGENT, path, run_id, str(n)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for _ in range(n)
     ]
-    results = []
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=100)
-        finally:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        assert p.returncode == 0, err[-3000:]
-        results.append(json.loads(out.strip().splitlines()[-1]))
+    results = [json.loads(out.strip().splitlines()[-1]) for out in outputs_of(procs, 100)]
     assert sorted(r["rank"] for r in results) == list(range(n))
     assert {r["world"] for r in results} == {n}
     assert {r["backend"] for r in results} == {"c10d"}
@@ -133,7 +124,7 @@ def test_create_backend_file_store_and_errors(tmp_path):
 
 
 @pytest.mark.timeout(180)
-def test_two_fastrun_nodes_on_a_file_store(tmp_path):
+def test_two_fastrun_nodes_on_a_file_store(tmp_path, outputs_of):
     script = tmp_path / "w.py"
     script.write_text("import os\nprint('RANK', os.environ['RANK'], os.environ['WORLD_SIZE'])\n")
     cmd = [sys.executable, "-m", "fastelastic.run", "--nnodes", "2", "--nproc-per-node", "1",
@@ -141,14 +132,6 @@ def test_two_fastrun_nodes_on_a_file_store(tmp_path):
            "--rdzv-conf", "store_type=file", "--rdzv-id", uuid.uuid4().hex, str(script)]
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]
-    lines = []
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=150)
-        finally:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        assert p.returncode == 0, err[-3000:]
-        lines += [ln.split()[-2:] for ln in out.splitlines() if "RANK" in ln]
+    lines = [ln.split()[-2:] for out in outputs_of(procs, 150)
+             for ln in out.splitlines() if "RANK" in ln]
     assert sorted(lines) == [["0", "2"], ["1", "2"]]

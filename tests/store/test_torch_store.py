@@ -86,7 +86,7 @@ def test_without_torch_the_stores_are_plain():
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("source", ["tcpstore", "rendezvous", "c10d_backend", "dynamic"])
-def test_init_process_group_on_our_store_across_processes(torch_dist, source):
+def test_init_process_group_on_our_store_across_processes(torch_dist, source, outputs_of):
     port, run_id = _free_port(), uuid.uuid4().hex
     procs = [
         subprocess.Popen(
@@ -97,16 +97,7 @@ def test_init_process_group_on_our_store_across_processes(torch_dist, source):
         )
         for rank in range(2)
     ]
-    results = []
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=150)
-        finally:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        assert p.returncode == 0, err[-3000:]
-        results.append(json.loads(out.strip().splitlines()[-1]))
+    results = [json.loads(out.strip().splitlines()[-1]) for out in outputs_of(procs, 150)]
     assert sorted(r["rank"] for r in results) == [0, 1]
     assert all(r["world_size"] == 2 and r["sum"] == 3.0 for r in results)
     if source != "c10d_backend":
