@@ -337,6 +337,42 @@ def _storm_procs(n: int) -> int:
     return 1 if n <= 1024 else 2
 
 
+# how a storm client's connection can fail (each is counted; with "done" they add up to all)
+_FAILURES = ("refused", "reset", "closed", "bad_reply", "other", "unfinished")
+
+
+def _storm_round(server: sb.ServerProc, live: list[sb.StormClient]) -> tuple[dict, list[dict]]:
+    """Lets the storm clients go and waits for all their replies.
+
+    Returns the round's figures (wall time from the first client's start to the last one's end,
+    server and client CPU, listen drops, ``done`` and each of ``_FAILURES`` summed over the
+    clients) and the clients' own replies.
+    """
+    drops = sb.listen_drops()
+    cpu0 = server.cpu_precise()
+    ccpu0 = sum(sb.cpu_seconds_precise(c.proc.pid) for c in live)
+    for c in live:
+        c.tell("go")
+    rs = [c.line(300) for c in live]
+    # All replies are in, so the server has done all the work of this storm.
+    cpu = server.cpu_precise() - cpu0
+    ccpu = sum(sb.cpu_seconds_precise(c.proc.pid) for c in live) - ccpu0
+    run = {"time_s": max(r["t1"] for r in rs) - min(r["t0"] for r in rs),
+           "server_cpu_s": cpu, "client_cpu_s": ccpu,
+           "listen_drops": sb.listen_drops() - drops,
+           **{k: sum(r[k] for r in rs) for k in ("done", *_FAILURES)}}
+    return run, rs
+
+
+def _errors(runs: list[dict]) -> int:
+    return sum(r[k] for r in runs for k in _FAILURES)
+
+
+def _assert_all_counted(runs: list[dict], clients: int) -> None:
+    for r in runs:  # every client is accounted for: done, or failed in a counted way
+        assert r["done"] + _errors([r]) == clients, r
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("n", [1024, 8192, 16384])
@@ -364,27 +400,13 @@ def test_storm(benchmark, sizes, servers, results, n, impl):
             c.line(120)
 
     def storm() -> None:
-        drops = sb.listen_drops()
-        cpu0 = server.cpu_precise()
-        ccpu0 = sum(sb.cpu_seconds_precise(c.proc.pid) for c in live)
-        for c in live:
-            c.tell("go")
-        rs = [c.line(300) for c in live]
-        # All replies are in, so the server has done all the work of this storm.
-        cpu = server.cpu_precise() - cpu0
-        ccpu = sum(sb.cpu_seconds_precise(c.proc.pid) for c in live) - ccpu0
-        agg = {k: sum(r[k] for r in rs) for k in
-               ("done", "refused", "reset", "closed", "bad_reply", "other", "unfinished")}
-        runs.append({"time_s": max(r["t1"] for r in rs) - min(r["t0"] for r in rs),
-                     "server_cpu_s": cpu, "client_cpu_s": ccpu,
-                     "listen_drops": sb.listen_drops() - drops, **agg})
+        runs.append(_storm_round(server, live)[0])
 
     try:
         benchmark.pedantic(storm, setup=setup, rounds=sizes["storm_rounds"][n], iterations=1)
     finally:
         finish_live()
-    errors = sum(r["refused"] + r["reset"] + r["closed"] + r["bad_reply"] + r["other"]
-                 + r["unfinished"] for r in runs)
+    errors = _errors(runs)
     m = {"time_s": min(r["time_s"] for r in runs),
          "time_median_s": statistics.median(r["time_s"] for r in runs),
          "time_max_s": max(r["time_s"] for r in runs),
@@ -396,9 +418,7 @@ def test_storm(benchmark, sizes, servers, results, n, impl):
          "listen_drops": sum(r["listen_drops"] for r in runs),
          "clients": n, "client_processes": procs, "runs": len(runs)}
     results.add("storm", str(n), impl, m, benchmark.extra_info)
-    for r in runs:  # every client is accounted for: done, or failed in a counted way
-        assert r["done"] + sum(r[k] for k in ("refused", "reset", "closed", "bad_reply", "other",
-                                              "unfinished")) == n // procs * procs, r
+    _assert_all_counted(runs, n // procs * procs)
 
 
 # ------------------------------------------------------------------------------ memory
@@ -468,23 +488,11 @@ def test_storm_barrier(benchmark, sizes, results, impl):
                 c.line(120)
 
         def storm() -> None:
-            drops = sb.listen_drops()
-            cpu0 = server.cpu_precise()
-            ccpu0 = sum(sb.cpu_seconds_precise(c.proc.pid) for c in live)
-            for c in live:
-                c.tell("go")
-            rs = [c.line(300) for c in live]
-            cpu = server.cpu_precise() - cpu0
+            run, rs = _storm_round(server, live)
             rss = server.rss()   # every connection is still open, each waited once
-            ccpu = sum(sb.cpu_seconds_precise(c.proc.pid) for c in live) - ccpu0
-            agg = {k: sum(r[k] for r in rs) for k in
-                   ("done", "refused", "reset", "closed", "bad_reply", "other", "unfinished")}
             t0 = min(r["t0"] for r in rs)
-            runs.append({"time_s": max(r["t1"] for r in rs) - t0,
-                         "add_s": max(r["t_add"] for r in rs) - t0,
-                         "server_cpu_s": cpu, "client_cpu_s": ccpu,
-                         "rss_per_conn": (rss - base_rss) / n,
-                         "listen_drops": sb.listen_drops() - drops, **agg})
+            runs.append({**run, "add_s": max(r["t_add"] for r in rs) - t0,
+                         "rss_per_conn": (rss - base_rss) / n})
 
         benchmark.pedantic(storm, setup=setup, rounds=sizes["barrier_rounds"], iterations=1)
     finally:
@@ -500,12 +508,9 @@ def test_storm_barrier(benchmark, sizes, results, impl):
          "client_cpu_s": statistics.median(r["client_cpu_s"] for r in runs),
          "rss_bytes_per_conn": statistics.median(r["rss_per_conn"] for r in runs),
          "done": min(r["done"] for r in runs),
-         "errors": sum(r["refused"] + r["reset"] + r["closed"] + r["bad_reply"] + r["other"]
-                       + r["unfinished"] for r in runs),
+         "errors": _errors(runs),
          "listen_drops": sum(r["listen_drops"] for r in runs), "clients": n, "runs": len(runs)}
     results.add("barrier", str(n), impl, m, benchmark.extra_info)
-    for r in runs:
-        assert r["done"] + sum(r[k] for k in ("refused", "reset", "closed", "bad_reply", "other",
-                                              "unfinished")) == n // procs * procs, r
+    _assert_all_counted(runs, n // procs * procs)
     if impl == "fastelastic":
         assert m["errors"] == 0 and m["done"] == n, m
