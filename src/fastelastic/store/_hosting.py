@@ -32,18 +32,28 @@ def spin_us() -> int:
     loopback round trip; a spin that finds nothing makes the next few waits sleep at once.
     0 turns spinning off.
     """
-    raw = os.environ.get(SPIN_ENV, "").strip()
+    return _env_whole_number(
+        SPIN_ENV, DEFAULT_SPIN_US, _MAX_SPIN_US,
+        f"microseconds as a whole number from 0 (no spinning) to {_MAX_SPIN_US}",
+    )
+
+
+def _env_whole_number(name: str, default: int, maximum: int, expected: str) -> int:
+    """The whole number from 0 to ``maximum`` in ``$name`` (``default`` if unset or blank).
+
+    Raises:
+        StoreError: anything else, naming the variable, what it holds, ``expected`` (what a
+            good value is) and the default.
+    """
+    raw = os.environ.get(name, "").strip()
     if not raw:
-        return DEFAULT_SPIN_US
+        return default
     try:
         value = int(raw)
     except ValueError:
         value = -1
-    if not 0 <= value <= _MAX_SPIN_US:
-        raise StoreError(
-            f"{SPIN_ENV}={raw!r}: expected microseconds as a whole number from 0 (no spinning) "
-            f"to {_MAX_SPIN_US}; the default is {DEFAULT_SPIN_US}"
-        )
+    if not 0 <= value <= maximum:
+        raise StoreError(f"{name}={raw!r}: expected {expected}; the default is {default}")
     return value
 
 
@@ -61,19 +71,10 @@ def keepalive_s() -> int:
     disconnect actions and a client's call fails instead of waiting forever. A live but busy
     peer's kernel still answers, so only a dead or unreachable host is cut off.
     """
-    raw = os.environ.get(KEEPALIVE_ENV, "").strip()
-    if not raw:
-        return DEFAULT_KEEPALIVE_S
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= _MAX_KEEPALIVE_S:
-        raise StoreError(
-            f"{KEEPALIVE_ENV}={raw!r}: expected whole seconds from 0 (off) to {_MAX_KEEPALIVE_S}; "
-            f"the default is {DEFAULT_KEEPALIVE_S}"
-        )
-    return value
+    return _env_whole_number(
+        KEEPALIVE_ENV, DEFAULT_KEEPALIVE_S, _MAX_KEEPALIVE_S,
+        f"whole seconds from 0 (off) to {_MAX_KEEPALIVE_S}",
+    )
 
 
 def set_keepalive(sock: socket.socket, seconds: Optional[int] = None) -> None:
