@@ -25,17 +25,27 @@ def _within(took: float, mode: str) -> float:
     return (MARGIN if mode == "kill" else WINDOW + MARGIN)
 
 
+def _train_then_fault(c, job: Job, mode: str) -> float:
+    """Nodes 0, 1 and 2 train together, then node 2 gets ``mode``; returns when it did."""
+    for i in range(3):
+        job.start(i)
+    job.wait_world({0, 1, 2}, 3)
+    return fault(c, mode, 2)
+
+
+def _took(got: dict, t: float) -> float:
+    """Seconds from ``t`` until the last worker of ``got`` (from ``Job.wait_world``) started."""
+    return max(s["t"] for s in got.values()) - t
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", MODES)
 def test_node_lost_while_training(tmp_path, mode):
     with cluster_or_skip(3, "r" + mode[0]) as c:
         job = Job(c, tmp_path, "2:3")
-        for i in range(3):
-            job.start(i)
-        job.wait_world({0, 1, 2}, 3)
-        t = fault(c, mode, 2)
+        t = _train_then_fault(c, job, mode)
         got = job.wait_world({0, 1}, 2, after=t, timeout=WINDOW + MARGIN + 20)
-        took = max(s["t"] for s in got.values()) - t
+        took = _took(got, t)
         assert took < _within(took, mode), f"{mode}: training again after {took:.1f}s\n{job.tail()}"
         log = job.log(0) + job.log(1)
         assert f"node {c.addr(2)} " in log and WHY[mode] in log, job.tail()
@@ -59,7 +69,7 @@ def test_node_lost_while_waiting_for_a_round(tmp_path, mode):
         job.start(2)
         job.start(3)
         got = job.wait_world({0, 2, 3}, 3, timeout=WINDOW + MARGIN + 30)
-        took = max(s["t"] for s in got.values()) - t
+        took = _took(got, t)
         assert took < WINDOW + MARGIN + 4, f"{mode}: round formed after {took:.1f}s\n{job.tail()}"
         assert not [s for s in job.starts() if s["node"] == "1"]
 
@@ -82,7 +92,7 @@ def test_stray_ticket_is_dropped(tmp_path):
         t = time.time()
         job.start(1)
         got = job.wait_world({0, 1}, 2, timeout=WINDOW + MARGIN + 30)
-        took = max(s["t"] for s in got.values()) - t
+        took = _took(got, t)
         assert took < WINDOW + MARGIN + 4, f"round formed after {took:.1f}s\n{job.tail()}"
 
 
@@ -116,12 +126,9 @@ def test_node_lost_while_training_replacement_joins(tmp_path, mode):
     from its last keep-alive (not from the re-join)."""
     with cluster_or_skip(4, "p" + mode[0]) as c:
         job = Job(c, tmp_path, "3:3")
-        for i in range(3):
-            job.start(i)
-        job.wait_world({0, 1, 2}, 3)
-        t = fault(c, mode, 2)
+        t = _train_then_fault(c, job, mode)
         job.start(3)
         got = job.wait_world({0, 1, 3}, 3, after=t, timeout=WINDOW + MARGIN + 20)
-        took = max(s["t"] for s in got.values()) - t
+        took = _took(got, t)
         assert took < WINDOW + MARGIN, f"{mode}: training again after {took:.1f}s\n{job.tail()}"
     assert c.leftovers() == {}
