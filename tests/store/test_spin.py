@@ -135,3 +135,19 @@ def test_no_spin_after_fire_and_forget_writes(spinning_server, monkeypatch):
     used, sent, c = _paced(*spinning_server, monkeypatch, lambda c, i: c.set("paced", str(i)))
     assert c.get("paced") == str(sent - 1).encode()
     assert used < 0.015, f"server used {used:.1%} of a core serving one SET per 4 ms"
+
+
+def test_handshake_limit_from_the_environment(monkeypatch):
+    """FASTELASTIC_STORE_HANDSHAKE_MS sets a hosted server's handshake limit; bad values are
+    refused naming the variable."""
+    from fastelastic.errors import StoreError
+    from fastelastic.store._hosting import HANDSHAKE_ENV, handshake_ms
+
+    monkeypatch.delenv(HANDSHAKE_ENV, raising=False)
+    assert handshake_ms() == 1000
+    monkeypatch.setenv(HANDSHAKE_ENV, "60000")
+    assert handshake_ms() == 60000
+    for bad in ("0", "-1", "1.5", "soon"):
+        monkeypatch.setenv(HANDSHAKE_ENV, bad)
+        with pytest.raises(StoreError, match=HANDSHAKE_ENV):
+            handshake_ms()

@@ -57,6 +57,30 @@ def _env_whole_number(name: str, default: int, maximum: int, expected: str) -> i
     return value
 
 
+HANDSHAKE_ENV = "FASTELASTIC_STORE_HANDSHAKE_MS"
+DEFAULT_HANDSHAKE_MS = 1000
+_MAX_HANDSHAKE_MS = 3_600_000
+
+
+def handshake_ms() -> int:
+    """How long a hosted server lets a new connection take to complete its handshake.
+
+    From ``FASTELASTIC_STORE_HANDSHAKE_MS`` (default 1000). A connection that has not sent
+    VALIDATE (and, on a guarded server, its token proof) by then is closed, so silent
+    connections cannot hold the server's descriptors. Raise it where clients can be starved of
+    the CPU for longer between their connect and their first send (thousands of simulated
+    nodes as threads of a few processes, say).
+    """
+    value = _env_whole_number(
+        HANDSHAKE_ENV, DEFAULT_HANDSHAKE_MS, _MAX_HANDSHAKE_MS,
+        f"milliseconds as a whole number from 1 to {_MAX_HANDSHAKE_MS}",
+    )
+    if value == 0:
+        raise StoreError(f"{HANDSHAKE_ENV}='0': expected milliseconds as a whole number from 1 "
+                         f"to {_MAX_HANDSHAKE_MS}; the default is {DEFAULT_HANDSHAKE_MS}")
+    return value
+
+
 KEEPALIVE_ENV = "FASTELASTIC_STORE_KEEPALIVE_S"
 DEFAULT_KEEPALIVE_S = 5
 _MAX_KEEPALIVE_S = 3600
@@ -165,6 +189,7 @@ class ServerHandle:
         self.family = sock.family
         self.port: int = sock.getsockname()[1]
         limits.setdefault("spin_us", spin_us())
+        limits.setdefault("handshake_ms", handshake_ms())
         self.server = KVServer([sock.fileno()], **limits)
         self._refs = 1
         self._thread: Optional[threading.Thread] = threading.Thread(
