@@ -31,6 +31,7 @@ sys.path.insert(0, str(HERE.parent / "tests" / "rendezvous"))
 PROCS = 8
 NS = [8, 64, 128, 256, 512, 2048, 4096]
 TORCH_LIMIT_S = 60.0
+SMOKE_MAX_NODES = 512  # a --benchmark-disable smoke run stops here
 TORCH_NS = {8, 64, 128, 256, 512}  # larger N: torch already fails at 512 (see the table)
 ROUNDS = {8: 5, 64: 5, 128: 5, 256: 5, 512: 5, 2048: 5, 4096: 5}
 _RESULTS: dict[tuple[str, int], dict] = {}
@@ -244,9 +245,12 @@ _CASES = [("fastelastic", n) for n in NS] + [("torch", n) for n in sorted(TORCH_
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(("impl", "n"), _CASES, ids=[f"{i}-{n}" for i, n in _CASES])
-def test_rendezvous_formation(benchmark, impl, n):
+def test_rendezvous_formation(benchmark, request, impl, n):
     if impl == "torch":
         pytest.importorskip("torch", reason="!!! torch not installed: no comparison")
+    if n > SMOKE_MAX_NODES and request.config.getoption("benchmark_disable", False):
+        pytest.skip(f"smoke run: {n} simulated nodes (threads of {PROCS} processes on this "
+                    "machine's cores) run only in the measured run")
     _raise_nofile()
     host = _host(impl)
     times: list[float] = []
