@@ -621,7 +621,9 @@ def test_function_failure_lists_only_the_failed_as_torch():
         )
         result = pc.wait(30)
         assert {k: f.exitcode for k, f in result.failures.items()} == {0: 4}
-        assert pc.exitcodes()[1] == -signal.SIGTERM  # rank 1 was stopped, and not listed
+        # rank 1 was stopped (SIGTERM, or SIGKILL when a loaded machine outlasts the grace
+        # period), and is not listed
+        assert pc.exitcodes()[1] in (-signal.SIGTERM, -signal.SIGKILL)
     finally:
         for fd in (fail_r, fail_w, block_r, block_w):
             os.close(fd)
