@@ -51,10 +51,14 @@ def test_second_signal_kills_stubborn_workers(tmp_path, first, second):
         assert is_alive(worker) and is_alive(child)
         agent.send_signal(first)
         log = tmp_path / "agent.err"
-        wait_for(lambda: b"death signal" in log.read_bytes(), 20, "the agent to start stopping")
+        try:
+            wait_for(lambda: b"death signal" in log.read_bytes(), 20,
+                     "the agent to start stopping")
+        except TimeoutError as e:
+            raise AssertionError(f"{e}; the agent said:\n{log.read_text()[-3000:]}") from None
         # the workers ignore the first signal's SIGTERM: the agent would wait 30 s for them
-        assert agent.poll() is None
-        assert is_alive(worker) and is_alive(child)
+        assert agent.poll() is None, log.read_text()[-3000:]
+        assert is_alive(worker) and is_alive(child), log.read_text()[-3000:]
         t0 = time.monotonic()
         agent.send_signal(second)
         rc = agent.wait(timeout=15)

@@ -202,6 +202,48 @@ def test_hung_member_is_dropped_by_keepalive(server, nodes):
     assert time.monotonic() - t0 < 5
 
 
+def _beating(h_id: int) -> bool:
+    from fastelastic.rendezvous.fast_rendezvous import _BEATER
+
+    with _BEATER._cond:
+        return h_id in _BEATER._due
+
+
+def _until(pred, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return pred()
+
+
+def test_keepalives_stop_once_the_store_is_gone_for_a_window(caplog):
+    host = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True)
+    h = _handler(host.port, 1, 1, last_call=0.01, ka=0.1, ka_max=2)
+    assert h.next_rendezvous().world_size == 1
+    assert _beating(id(h))
+    host.shutdown_server()
+    # The others count it gone after 0.2 s; the beater must not retry a dead store forever.
+    with caplog.at_level("WARNING", logger="fastelastic.rendezvous.fast_rendezvous"):
+        assert _until(lambda: not _beating(id(h)), 20)
+    assert any("no keep-alive got through" in r.getMessage() for r in caplog.records)
+
+
+def test_a_handler_dropped_without_shutdown_stops_beating(server):
+    import gc
+    import weakref
+
+    h = _handler(server.port, 1, 1, last_call=0.01, ka=0.1, ka_max=50)
+    assert h.next_rendezvous().world_size == 1
+    h_id, ref = id(h), weakref.ref(h)
+    assert _beating(h_id)
+    del h
+    gc.collect()
+    assert ref() is None  # the beater holds it weakly
+    assert _until(lambda: not _beating(h_id), 10)
+
+
 def test_connection_loss_is_a_rendezvous_connection_error():
     host = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     h = _handler(host.port, 2, 2, join=30)

@@ -294,7 +294,12 @@ def test_exit_barrier_timeout_flag(tmp_path):
         while len(read_dumps(tmp_path)) < 4 and time.monotonic() < deadline:
             time.sleep(0.05)
         dumps = read_dumps(tmp_path)
-        assert len(dumps) == 4
+        if len(dumps) < 4:
+            for p in procs:
+                p.kill()
+            errs = [p.communicate()[1][-3000:] for p in procs]
+            raise AssertionError(f"{len(dumps)} of 4 workers started in 60 s; launchers said:\n"
+                                 + "\n----\n".join(errs))
         first = by_pid[next(d["ppid"] for d in dumps.values() if d["env"]["GROUP_RANK"] == "0")]
         second = next(p for p in procs if p is not first)
         t0 = time.monotonic()

@@ -7,6 +7,7 @@ polling) and ``pcontext.close()`` stops whole process groups. See ``api.py`` for
 
 from __future__ import annotations
 
+import logging
 import signal
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +28,8 @@ from fastelastic.multiprocessing.logs import (
     Std,
     to_map,
 )
+
+_logger = logging.getLogger(__name__)
 
 __all__ = [
     "DefaultLogsSpecs",
@@ -132,8 +135,16 @@ def start_processes(
         )
     try:
         context.start()
+    except SignalException as e:
+        # Ctrl-C or SIGTERM while starting: the workers started so far are stopped as the
+        # agent stops running workers (the same signal, then SIGKILL after the grace period;
+        # a second signal hurries it), then the signal goes on to the agent.
+        _logger.warning("Received %s death signal while starting workers, shutting them down",
+                        e.sigval)
+        context.close(signal.Signals(e.sigval))
+        raise
     except BaseException:
-        # a start that failed or was interrupted (a signal) leaves nothing behind, at once
+        # a start that failed leaves nothing behind, at once
         context.close(signal.SIGKILL, 0)
         raise
     return context

@@ -10,12 +10,13 @@ stderr always passes through the output pump, which keeps its tail for the failu
 from __future__ import annotations
 
 import abc
+import contextlib
 import logging
 import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, TextIO
@@ -51,11 +52,18 @@ _DRAIN_S = 2.0
 
 
 _signals_received = [0]  # termination signals this process has handled (a counter)
+# While a block of bookkeeping must not be cut in half, the handler notes the signal here and
+# the block raises it at its end (see _signals_deferred).
+_deferred: list[signal.Signals | None] = []
 
 
 def _terminate_process_handler(signum: int, frame: FrameType | None) -> None:
     _signals_received[0] += 1
     sigval = signal.Signals(signum)
+    if _deferred:
+        if _deferred[-1] is None:
+            _deferred[-1] = sigval
+        return
     raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
 
 
@@ -64,6 +72,18 @@ def _validate_full_rank(d: dict[int, Any], nprocs: int, what: str) -> None:
         raise RuntimeError(
             f"{what}, local rank mapping mismatch, expected: {set(range(nprocs))}, actual: {set(d)}"
         )
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Runs the block whole: a termination signal arriving meanwhile is raised at its end."""
+    _deferred.append(None)
+    try:
+        yield
+    finally:
+        sigval = _deferred.pop()
+    if sigval is not None:
+        raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
 
 
 @dataclass
@@ -181,10 +201,13 @@ class PContext(abc.ABC):
 
     def _track(self, rank: int, pid: int) -> None:
         assert self._monitor is not None
-        self._pids[rank] = pid
-        self._rank_of[pid] = rank
-        guardian.register(pid)
-        self._monitor.add(pid, reap=False)
+        # All or nothing: a signal handler raising half way would leave a worker that is
+        # known but unwatched (or watched but unknown).
+        with _signals_deferred():
+            self._monitor.add(pid, reap=False)
+            self._rank_of[pid] = rank
+            self._pids[rank] = pid
+            guardian.register(pid)
 
     # ------------------------------------------------------------------ waiting
 
@@ -203,10 +226,15 @@ class PContext(abc.ABC):
             for pid, status in events:
                 self._record_exit(self._rank_of[pid], status)
             # A Python signal handler may raise between monitor.wait() returning and the loop
-            # above; such exits are no longer watched: ask their owner (a zombie waits for it).
+            # above; such exits are no longer watched. The worker is a zombie until its owner
+            # reaps it, so watching it again reports its exit at the next wait; one already
+            # reaped is asked of its owner.
             for rank, pid in self._pids.items():
                 if rank not in self._exitcodes and pid not in monitor and not monitor.closed:
-                    self._record_exit(rank, None)
+                    try:
+                        monitor.add(pid, reap=False)
+                    except OSError:
+                        self._record_exit(rank, None)
         return bool(events)
 
     def _record_exit(self, rank: int, status: int | None) -> None:

@@ -47,6 +47,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -121,10 +122,45 @@ def _members(raw: bytes) -> list[int]:
         raise RendezvousStateError(f"corrupt rendezvous outcome {raw[:40]!r}") from e
 
 
+class _Beats:
+    """Keep-alive counters polled now and then; says which stood still for a whole window.
+
+    A counter seen changed may have changed at any moment since the previous poll, so the change
+    is dated up to ``slack`` seconds before this poll (the earliest it can have happened), and a
+    counter is declared silent at the last poll before its window would end (the gap between
+    polls, again at most ``slack``, is taken as the next gap). So a node that froze right after a
+    beat is dropped within the window of that beat rather than up to a poll interval later. A live
+    node's counter moves every keep-alive interval; ``slack`` is at most half of one.
+    """
+
+    def __init__(self, window: float, slack: float) -> None:
+        self.window = window
+        self.slack = max(0.0, min(slack, window / 4))
+        self.since: dict[Any, tuple[Any, float]] = {}  # key -> (value, changed no earlier than)
+        self._prev: float | None = None
+
+    def observe(self, values: dict[Any, Any], now: float | None = None) -> dict[Any, float]:
+        """Records one poll of ``values``; returns ``{key: seconds still}`` of the silent ones."""
+        now = time.monotonic() if now is None else now
+        gap = 0.0 if self._prev is None else min(max(0.0, now - self._prev), self.slack)
+        self._prev = now
+        silent = {}
+        for key, value in values.items():
+            last = self.since.get(key)
+            if last is None:
+                self.since[key] = (value, now)
+            elif last[0] != value:
+                self.since[key] = (value, now - gap)
+            elif now - last[1] >= self.window - gap:
+                silent[key] = now - last[1]
+        return silent
+
+
 class _Watch:
     """What a member of a complete round reads to notice a lost peer (see ``lost_members``)."""
 
-    def __init__(self, prefix: str, rank: int, tickets: list[int]) -> None:
+    def __init__(self, prefix: str, rank: int, tickets: list[int], window: float,
+                 slack: float) -> None:
         world = len(tickets)
         self.prefix = prefix
         self.rank = rank
@@ -132,7 +168,7 @@ class _Watch:
         count = min(world - 1, _MAX_WATCHED)
         self.peers = [(rank + k) % world for k in range(1, count + 1)]
         self.keys = [prefix + "gone"] + [f"{prefix}hb/t{tickets[p]}" for p in self.peers]
-        self.seen: dict[int, tuple[bytes, float]] = {}
+        self.beats = _Beats(window, slack)  # keyed by rank
         self.reported: set[int] = set()
 
 
@@ -330,13 +366,11 @@ class FastRendezvousHandler(RendezvousHandler):
         vals = [bytes(v) for v in self._call(store.multi_get, w.keys)]
         now = time.monotonic()
         gone = _parse_gone(vals[0])
-        for rank, raw in zip(w.peers, vals[1:], strict=True):
-            last = w.seen.get(rank)
-            if last is None or last[0] != raw:
-                w.seen[rank] = (raw, now)
-            elif now - last[1] >= self._window and rank not in gone:
+        silent = w.beats.observe(dict(zip(w.peers, vals[1:], strict=True)), now)
+        for rank, still in silent.items():
+            if rank not in gone:
                 log.warning("rendezvous %s: rank %d sent no keep-alive for %.1fs; dropping it",
-                            self._run_id, rank, now - last[1])
+                            self._run_id, rank, still)
                 self._call(store.append, w.prefix + "gone", b"%d:silent;" % rank)
                 self._call(store.set, f"{w.prefix}left/{rank}", b"silent")
                 gone[rank] = "silent"
@@ -348,7 +382,7 @@ class FastRendezvousHandler(RendezvousHandler):
         out = []
         for (rank, why), rec in zip(fresh, records, strict=True):
             _, addr, pid = (bytes(rec).decode("utf-8", "replace").split("|") + ["", ""])[:3]
-            stale = now - w.seen[rank][1] if rank in w.seen else 0.0
+            stale = now - w.beats.since[rank][1] if rank in w.beats.since else 0.0
             if why == "closed":
                 text = (f"cut: no keep-alive for {stale:.1f}s, then its connection timed out"
                         if stale >= 2 * self._ka_interval else "dead: its connection closed")
@@ -434,7 +468,8 @@ class FastRendezvousHandler(RendezvousHandler):
                 if self._hooks:
                     store.append_on_disconnect(p + "left/%d" % rank, b"1")
                     store.append_on_disconnect(p + "gone", b"%d:closed;" % rank)
-                self._watch = _Watch(p, rank, tickets) if len(tickets) == world else None
+                self._watch = (_Watch(p, rank, tickets, self._window, self._ka_interval / 2)
+                               if len(tickets) == world else None)
                 round_store, boot = self._round_store(r, rank)
                 return RendezvousInfo(round_store, rank, world, boot)
             r += 1
@@ -534,7 +569,7 @@ class FastRendezvousHandler(RendezvousHandler):
         ticket; its keep-alive stood still for a window: frozen or hung).
         """
         key = f"{self._key}{r}/res"
-        seen: dict[int, tuple[int, float]] = {}
+        seen = _Beats(self._window, self._ka_interval / 2)
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -562,34 +597,28 @@ class FastRendezvousHandler(RendezvousHandler):
             raise RendezvousStateError(f"corrupt rank {bytes(raw_rank)[:40]!r}") from e
         return (*_outcome(bytes(raw_res)), rank, bytes(raw_res))
 
-    def _deciders_stalled(self, r: int, ticket: int, seen: dict[int, tuple[int, float]]) -> bool:
+    def _deciders_stalled(self, r: int, ticket: int, seen: _Beats) -> bool:
         """True if a deciding ticket of round ``r`` has no record, or a keep-alive that stood
-        still for the detection window (``seen``: counters and when they last changed)."""
+        still for the detection window (``seen``: the counters polled so far)."""
         p = f"{self._key}{r}/"
         count = int(self._store.add(p + "t", 0))
         if count >= _SEAL:  # sealed: the coordinator is publishing; the holder of min acts
             count -= _SEAL
-        stalled = False
+        states: dict[int, int] = {}
         for role in sorted({self._min, self._max}):
             if role > count or role == ticket:
                 continue
             # -1: no record yet; else the keep-alive counter. Stalled: unchanged for a window.
             if not self._store.check([f"{p}n/{role}"]):
-                state = -1
+                states[role] = -1
             else:
-                state = int(self._store.add(f"{p}hb/t{role}", 0))
-            now = time.monotonic()
-            if role not in seen or seen[role][0] != state:
-                seen[role] = (state, now)
-                continue
-            if now - seen[role][1] < self._window:
-                continue
-            why = "no record" if state < 0 else "no keep-alive"
-            why += f" for {now - seen[role][1]:.1f}s"
-            log.warning("rendezvous %s round %d: the node holding ticket %d (%s) is lost; "
-                        "abandoning the round", self._run_id, r, role, why)
-            stalled = True
-        return stalled
+                states[role] = int(self._store.add(f"{p}hb/t{role}", 0))
+        stalled = seen.observe(states)
+        for role, still in stalled.items():
+            why = "no record" if states[role] < 0 else "no keep-alive"
+            log.warning("rendezvous %s round %d: the node holding ticket %d (%s for %.1fs) is "
+                        "lost; abandoning the round", self._run_id, r, role, why, still)
+        return bool(stalled)
 
     def _res_exists(self, r: int) -> bool:
         return bool(self._store.check([f"{self._key}{r}/res"]))
@@ -676,12 +705,12 @@ class FastRendezvousHandler(RendezvousHandler):
         q, world, tickets = last
         missing = [f"{self._key}{q}/left/{i}" for i in range(world)]
         window = self._window
-        beats: dict[int, tuple[int, float]] = {}
+        beats = _Beats(window, self._ka_interval / 2)
         prev = self._prev_watch
         if prev is not None and prev.prefix == f"{self._key}{q}/":
-            for rank, (raw, since) in prev.seen.items():
+            for rank, (raw, since) in prev.beats.since.items():
                 try:
-                    beats[rank] = (int(raw), since)
+                    beats.since[rank] = (int(raw), since)
                 except ValueError:
                     continue
         while missing:
@@ -698,18 +727,15 @@ class FastRendezvousHandler(RendezvousHandler):
                 return False
             present = self._store.check  # narrow the set to the keys still missing
             missing = [k for k in missing if not present([k])]
+            counters = {}
             for key in missing:  # a member silent for a whole window is lost: drop it
                 rank = int(key.rsplit("/", 1)[1])
                 hb = f"hb/t{tickets[rank]}" if rank < len(tickets) else f"hb/{rank}"
-                n = int(self._store.add(f"{self._key}{q}/{hb}", 0))
-                now = time.monotonic()
-                if rank not in beats or beats[rank][0] != n:
-                    beats[rank] = (n, now)
-                elif now - beats[rank][1] >= window:
-                    log.warning("rendezvous %s: member rank %d of round %d was lost (silent: no "
-                                "keep-alive for %.1fs); dropping it", self._run_id, rank, q,
-                                now - beats[rank][1])
-                    self._store.set(key, b"hung")
+                counters[rank] = int(self._store.add(f"{self._key}{q}/{hb}", 0))
+            for rank, still in beats.observe(counters).items():
+                log.warning("rendezvous %s: member rank %d of round %d was lost (silent: no "
+                            "keep-alive for %.1fs); dropping it", self._run_id, rank, q, still)
+                self._store.set(f"{self._key}{q}/left/{rank}", b"hung")
             missing = [k for k in missing if not present([k])]
         return True
 
@@ -720,16 +746,23 @@ class FastRendezvousHandler(RendezvousHandler):
 
 
 class _KeepAlive:
-    """One daemon thread per process bumps the keep-alive counter of every member handler."""
+    """One daemon thread per process bumps the keep-alive counter of every member handler.
+
+    Handlers are held weakly: one dropped without ``shutdown()`` stops beating once it is
+    collected. A handler whose keep-alives have failed for its whole window is dropped too: by
+    then the other members count it gone, and the thread must not retry a dead store forever.
+    """
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._due: dict[FastRendezvousHandler, tuple[float, str]] = {}
+        # id(handler) -> (weak handler, next due, key, last success)
+        self._due: dict[int, tuple[weakref.ref[FastRendezvousHandler], float, str, float]] = {}
         self._thread: threading.Thread | None = None
 
     def add(self, handler: FastRendezvousHandler, key: str) -> None:
+        now = time.monotonic()
         with self._cond:
-            self._due[handler] = (time.monotonic() + handler._ka_interval, key)
+            self._due[id(handler)] = (weakref.ref(handler), now + handler._ka_interval, key, now)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="fe-rdzv-keepalive",
                                                 daemon=True)
@@ -738,7 +771,7 @@ class _KeepAlive:
 
     def remove(self, handler: FastRendezvousHandler) -> None:
         with self._cond:
-            self._due.pop(handler, None)
+            self._due.pop(id(handler), None)
 
     def _run(self) -> None:
         while True:
@@ -747,15 +780,35 @@ class _KeepAlive:
                     self._thread = None
                     return
                 now = time.monotonic()
-                handler, (when, key) = min(self._due.items(), key=lambda kv: kv[1][0])
+                hid, (ref, when, key, last_ok) = min(self._due.items(), key=lambda kv: kv[1][1])
+                handler = ref()
+                if handler is None:
+                    del self._due[hid]
+                    continue
                 if when > now:
+                    del handler
                     self._cond.wait(when - now)
                     continue
-                self._due[handler] = (now + handler._ka_interval, key)
+                self._due[hid] = (ref, now + handler._ka_interval, key, last_ok)
             try:  # outside the lock: a slow store must not block add/remove
                 handler._store.add(key, 1)
+                ok = True
             except (StoreError, OSError):
                 log.debug("keep-alive %s failed", key, exc_info=True)
+                ok = False
+            with self._cond:
+                entry = self._due.get(hid)
+                if entry is not None and entry[0] is ref:
+                    done = time.monotonic()
+                    if ok:
+                        self._due[hid] = (ref, entry[1], key, done)
+                    elif done - entry[3] > handler._window:
+                        del self._due[hid]
+                        log.warning(
+                            "rendezvous %s: no keep-alive got through for %.1fs (the others "
+                            "count this node gone); stopping them", handler._run_id,
+                            done - entry[3])
+            del handler
 
 
 _BEATER = _KeepAlive()
