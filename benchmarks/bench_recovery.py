@@ -64,11 +64,8 @@ from netns import Cluster, NetnsUnavailable  # noqa: E402
 
 TRAIN = HERE / "recovery_train.py"
 PORT = 29400
-# ``python -m fastelastic.run`` with its log at $LOGLEVEL (torchrun has its own handler that
-# honours it; fastrun's loggers propagate to the root logger, which prints warnings only)
-FASTRUN = [sys.executable, "-c", "import logging, os, runpy; logging.basicConfig(level="
-           "os.environ['LOGLEVEL'], format='%(levelname).1s %(name)s: %(message)s'); "
-           "runpy.run_module('fastelastic.run', run_name='__main__', alter_sys=True)"]
+# fastrun prints its log at $LOGLEVEL in torchrun's format, as torchrun does
+FASTRUN = [sys.executable, "-m", "fastelastic.run"]
 # DDP's constructor imports torch._dynamo: preloaded with torch (README "--preload")
 PRELOAD = ["--preload", "torch,torch._dynamo"]
 LAUNCHERS = {

@@ -55,7 +55,7 @@ __all__ = [
     "run_script_path",
 ]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("fastelastic.run")  # also when run as `python -m fastelastic.run`
 
 _EVENTS_ENDPOINT_RE = re.compile(r"^(tcp://(\[[0-9a-fA-F:.]+\]|[^:/\[\]]+):[0-9]{1,5}|ipc://.+)$")
 
@@ -402,7 +402,9 @@ def console_main(args: list[str] | None = None) -> NoReturn:
     flags (one line on stderr), 128+N when stopped by signal N.
     """
     from fastelastic.launcher.report import run_and_report
+    from fastelastic.utils.logging import configure_cli_logging
 
+    configure_cli_logging()
     try:
         parser: ArgumentParser = get_args_parser()
     except ValueError as e:  # a PET_<NAME> variable that cannot be parsed

@@ -202,6 +202,30 @@ def test_hung_member_is_dropped_by_keepalive(server, nodes):
     assert time.monotonic() - t0 < 5
 
 
+@pytest.mark.parametrize("local_addr,reachable_on_other_address",
+                         [("127.0.0.1", False), ("localhost", True)])
+def test_the_workers_store_listens_only_on_the_workers_address(server, local_addr,
+                                                              reachable_on_other_address):
+    """The workers' store cannot require a token (torch's clients cannot answer one), so it
+    listens only on the address the workers are given when that is an address."""
+    import socket
+
+    store = TCPStore("127.0.0.1", server.port, timeout=timedelta(seconds=30))
+    timeout = RendezvousTimeout(join=timedelta(seconds=20), last_call=timedelta(seconds=0.01))
+    h = FastRendezvousHandler(RUN, store, "c10d", 1, 1, timeout, local_addr=local_addr)
+    try:
+        info = h.next_rendezvous()
+        boot = info.bootstrap_store_info
+        assert boot.master_addr == local_addr
+        assert TCPStore(boot.master_addr, boot.master_port, timeout=5).num_keys() == 0
+        with socket.socket() as s:  # another address of this host
+            s.settimeout(5)
+            rc = s.connect_ex(("127.0.0.2", boot.master_port))
+        assert (rc == 0) is reachable_on_other_address, os.strerror(rc)
+    finally:
+        h.shutdown()
+
+
 def _beating(h_id: int) -> bool:
     from fastelastic.rendezvous.fast_rendezvous import _BEATER
 

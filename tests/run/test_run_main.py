@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import tomllib
 
 import pytest
-from run_testlib import REPO, base_env
+from run_testlib import DUMP, REPO, base_env, run_launcher
 
 from fastelastic.run import console_main
 
@@ -106,3 +107,37 @@ def test_main_raises_value_error_for_a_bad_pet_variable(monkeypatch, tmp_path):
         pytest.skip("!!! torch is not installed: not compared with torch's main")
     with pytest.raises(ValueError):
         torch_main([str(tmp_path / "s.py")])
+
+
+_GLOG = re.compile(r"^([IWE])(\d{4}) (\d\d:\d\d:\d\d\.\d{6}) (\d+) (\S+\.py):(\d+)\] (.*)$")
+
+
+def _log_lines(stderr: str) -> list[re.Match[str]]:
+    return [m for m in map(_GLOG.match, stderr.splitlines()) if m]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("which", ["fastrun", pytest.param("torchrun", marks=pytest.mark.torch)])
+def test_loglevel_prints_the_agents_log_in_torchruns_format(tmp_path, which, request):
+    """LOGLEVEL=INFO shows the agent's INFO lines; unset, only warnings; the same line format
+    as torchrun (level letter, date, time, pid, file:line])."""
+    if which == "torchrun":
+        request.getfixturevalue("need_torch")
+    args = ["--standalone", "--nproc-per-node", "2", str(DUMP)]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    info = run_launcher(which, args, base_env(DUMP_DIR=str(tmp_path / "a"), LOGLEVEL="INFO"))
+    assert info.returncode == 0, info.stderr[-2000:]
+    lines = _log_lines(info.stderr)
+    assert any(m[1] == "I" and "Rendezvous complete" in m[7] for m in lines), info.stderr[-3000:]
+    if which == "fastrun":  # (``python -m torch.distributed.run`` logs it as __main__, bare)
+        omp = [m for m in lines if "Setting OMP_NUM_THREADS" in m[7]]
+        assert omp and omp[0][1] == "W"
+        # every line of a multi-line message carries the prefix (the OMP banner has 4)
+        assert sum(1 for m in lines if m[5] == omp[0][5] and m[6] == omp[0][6]) >= 4
+    quiet = run_launcher(which, args, base_env(DUMP_DIR=str(tmp_path / "b")))
+    assert quiet.returncode == 0, quiet.stderr[-2000:]
+    levels = {m[1] for m in _log_lines(quiet.stderr)}
+    assert levels <= {"W", "E"}, quiet.stderr[-3000:]
+    if which == "fastrun":
+        assert levels == {"W"}, quiet.stderr[-3000:]  # the OMP banner

@@ -42,6 +42,7 @@ Roles come from the ticket, so nobody races: ticket ``max_nodes`` publishes at o
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import socket
@@ -500,10 +501,14 @@ class FastRendezvousHandler(RendezvousHandler):
         self._retire_worker_store()
         key = f"{self._key}{r}/wstore"
         if rank == 0:
-            self._worker_server = TCPStore(
-                "", 0, is_master=True, wait_for_workers=False, timeout=self._store.timeout
-            )
             addr = self._local_addr or socket.getfqdn()
+            # torch's clients cannot authenticate, so this store is open: it listens only on
+            # the address the workers are given when that is an address (a name would need a
+            # lookup and may stand for several), else on every interface, as torch's does.
+            self._worker_server = TCPStore(
+                "", 0, is_master=True, wait_for_workers=False, timeout=self._store.timeout,
+                bind_host=addr if _is_ip(addr) else "",
+            )
             meet.set(key, f"{addr}:{self._worker_server.port}".encode())
         else:
             self.wait_members(meet, [key], time.monotonic() + self._store.timeout.total_seconds())
@@ -812,6 +817,14 @@ class _KeepAlive:
 
 
 _BEATER = _KeepAlive()
+
+
+def _is_ip(addr: str) -> bool:
+    try:
+        ipaddress.ip_address(addr)
+    except ValueError:
+        return False
+    return True
 
 
 def _parse_gone(raw: bytes) -> dict[int, str]:

@@ -115,6 +115,8 @@ class TCPStore(KVClient, Store):
             asks. None: a client uses ``FASTELASTIC_STORE_TOKEN_FILE`` if set; a master hosts
             an open server (the env variable never guards a server implicitly, so the workers'
             store stays open to torch's clients).
+        bind_host: (master only) one address of this host to listen on; "" (the default, as
+            torch does) listens on every interface.
 
     In a process that has imported ``torch.distributed``, the object constructed is a
     ``torch.distributed.Store`` wrapping this class's instance (see ``as_torch_store``), so torch
@@ -142,6 +144,7 @@ class TCPStore(KVClient, Store):
         *,
         server_limits: Optional[dict[str, int]] = None,
         token: Optional[bytes] = None,
+        bind_host: str = "",
     ) -> None:
         seconds = _seconds(timeout)
         self._server: Optional[ServerHandle] = None
@@ -149,9 +152,10 @@ class TCPStore(KVClient, Store):
         self._world_size = world_size
         self._use_libuv = use_libuv
         if is_master:
-            # Like torch's, the server listens on every interface whatever host_name says.
+            # Like torch's, the server listens on every interface whatever host_name says,
+            # unless bind_host names one address.
             self._server = host_server(
-                "", port, multi_tenant=multi_tenant, listen_fd=master_listen_fd,
+                bind_host, port, multi_tenant=multi_tenant, listen_fd=master_listen_fd,
                 **(server_limits or {}), **({"token": token} if token else {}),
             )
             weakref.finalize(self, self._server.release)

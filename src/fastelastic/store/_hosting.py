@@ -205,6 +205,10 @@ class ServerHandle:
 
     @property
     def loopback(self) -> str:
+        """An address of this host on which the server accepts: its own when bound to one."""
+        bound = str(self.sock.getsockname()[0])
+        if bound not in ("::", "0.0.0.0"):
+            return bound
         return "::1" if self.family == socket.AF_INET6 else "127.0.0.1"
 
     def acquire(self) -> "ServerHandle":

@@ -1,15 +1,17 @@
-"""``get_logger``: a logger named after its caller's module, at ``$LOGLEVEL`` (else WARNING)."""
+"""``get_logger``: a logger named after its caller's module, at ``$LOGLEVEL`` (else WARNING);
+``configure_cli_logging``: what the ``fastrun`` command prints of fastelastic's logs."""
 
 from __future__ import annotations
 
 import logging
 import os
 import sys
+import time
 import warnings
 
 from fastelastic.utils.log_level import get_log_level
 
-__all__ = ["get_logger"]
+__all__ = ["configure_cli_logging", "get_logger"]
 
 
 def get_logger(name: str | None = None) -> logging.Logger:
@@ -34,3 +36,42 @@ def _caller_module(depth: int) -> str | None:
             stacklevel=2,
         )
         return None
+
+
+class _GlogFormatter(logging.Formatter):
+    """torchrun's line format: ``I1201 15:33:25.066000 21793 fastelastic/run.py:992] msg``,
+    the prefix repeated on every line of a multi-line message."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = record.getMessage()
+        if record.exc_info and not record.exc_text:
+            record.exc_text = self.formatException(record.exc_info)
+        if record.exc_text:
+            text = f"{text}\n{record.exc_text}"
+        t = time.localtime(record.created)
+        micros = int((record.created % 1) * 1e6)
+        path = record.pathname
+        cut = path.rfind(os.sep + "fastelastic" + os.sep)
+        if cut >= 0:
+            path = path[cut + 1:]
+        prefix = (f"{record.levelname[:1]}{time.strftime('%m%d %H:%M:%S', t)}.{micros:06d} "
+                  f"{record.process} {path}:{record.lineno}] ")
+        return "\n".join(prefix + line for line in text.split("\n"))
+
+
+def configure_cli_logging() -> None:
+    """Prints fastelastic's log records on stderr at ``$LOGLEVEL`` (default WARNING), in
+    torchrun's format, as torchrun does for torch's. For the command line only: a program that
+    imports fastelastic keeps its own logging setup."""
+    level = os.environ.get("LOGLEVEL", get_log_level()).upper()
+    root = logging.getLogger("fastelastic")
+    try:
+        root.setLevel(level)
+    except ValueError:
+        root.setLevel(logging.WARNING)
+        print(f"fastrun: LOGLEVEL={level!r} is not a logging level; using WARNING",
+              file=sys.stderr)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_GlogFormatter())
+    root.addHandler(handler)
+    root.propagate = False
