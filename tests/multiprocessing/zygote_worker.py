@@ -103,6 +103,25 @@ elif MODE == "fail-record":
         raise RuntimeError(f"recorded boom from rank {RANK}")
 
     main()
+elif MODE == "fail-late":
+    # what Python does at exit after an uncaught exception: join non-daemon threads, run the
+    # atexit handlers, flush stdout
+    import atexit
+    import threading
+
+    gate = threading.Event()
+
+    def _late() -> None:
+        gate.wait(30)
+        print(f"thread of rank {RANK} finished", flush=True)
+
+    threading.Thread(target=_late).start()
+    atexit.register(lambda: _write(f"{RANK}.atexit", {"thread_done": not any(
+        t.name != "MainThread" and t.is_alive() for t in threading.enumerate())}))
+    sys.stdout = open(sys.stdout.fileno(), "w", buffering=1 << 16, closefd=False)
+    sys.stdout.write(f"unflushed output of rank {RANK}\n")
+    threading.Timer(0.2, gate.set).start()
+    raise RuntimeError(f"late boom from rank {RANK}")
 elif MODE == "exit":
     sys.exit(int(sys.argv[3]))
 elif MODE == "rng":
