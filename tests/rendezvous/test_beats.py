@@ -1,4 +1,4 @@
-"""The silence rule of the fast rendezvous's keep-alive watch (``_Beats``), on a simulated clock.
+"""The silence rule of the fast rendezvous's keep-alive watch (``Beats``), on a simulated clock.
 
 A node beats every ``interval``; a watcher polls its counter every ``poll`` seconds. A frozen
 node must be declared silent no later than ``window`` after its last beat, and a live node, even
@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 
-from fastelastic.rendezvous.fast_rendezvous import _Beats
+from fastelastic.rendezvous._liveness import Beats
 
 
 def _simulate(interval, window, poll, freeze_at, jitter=0.0, end=60.0, phase=0.037):
     """Returns (last beat time, detection time or None)."""
-    beats = _Beats(window, interval / 2)
+    beats = Beats(window, interval / 2)
     counter, last_beat = 0, None
     next_beat = phase
     k = 0
@@ -50,7 +50,7 @@ def test_a_live_node_with_late_beats_is_never_dropped(poll):
 
 
 def test_a_long_pause_between_polls_does_not_date_a_change_back_to_the_last_poll():
-    beats = _Beats(5.0, 0.5)
+    beats = Beats(5.0, 0.5)
     assert beats.observe({"p": 1}, now=0.0) == {}
     assert beats.observe({"p": 2}, now=30.0) == {}  # changed some time in the 30 s
     assert beats.observe({"p": 2}, now=30.1) == {}  # not 30 s of silence

@@ -227,10 +227,10 @@ def test_the_workers_store_listens_only_on_the_workers_address(server, local_add
 
 
 def _beating(h_id: int) -> bool:
-    from fastelastic.rendezvous.fast_rendezvous import _BEATER
+    from fastelastic.rendezvous._liveness import BEATER
 
-    with _BEATER._cond:
-        return h_id in _BEATER._due
+    with BEATER._cond:
+        return h_id in BEATER._due
 
 
 def _until(pred, timeout: float) -> bool:

@@ -135,18 +135,18 @@ def test_the_token_never_crosses_the_wire():
 
 
 def test_rendezvous_store_hosting_uses_the_token(token_file):
-    from fastelastic.rendezvous.fast_rendezvous import _host_store
+    from fastelastic.rendezvous._store_hosting import host_store
 
     token = read_token(token_file)
     port = socket.create_server(("127.0.0.1", 0))
     free = port.getsockname()[1]
     port.close()
-    client, server = _host_store("127.0.0.1", free, True, timedelta(seconds=5), token)
+    client, server = host_store("127.0.0.1", free, True, timedelta(seconds=5), token)
     try:
         assert server is not None and server.server.requires_token
         with pytest.raises(StoreConnectionError, match="requires a token"):
             TCPStore("127.0.0.1", free, timeout=5, wait_for_workers=False)
-        peer, _ = _host_store("127.0.0.1", free, False, timedelta(seconds=5), token)
+        peer, _ = host_store("127.0.0.1", free, False, timedelta(seconds=5), token)
         peer.set("k", "v")
         assert client.get("k") == b"v"
         peer.close()

@@ -18,9 +18,10 @@ from fastelastic.errors import (
 )
 from fastelastic.store._torch import maybe_torch_store
 
+from ._store_hosting import host_store
 from .api import RendezvousParameters
 from .dynamic_rendezvous import RendezvousBackend, Token
-from .fast_rendezvous import DEFAULT_PORT, _host_store
+from .fast_rendezvous import DEFAULT_PORT
 from .utils import parse_rendezvous_endpoint
 
 __all__ = ["C10dRendezvousBackend", "create_backend"]
@@ -167,7 +168,7 @@ def create_backend(params: RendezvousParameters) -> tuple[C10dRendezvousBackend,
     read_timeout = params.get_as_int("read_timeout", 60)
     if read_timeout is None or read_timeout <= 0:
         raise ValueError("The read timeout must be a positive integer.")
-    store, _server = _host_store(host, port, params.get_as_bool("is_host"),
+    store, _server = host_store(host, port, params.get_as_bool("is_host"),
                                  timedelta(seconds=read_timeout))
     store = maybe_torch_store(store)  # accepted by torch wherever it takes a Store
     return C10dRendezvousBackend(store, params.run_id), store

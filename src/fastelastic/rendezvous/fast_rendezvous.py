@@ -48,7 +48,6 @@ import os
 import socket
 import threading
 import time
-import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -64,6 +63,8 @@ from fastelastic.errors import (
 )
 from fastelastic.events import NodeState, construct_and_record_rdzv_event
 
+from ._liveness import BEATER, Beats
+from ._store_hosting import host_store
 from .api import (
     RendezvousHandler,
     RendezvousInfo,
@@ -71,7 +72,7 @@ from .api import (
     RendezvousStoreInfo,
 )
 from .timeouts import RendezvousTimeout, timeout_from_params
-from .utils import _matches_machine_hostname, parse_rendezvous_endpoint
+from .utils import parse_rendezvous_endpoint
 
 __all__ = ["FastRendezvousHandler", "assign_ranks", "create_fast_handler"]
 
@@ -123,40 +124,6 @@ def _members(raw: bytes) -> list[int]:
         raise RendezvousStateError(f"corrupt rendezvous outcome {raw[:40]!r}") from e
 
 
-class _Beats:
-    """Keep-alive counters polled now and then; says which stood still for a whole window.
-
-    A counter seen changed may have changed at any moment since the previous poll, so the change
-    is dated up to ``slack`` seconds before this poll (the earliest it can have happened), and a
-    counter is declared silent at the last poll before its window would end (the gap between
-    polls, again at most ``slack``, is taken as the next gap). So a node that froze right after a
-    beat is dropped within the window of that beat rather than up to a poll interval later. A live
-    node's counter moves every keep-alive interval; ``slack`` is at most half of one.
-    """
-
-    def __init__(self, window: float, slack: float) -> None:
-        self.window = window
-        self.slack = max(0.0, min(slack, window / 4))
-        self.since: dict[Any, tuple[Any, float]] = {}  # key -> (value, changed no earlier than)
-        self._prev: float | None = None
-
-    def observe(self, values: dict[Any, Any], now: float | None = None) -> dict[Any, float]:
-        """Records one poll of ``values``; returns ``{key: seconds still}`` of the silent ones."""
-        now = time.monotonic() if now is None else now
-        gap = 0.0 if self._prev is None else min(max(0.0, now - self._prev), self.slack)
-        self._prev = now
-        silent = {}
-        for key, value in values.items():
-            last = self.since.get(key)
-            if last is None:
-                self.since[key] = (value, now)
-            elif last[0] != value:
-                self.since[key] = (value, now - gap)
-            elif now - last[1] >= self.window - gap:
-                silent[key] = now - last[1]
-        return silent
-
-
 class _Watch:
     """What a member of a complete round reads to notice a lost peer (see ``lost_members``)."""
 
@@ -169,7 +136,7 @@ class _Watch:
         count = min(world - 1, _MAX_WATCHED)
         self.peers = [(rank + k) % world for k in range(1, count + 1)]
         self.keys = [prefix + "gone"] + [f"{prefix}hb/t{tickets[p]}" for p in self.peers]
-        self.beats = _Beats(window, slack)  # keyed by rank
+        self.beats = Beats(window, slack)  # keyed by rank
         self.reported: set[int] = set()
 
 
@@ -548,7 +515,7 @@ class FastRendezvousHandler(RendezvousHandler):
         keys.append(f"{p}hb/t{t}")  # keep-alives from the ticket on
         vals.append(b"0")
         store.multi_set(keys, vals)
-        _BEATER.add(self, f"{p}hb/t{t}")
+        BEATER.add(self, f"{p}hb/t{t}")
         if t == self._max:
             self._publish(r, self._max, deadline)
         elif t == self._min:
@@ -574,7 +541,7 @@ class FastRendezvousHandler(RendezvousHandler):
         ticket; its keep-alive stood still for a window: frozen or hung).
         """
         key = f"{self._key}{r}/res"
-        seen = _Beats(self._window, self._ka_interval / 2)
+        seen = Beats(self._window, self._ka_interval / 2)
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -602,7 +569,7 @@ class FastRendezvousHandler(RendezvousHandler):
             raise RendezvousStateError(f"corrupt rank {bytes(raw_rank)[:40]!r}") from e
         return (*_outcome(bytes(raw_res)), rank, bytes(raw_res))
 
-    def _deciders_stalled(self, r: int, ticket: int, seen: _Beats) -> bool:
+    def _deciders_stalled(self, r: int, ticket: int, seen: Beats) -> bool:
         """True if a deciding ticket of round ``r`` has no record, or a keep-alive that stood
         still for the detection window (``seen``: the counters polled so far)."""
         p = f"{self._key}{r}/"
@@ -710,7 +677,7 @@ class FastRendezvousHandler(RendezvousHandler):
         q, world, tickets = last
         missing = [f"{self._key}{q}/left/{i}" for i in range(world)]
         window = self._window
-        beats = _Beats(window, self._ka_interval / 2)
+        beats = Beats(window, self._ka_interval / 2)
         prev = self._prev_watch
         if prev is not None and prev.prefix == f"{self._key}{q}/":
             for rank, (raw, since) in prev.beats.since.items():
@@ -747,76 +714,9 @@ class FastRendezvousHandler(RendezvousHandler):
     # ------------------------------------------------------------------ keep-alive
 
     def _stop_heartbeats(self) -> None:
-        _BEATER.remove(self)
+        BEATER.remove(self)
 
 
-class _KeepAlive:
-    """One daemon thread per process bumps the keep-alive counter of every member handler.
-
-    Handlers are held weakly: one dropped without ``shutdown()`` stops beating once it is
-    collected. A handler whose keep-alives have failed for its whole window is dropped too: by
-    then the other members count it gone, and the thread must not retry a dead store forever.
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        # id(handler) -> (weak handler, next due, key, last success)
-        self._due: dict[int, tuple[weakref.ref[FastRendezvousHandler], float, str, float]] = {}
-        self._thread: threading.Thread | None = None
-
-    def add(self, handler: FastRendezvousHandler, key: str) -> None:
-        now = time.monotonic()
-        with self._cond:
-            self._due[id(handler)] = (weakref.ref(handler), now + handler._ka_interval, key, now)
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="fe-rdzv-keepalive",
-                                                daemon=True)
-                self._thread.start()
-            self._cond.notify()
-
-    def remove(self, handler: FastRendezvousHandler) -> None:
-        with self._cond:
-            self._due.pop(id(handler), None)
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                if not self._due:
-                    self._thread = None
-                    return
-                now = time.monotonic()
-                hid, (ref, when, key, last_ok) = min(self._due.items(), key=lambda kv: kv[1][1])
-                handler = ref()
-                if handler is None:
-                    del self._due[hid]
-                    continue
-                if when > now:
-                    del handler
-                    self._cond.wait(when - now)
-                    continue
-                self._due[hid] = (ref, now + handler._ka_interval, key, last_ok)
-            try:  # outside the lock: a slow store must not block add/remove
-                handler._store.add(key, 1)
-                ok = True
-            except (StoreError, OSError):
-                log.debug("keep-alive %s failed", key, exc_info=True)
-                ok = False
-            with self._cond:
-                entry = self._due.get(hid)
-                if entry is not None and entry[0] is ref:
-                    done = time.monotonic()
-                    if ok:
-                        self._due[hid] = (ref, entry[1], key, done)
-                    elif done - entry[3] > handler._window:
-                        del self._due[hid]
-                        log.warning(
-                            "rendezvous %s: no keep-alive got through for %.1fs (the others "
-                            "count this node gone); stopping them", handler._run_id,
-                            done - entry[3])
-            del handler
-
-
-_BEATER = _KeepAlive()
 
 
 def _is_ip(addr: str) -> bool:
@@ -843,45 +743,6 @@ def _prefix_store(prefix: str, store: Any) -> Any:
     from fastelastic.store import PrefixStore
 
     return PrefixStore(prefix, store)
-
-
-def _host_store(
-    host: str, port: int, is_host: bool | None, read_timeout: timedelta,
-    token: bytes | None = None,
-) -> tuple[Any, Any]:
-    """Hosts the store on ``port`` if this node is the host, else connects (with ``token``,
-    the store serves only clients that prove it; see fastelastic.store.auth).
-
-    Returns:
-        ``(client, server)``; ``server`` is None when another process hosts it.
-    """
-    from fastelastic.store import TCPStore
-
-    if is_host is None:
-        is_host = _matches_machine_hostname(host)
-    if is_host:
-        # Our server listens on every interface and its own client connects over loopback, so
-        # check here, once, that the endpoint's host resolves: torch's fails to connect to it.
-        try:
-            socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        except (socket.gaierror, UnicodeError) as e:
-            raise RendezvousConnectionError(
-                f"The rendezvous store host {host!r} (of the endpoint {host}:{port}) cannot be "
-                f"resolved: {e}"
-            ) from e
-        try:
-            server = TCPStore(host, port, is_master=True, multi_tenant=True,
-                              wait_for_workers=False, timeout=read_timeout, token=token)
-            return server, server
-        except (StoreError, OSError) as e:
-            log.info("store on %s:%d already hosted (%s); joining as a client", host, port, e)
-    try:
-        client = TCPStore(host, port, is_master=False, timeout=read_timeout, token=token)
-    except (StoreError, OSError) as e:
-        raise RendezvousConnectionError(
-            f"The rendezvous store at {host}:{port} could not be reached: {e}"
-        ) from e
-    return client, None
 
 
 def create_fast_handler(params: RendezvousParameters) -> FastRendezvousHandler:
@@ -917,7 +778,7 @@ def create_fast_handler(params: RendezvousParameters) -> FastRendezvousHandler:
 
     token_file = params.get("token_file") or os.environ.get(TOKEN_FILE_ENV)
     token = read_token(str(token_file)) if token_file else None
-    client, server = _host_store(host, port, params.get_as_bool("is_host"), read_timeout, token)
+    client, server = host_store(host, port, params.get_as_bool("is_host"), read_timeout, token)
     return FastRendezvousHandler(
         params.run_id,
         client,

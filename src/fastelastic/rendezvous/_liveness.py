@@ -1,0 +1,120 @@
+"""Liveness of the fast rendezvous's members: the keep-alive counters a member bumps
+(``KeepAlive``, one thread per process) and the rule by which the others call it silent
+(``Beats``)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from typing import Any
+
+from fastelastic.errors import StoreError
+
+log = logging.getLogger("fastelastic.rendezvous.fast_rendezvous")
+
+__all__ = ["BEATER", "Beats", "KeepAlive"]
+
+
+class Beats:
+    """Keep-alive counters polled now and then; says which stood still for a whole window.
+
+    A counter seen changed may have changed at any moment since the previous poll, so the change
+    is dated up to ``slack`` seconds before this poll (the earliest it can have happened), and a
+    counter is declared silent at the last poll before its window would end (the gap between
+    polls, again at most ``slack``, is taken as the next gap). So a node that froze right after a
+    beat is dropped within the window of that beat rather than up to a poll interval later. A live
+    node's counter moves every keep-alive interval; ``slack`` is at most half of one.
+    """
+
+    def __init__(self, window: float, slack: float) -> None:
+        self.window = window
+        self.slack = max(0.0, min(slack, window / 4))
+        self.since: dict[Any, tuple[Any, float]] = {}  # key -> (value, changed no earlier than)
+        self._prev: float | None = None
+
+    def observe(self, values: dict[Any, Any], now: float | None = None) -> dict[Any, float]:
+        """Records one poll of ``values``; returns ``{key: seconds still}`` of the silent ones."""
+        now = time.monotonic() if now is None else now
+        gap = 0.0 if self._prev is None else min(max(0.0, now - self._prev), self.slack)
+        self._prev = now
+        silent = {}
+        for key, value in values.items():
+            last = self.since.get(key)
+            if last is None:
+                self.since[key] = (value, now)
+            elif last[0] != value:
+                self.since[key] = (value, now - gap)
+            elif now - last[1] >= self.window - gap:
+                silent[key] = now - last[1]
+        return silent
+
+
+class KeepAlive:
+    """One daemon thread per process bumps the keep-alive counter of every member handler.
+
+    Handlers are held weakly: one dropped without ``shutdown()`` stops beating once it is
+    collected. A handler whose keep-alives have failed for its whole window is dropped too: by
+    then the other members count it gone, and the thread must not retry a dead store forever.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        # id(handler) -> (weak handler, next due, key, last success)
+        self._due: dict[int, tuple[weakref.ref[Any], float, str, float]] = {}
+        self._thread: threading.Thread | None = None
+
+    def add(self, handler: Any, key: str) -> None:
+        now = time.monotonic()
+        with self._cond:
+            self._due[id(handler)] = (weakref.ref(handler), now + handler._ka_interval, key, now)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="fe-rdzv-keepalive",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def remove(self, handler: Any) -> None:
+        with self._cond:
+            self._due.pop(id(handler), None)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not self._due:
+                    self._thread = None
+                    return
+                now = time.monotonic()
+                hid, (ref, when, key, last_ok) = min(self._due.items(), key=lambda kv: kv[1][1])
+                handler = ref()
+                if handler is None:
+                    del self._due[hid]
+                    continue
+                if when > now:
+                    del handler
+                    self._cond.wait(when - now)
+                    continue
+                self._due[hid] = (ref, now + handler._ka_interval, key, last_ok)
+            try:  # outside the lock: a slow store must not block add/remove
+                handler._store.add(key, 1)
+                ok = True
+            except (StoreError, OSError):
+                log.debug("keep-alive %s failed", key, exc_info=True)
+                ok = False
+            with self._cond:
+                entry = self._due.get(hid)
+                if entry is not None and entry[0] is ref:
+                    done = time.monotonic()
+                    if ok:
+                        self._due[hid] = (ref, entry[1], key, done)
+                    elif done - entry[3] > handler._window:
+                        del self._due[hid]
+                        log.warning(
+                            "rendezvous %s: no keep-alive got through for %.1fs (the others "
+                            "count this node gone); stopping them", handler._run_id,
+                            done - entry[3])
+            del handler
+
+
+BEATER = KeepAlive()
