@@ -46,3 +46,18 @@ def block_on_fd(rfd):
     """Exits with the byte value read from rfd (fork start method: the fd is inherited)."""
     data = os.read(rfd, 1)
     sys.exit(data[0] if data else 99)
+
+
+def signal_dispositions():
+    """What this worker's stop signals do: 'default', 'keyboard-interrupt' or 'other'."""
+    import signal
+
+    def name(h):
+        if h is signal.SIG_DFL:
+            return "default"
+        if h is signal.default_int_handler:
+            return "keyboard-interrupt"
+        return "other"
+
+    return {s.name: name(signal.getsignal(s))
+            for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}

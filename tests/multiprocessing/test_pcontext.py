@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -627,3 +628,33 @@ def test_function_failure_lists_only_the_failed_as_torch():
     finally:
         for fd in (fail_r, fail_w, block_r, block_w):
             os.close(fd)
+
+
+def test_forked_workers_do_not_inherit_the_agents_signal_handlers():
+    """A process forked from the agent starts with a fresh interpreter's dispositions at once,
+    not the agent's handler that turns SIGTERM into a SignalException: a fork-started function
+    worker stopped before its own setup would otherwise exit 1 from multiprocessing's
+    bootstrap instead of dying of SIGTERM."""
+    from fastelastic.multiprocessing._pcontext import _terminate_process_handler
+
+    stops = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+    before = {s: signal.getsignal(s) for s in stops}
+    r, w = os.pipe()
+    try:
+        for s in stops:
+            signal.signal(s, _terminate_process_handler)
+        pid = os.fork()
+        if pid == 0:  # the child's first statements: report, then leave without cleanup
+            try:
+                os.write(w, json.dumps(mpworkers.signal_dispositions()).encode())
+            finally:
+                os._exit(0)
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        seen = json.loads(f.read())
+    os.waitpid(pid, 0)
+    assert seen == {"SIGTERM": "default", "SIGINT": "keyboard-interrupt", "SIGHUP": "default",
+                    "SIGQUIT": "default"}

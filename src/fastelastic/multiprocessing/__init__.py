@@ -141,7 +141,7 @@ def start_processes(
         # a second signal hurries it), then the signal goes on to the agent.
         _logger.warning("Received %s death signal while starting workers, shutting them down",
                         e.sigval)
-        context.close(signal.Signals(e.sigval))
+        context.close(signal.Signals(int(e.sigval)))  # type: ignore[call-overload]
         raise
     except BaseException:
         # a start that failed leaves nothing behind, at once

@@ -67,6 +67,23 @@ def _terminate_process_handler(signum: int, frame: FrameType | None) -> None:
     raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
 
 
+def _default_handlers_in_child() -> None:
+    """A forked worker (``start_method="fork"``) starts as a fresh interpreter would: the
+    agent's stop-signal handler is not inherited, so SIGTERM ends the worker, not a
+    SignalException raised inside multiprocessing's bootstrap."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+        try:
+            if signal.getsignal(sig) is _terminate_process_handler:
+                signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT
+                              else signal.SIG_DFL)
+        except (OSError, ValueError):
+            continue
+    _deferred.clear()
+
+
+os.register_at_fork(after_in_child=_default_handlers_in_child)
+
+
 def _validate_full_rank(d: dict[int, Any], nprocs: int, what: str) -> None:
     if set(d) != set(range(nprocs)):
         raise RuntimeError(
