@@ -247,8 +247,8 @@ def _table() -> str:
     out += ["", "Rounds that hung (a worker deadlocked in gloo's teardown, `~ProcessGroupGloo` "
             "joining a thread that waits for the GIL; seen with every launcher) and were rerun: "
             + (", ".join(f"{k}: {v}" for k, v in sorted(hung.items())) or "none") + "."]
-    out += ["", "Node loss with and without `--preload` (4 nodes x 2 workers) is not measured "
-            "here: it needs the recovery benchmark of the node-loss work (another branch)."]
+    out += ["", "Node loss with and without `--preload` (4 nodes x 2 workers): "
+            "`benchmarks/bench_recovery.py` (BENCHMARKS.md, \"Recovery from a lost node\")."]
     return "\n".join(out) + "\n"
 
 
