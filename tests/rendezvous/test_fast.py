@@ -268,6 +268,33 @@ def test_a_handler_dropped_without_shutdown_stops_beating(server):
     assert _until(lambda: not _beating(h_id), 10)
 
 
+def test_a_full_round_does_not_wait_for_a_frozen_member_of_the_last(server, nodes):
+    """A replacement node and the survivors fill the next round (max_nodes): it completes
+    without waiting for the frozen member's keep-alive window (here 300 s, far beyond the
+    20 s join timeout)."""
+    hs = [_handler(server.port, 3, 3, last_call=0.2, ka=10, ka_max=30) for _ in range(3)]
+    for i, h in enumerate(hs):
+        nodes.start(i, lambda i, h=h: h.next_rendezvous())
+    nodes.join(20)
+    assert not nodes.errors and {nodes.results[i].world_size for i in range(3)} == {3}
+    frozen = hs[2]
+    frozen._stop_heartbeats()  # frozen: connected, silent, never re-joins
+    old = {i: nodes.results[i].rank for i in range(3)}
+    replacement = _handler(server.port, 3, 3, last_call=0.2, ka=10, ka_max=30)
+    nxt = type(nodes)()
+    for i, h in enumerate([hs[0], hs[1], replacement]):
+        nxt.start(i, lambda i, h=h: h.next_rendezvous())
+    nxt.join(20)
+    assert not nxt.errors, nxt.errors
+    assert sorted(nxt.results[i].rank for i in range(3)) == [0, 1, 2]
+    # the survivors left round 0 as they re-joined; the frozen member was not dropped as
+    # silent: nobody waited for its window
+    left = f"fe.rdzv.{RUN}/0/left/"
+    assert server.check([left + str(old[0]), left + str(old[1])])
+    assert not server.check([left + str(old[2])])
+    frozen.shutdown()
+
+
 def test_connection_loss_is_a_rendezvous_connection_error():
     host = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     h = _handler(host.port, 2, 2, join=30)

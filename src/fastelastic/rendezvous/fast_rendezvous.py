@@ -470,12 +470,21 @@ class FastRendezvousHandler(RendezvousHandler):
         if rank == 0:
             addr = self._local_addr or socket.getfqdn()
             # torch's clients cannot authenticate, so this store is open: it listens only on
-            # the address the workers are given when that is an address (a name would need a
-            # lookup and may stand for several), else on every interface, as torch's does.
-            self._worker_server = TCPStore(
-                "", 0, is_master=True, wait_for_workers=False, timeout=self._store.timeout,
-                bind_host=addr if _is_ip(addr) else "",
-            )
+            # the address the workers are given when that is an address of this host (a name
+            # would need a lookup and may stand for several; an address of a NAT is not
+            # ours), else on every interface, as torch's does.
+            self._worker_server = None
+            if _is_ip(addr):
+                try:
+                    self._worker_server = TCPStore(
+                        "", 0, is_master=True, wait_for_workers=False,
+                        timeout=self._store.timeout, bind_host=addr)
+                except StoreError as e:
+                    log.info("workers' store: cannot listen on %s only (%s); listening on "
+                             "every interface", addr, e)
+            if self._worker_server is None:
+                self._worker_server = TCPStore(
+                    "", 0, is_master=True, wait_for_workers=False, timeout=self._store.timeout)
             meet.set(key, f"{addr}:{self._worker_server.port}".encode())
         else:
             self.wait_members(meet, [key], time.monotonic() + self._store.timeout.total_seconds())
@@ -615,7 +624,10 @@ class FastRendezvousHandler(RendezvousHandler):
         """Decides round ``r`` with ``count`` members: ranks, then one compare_set of res."""
         store = self._store
         p = f"{self._key}{r}/"
-        if not drained and not self._drain(r, deadline):
+        # Draining lets every member of the last round that is still coming join this one; a
+        # full round (max_nodes tickets) has no room left for them, so it waits for nobody (a
+        # replacement node and the survivors need not wait for a frozen member's window).
+        if not drained and count < self._max and not self._drain(r, deadline):
             return
         tickets = list(range(1, count + 1))
         drop_at = min(deadline, time.monotonic() + self._window)
