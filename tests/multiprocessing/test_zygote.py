@@ -335,6 +335,19 @@ def test_zygote_whose_import_started_a_thread_falls_back(tmp_path, zygote_factor
     assert wait_gone(z._proc.pid, 10)  # type: ignore[union-attr]
 
 
+def test_zygote_whose_import_initialised_cuda_falls_back(tmp_path, zygote_factory, caplog):
+    caplog.set_level(logging.WARNING, logger="fastelastic.multiprocessing._zygote")
+    z = zygote_factory(("zygote_cuda_mod",))
+    out = tmp_path / "o"
+    out.mkdir()
+    pc, result = _run(z, _args(1, "dump", str(out)), _envs(1), DefaultLogsSpecs())
+    assert not result.is_failed()
+    assert z.state == "unusable" and "initialised CUDA" in z.reason
+    assert json.loads((out / "0.json").read_text())["ppid"] == os.getpid()  # started plainly
+    lines = [r.getMessage() for r in caplog.records if "CUDA" in r.getMessage()]
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+
+
 def test_failed_import_falls_back(tmp_path, zygote_factory):
     z = zygote_factory(("no_such_module_zygote_test",))
     pc, result = _run(z, _args(1, "exit", str(tmp_path), "0"), _envs(1), DefaultLogsSpecs())
