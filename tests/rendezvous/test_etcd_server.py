@@ -39,6 +39,8 @@ def test_etcd_server_serves_a_rendezvous_and_cleans_up(tmp_path, nodes):
         nodes.join(60)
         assert not nodes.errors, nodes.errors
         assert sorted(nodes.results[i].rank for i in range(2)) == [0, 1]
+        for h in handlers:
+            assert h.shutdown()
         proc = server._get_etcd_server_process()
     finally:
         server.stop()

@@ -96,12 +96,13 @@ class EtcdKV:
     def _k(self, key: str) -> str:
         return self._prefix + key
 
-    def _post(self, path: str, body: dict) -> dict:
-        """POSTs to the current member, failing over and retrying through elections."""
+    def _post(self, path: str, body: dict, retry_s: float | None = None) -> dict:
+        """POSTs to the current member, failing over and retrying through elections (for
+        ``retry_s`` seconds, default the store's)."""
         from etcd3gw import exceptions as etcd_exc
 
         start = time.monotonic()
-        deadline = start + self.retry_s
+        deadline = start + (self.retry_s if retry_s is None else retry_s)
         next_note = start
         delay = 0.05
         while True:
@@ -313,7 +314,8 @@ class EtcdKV:
             if lease is None:
                 break
             try:
-                self._post("/lease/keepalive", {"ID": lease})
+                # a lease not refreshed for its TTL is gone: retrying longer is pointless
+                self._post("/lease/keepalive", {"ID": lease}, retry_s=float(self._ttl))
                 last_ok = time.monotonic()
             except StoreError as e:
                 if time.monotonic() - last_ok > self._ttl:
