@@ -320,32 +320,24 @@ def test_numpy_and_random_streams_differ_per_worker(tmp_path, monkeypatch, zygot
     assert len({d["random"] for d in draws}) == 4
 
 
-def test_zygote_whose_import_started_a_thread_falls_back(tmp_path, zygote_factory, caplog):
+@pytest.mark.parametrize("module,reason", [
+    ("zygote_threaded_mod", ("2 threads", "preload-thread")),  # a fork copies one thread
+    ("zygote_cuda_mod", ("initialised CUDA",)),  # a CUDA context is unusable after a fork
+], ids=["thread", "cuda"])
+def test_unfit_zygote_falls_back_with_its_one_line_reason(tmp_path, zygote_factory, caplog,
+                                                          module, reason):
     caplog.set_level(logging.WARNING, logger="fastelastic.multiprocessing._zygote")
-    z = zygote_factory(("zygote_threaded_mod",))
+    z = zygote_factory((module,))
     out = tmp_path / "o"
     out.mkdir()
     pc, result = _run(z, _args(2, "dump", str(out)), _envs(2), DefaultLogsSpecs())
     assert not result.is_failed()
-    assert z.state == "unusable" and "2 threads" in z.reason and "preload-thread" in z.reason
+    assert z.state == "unusable" and all(x in z.reason for x in reason), z.reason
     for r in range(2):  # started plainly, and they ran
         assert json.loads((out / f"{r}.json").read_text())["ppid"] == os.getpid()
-    lines = [r.getMessage() for r in caplog.records if "threads" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records if reason[0] in r.getMessage()]
     assert len(lines) == 1 and "\n" not in lines[0], lines
     assert wait_gone(z._proc.pid, 10)  # type: ignore[union-attr]
-
-
-def test_zygote_whose_import_initialised_cuda_falls_back(tmp_path, zygote_factory, caplog):
-    caplog.set_level(logging.WARNING, logger="fastelastic.multiprocessing._zygote")
-    z = zygote_factory(("zygote_cuda_mod",))
-    out = tmp_path / "o"
-    out.mkdir()
-    pc, result = _run(z, _args(1, "dump", str(out)), _envs(1), DefaultLogsSpecs())
-    assert not result.is_failed()
-    assert z.state == "unusable" and "initialised CUDA" in z.reason
-    assert json.loads((out / "0.json").read_text())["ppid"] == os.getpid()  # started plainly
-    lines = [r.getMessage() for r in caplog.records if "CUDA" in r.getMessage()]
-    assert len(lines) == 1 and "\n" not in lines[0], lines
 
 
 def test_failed_import_falls_back(tmp_path, zygote_factory):
