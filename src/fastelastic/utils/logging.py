@@ -63,15 +63,20 @@ def configure_cli_logging() -> None:
     """Prints fastelastic's log records on stderr at ``$LOGLEVEL`` (default WARNING), in
     torchrun's format, as torchrun does for torch's. For the command line only: a program that
     imports fastelastic keeps its own logging setup."""
-    level = os.environ.get("LOGLEVEL", get_log_level()).upper()
     root = logging.getLogger("fastelastic")
-    try:
-        root.setLevel(level)
-    except ValueError:
-        root.setLevel(logging.WARNING)
-        print(f"fastrun: LOGLEVEL={level!r} is not a logging level; using WARNING",
-              file=sys.stderr)
+    if any(isinstance(h.formatter, _GlogFormatter) for h in root.handlers):
+        return  # called again in one process (fastrun's main from Python, tests)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_GlogFormatter())
+    level = os.environ.get("LOGLEVEL")
+    if level:
+        try:
+            handler.setLevel(level.upper())
+            root.setLevel(level.upper())  # records below WARNING must be made to be printed
+        except ValueError:
+            print(f"fastrun: LOGLEVEL={level!r} is not a logging level; using WARNING",
+                  file=sys.stderr)
+            handler.setLevel(logging.WARNING)
+    else:
+        handler.setLevel(get_log_level())
     root.addHandler(handler)
-    root.propagate = False
