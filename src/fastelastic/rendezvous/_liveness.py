@@ -26,6 +26,11 @@ class Beats:
     polls, again at most ``slack``, is taken as the next gap). So a node that froze right after a
     beat is dropped within the window of that beat rather than up to a poll interval later. A live
     node's counter moves every keep-alive interval; ``slack`` is at most half of one.
+
+    A poll that comes more than half a window after the previous one means this process (or
+    the store it reads through) was starved meanwhile, and whatever starved it may have
+    starved the peers' keep-alives too: an unchanged counter then gets a fresh window instead
+    of a verdict, so a loaded machine does not make its members drop each other.
     """
 
     def __init__(self, window: float, slack: float) -> None:
@@ -38,11 +43,12 @@ class Beats:
         """Records one poll of ``values``; returns ``{key: seconds still}`` of the silent ones."""
         now = time.monotonic() if now is None else now
         gap = 0.0 if self._prev is None else min(max(0.0, now - self._prev), self.slack)
+        blackout = self._prev is not None and now - self._prev > self.window / 2
         self._prev = now
         silent = {}
         for key, value in values.items():
             last = self.since.get(key)
-            if last is None:
+            if last is None or blackout:
                 self.since[key] = (value, now)
             elif last[0] != value:
                 self.since[key] = (value, now - gap)
