@@ -155,6 +155,7 @@ cdef class KVServer:
     cdef int _timeout_ms(self) noexcept nogil
     cdef void _expire_handshakes(self) noexcept nogil
     cdef void _on_accept(self, int lfd) noexcept nogil
+    cdef Conn *_new_conn(self, int fd, uint32_t events) noexcept nogil
     cdef void _refused_fd(self) noexcept nogil
     cdef void _set_state(self, Conn *c, ConnState state) noexcept nogil
     cdef int _arm(self, Conn *c) noexcept nogil

@@ -495,38 +495,78 @@ cdef class KVServer:
                 self._log_conn(fd, msg)
                 close(fd)
                 continue
-            c = new Conn()
-            c.fd = fd
-            c.cid = self._next_cid
-            self._next_cid += 1
-            c.rb = NULL
-            c.rb_len = 0
-            c.rb_cap = 0
-            c.need = 0
-            c.scan_off = 0
-            c.scan_i = 0
-            c.wpos = 0
-            c.st = NULL
-            c.ref_unsent = 0
-            c.state = CONN_HANDSHAKE
-            c.challenge = NULL
-            c.ext = False
-            c.dirty = False
-            c.paused = False
-            c.events = ev.events
-            c.counted = 0
-            c.waiting = False
-            c.wait_left = 0
-            c.wait_gen = 0
-            c.wait_get = False
-            if <size_t>fd >= self._conns.size():
-                self._conns.resize(<size_t>fd * 2 + 64, NULL)
-            self._conns[fd] = c
+            c = self._new_conn(fd, ev.events)
             p.fd = fd
             p.cid = c.cid
             p.deadline = now + self._handshake_ns
             self._handshakes.push_back(p)
             self.accepted += 1
+
+    cdef Conn *_new_conn(self, int fd, uint32_t events) noexcept nogil:
+        """A fresh connection on fd, in CONN_HANDSHAKE, registered in _conns."""
+        cdef Conn *c = new Conn()
+        c.fd = fd
+        c.cid = self._next_cid
+        self._next_cid += 1
+        c.rb = NULL
+        c.rb_len = 0
+        c.rb_cap = 0
+        c.need = 0
+        c.scan_off = 0
+        c.scan_i = 0
+        c.wpos = 0
+        c.st = NULL
+        c.ref_unsent = 0
+        c.state = CONN_HANDSHAKE
+        c.challenge = NULL
+        c.ext = False
+        c.dirty = False
+        c.paused = False
+        c.events = events
+        c.counted = 0
+        c.waiting = False
+        c.wait_left = 0
+        c.wait_gen = 0
+        c.wait_get = False
+        if <size_t>fd >= self._conns.size():
+            self._conns.resize(<size_t>fd * 2 + 64, NULL)
+        self._conns[fd] = c
+        return c
+
+    def execute_socketless(self, bytes frames, *, bint handshaken=True):
+        """Runs the requests in ``frames`` as one client connection would, with no socket: the
+        protocol core (gate, measure, the command's method) on its own, for tests.
+
+        The connection starts after VALIDATE and the capability PING when ``handshaken``,
+        else before VALIDATE; it is closed (its disconnect actions run) at the end. Only on a
+        server that is not serving. Values of the streamed size and above are not in the
+        replies returned.
+
+        Returns:
+            ``(replies, unconsumed, closed)``: the reply bytes, the number of trailing bytes
+            of an incomplete request, and the server's reason if it closed the connection
+            (else None).
+        """
+        cdef Conn *c
+        cdef size_t used = 0
+        cdef uint64_t cid
+        cdef int fd
+        cdef bytes out
+        if self._running:
+            raise RuntimeError("execute_socketless: the server is serving")
+        fd = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
+        c = self._new_conn(fd, 0)
+        cid = c.cid
+        if handshaken:
+            self._set_state(c, CONN_READY if self._token.empty() else CONN_AUTH)
+            c.ext = True
+        self._last_why = NULL
+        if self._consume(c, frames, len(frames), &used) < 0 or self._lookup(fd, cid) == NULL:
+            why = "closed" if self._last_why == NULL else self._last_why.decode("utf-8", "replace")
+            return b"", 0, why
+        out = c.wbuf.substr(c.wpos)
+        self._close_conn(c, NULL)
+        return out, len(frames) - used, None
 
     cdef void _refused_fd(self) noexcept nogil:
         """accept() ran out of fds: counted and logged (rate-limited) with the limit."""
