@@ -173,3 +173,27 @@ def test_torch_clients_are_refused_by_a_guarded_store(guarded, torch_dist):
     check = TCPStore("127.0.0.1", guarded, timeout=5, wait_for_workers=False, token=TOKEN)
     assert not check.check(["forged"])
     check.close()
+
+
+def test_the_c10d_v2_backend_hosts_a_guarded_store_too(token_file):
+    """torch's DynamicRendezvousHandler over the c10d backend (``c10d-v2``): its store takes
+    the same ``token_file``, and refuses clients without it."""
+    from fastelastic.rendezvous import RendezvousParameters
+    from fastelastic.rendezvous.c10d_rendezvous_backend import create_backend
+
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        free = s.getsockname()[1]
+    params = RendezvousParameters("c10d", f"127.0.0.1:{free}", "guarded", 1, 1, is_host=True,
+                                  token_file=token_file)
+    backend, store = create_backend(params)
+    try:
+        assert backend.get_state() is None
+        with pytest.raises(StoreConnectionError, match="requires a token"):
+            TCPStore("127.0.0.1", free, timeout=5, wait_for_workers=False)
+        peer, _ = create_backend(RendezvousParameters("c10d", f"127.0.0.1:{free}", "guarded",
+                                                      1, 1, is_host=False,
+                                                      token_file=token_file))
+        peer.set_state(b"state-1")
+        assert backend.get_state()[0] == b"state-1"
+    finally:
+        getattr(store, "shutdown_server", lambda: None)()

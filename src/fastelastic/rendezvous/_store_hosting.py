@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import socket
 from datetime import timedelta
 from typing import Any
@@ -53,3 +54,12 @@ def host_store(
     return client, None
 
 
+
+
+def token_from(params: Any) -> bytes | None:
+    """The rendezvous store's shared secret: ``--rdzv-conf token_file=PATH``, else
+    ``$FASTELASTIC_STORE_TOKEN_FILE``; None when neither is set."""
+    from fastelastic.store.auth import TOKEN_FILE_ENV, read_token
+
+    token_file = params.get("token_file") or os.environ.get(TOKEN_FILE_ENV)
+    return read_token(str(token_file)) if token_file else None

@@ -18,7 +18,7 @@ from fastelastic.errors import (
 )
 from fastelastic.store._torch import maybe_torch_store
 
-from ._store_hosting import host_store
+from ._store_hosting import host_store, token_from
 from .api import RendezvousParameters
 from .dynamic_rendezvous import RendezvousBackend, Token
 from .fast_rendezvous import DEFAULT_PORT
@@ -152,7 +152,8 @@ def create_backend(params: RendezvousParameters) -> tuple[C10dRendezvousBackend,
     ``rdzv_conf`` keys: ``store_type`` (``tcp``, default, or ``file``: a FileStore in torch's
     format on the file the endpoint names, or on a new temporary file if the endpoint is empty),
     ``read_timeout`` (seconds, default 60; TCP only), ``is_host`` (TCP only; default: the
-    endpoint names this machine).
+    endpoint names this machine), ``token_file`` (TCP only: a shared secret guarding the store;
+    default ``$FASTELASTIC_STORE_TOKEN_FILE``).
 
     Raises:
         ValueError: An unsupported store type or a non-positive read timeout.
@@ -169,6 +170,6 @@ def create_backend(params: RendezvousParameters) -> tuple[C10dRendezvousBackend,
     if read_timeout is None or read_timeout <= 0:
         raise ValueError("The read timeout must be a positive integer.")
     store, _server = host_store(host, port, params.get_as_bool("is_host"),
-                                 timedelta(seconds=read_timeout))
+                                 timedelta(seconds=read_timeout), token_from(params))
     store = maybe_torch_store(store)  # accepted by torch wherever it takes a Store
     return C10dRendezvousBackend(store, params.run_id), store

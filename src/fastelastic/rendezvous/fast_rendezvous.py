@@ -64,7 +64,7 @@ from fastelastic.errors import (
 from fastelastic.events import NodeState, construct_and_record_rdzv_event
 
 from ._liveness import BEATER, Beats
-from ._store_hosting import host_store
+from ._store_hosting import host_store, token_from
 from .api import (
     RendezvousHandler,
     RendezvousInfo,
@@ -786,11 +786,8 @@ def create_fast_handler(params: RendezvousParameters) -> FastRendezvousHandler:
     if keep_alive_max_attempt is None:
         raise ValueError("keep_alive_max_attempt must not be None.")
     rank = params.get_as_int("rank", -1)
-    from fastelastic.store.auth import TOKEN_FILE_ENV, read_token
-
-    token_file = params.get("token_file") or os.environ.get(TOKEN_FILE_ENV)
-    token = read_token(str(token_file)) if token_file else None
-    client, server = host_store(host, port, params.get_as_bool("is_host"), read_timeout, token)
+    client, server = host_store(host, port, params.get_as_bool("is_host"), read_timeout,
+                                token_from(params))
     return FastRendezvousHandler(
         params.run_id,
         client,
