@@ -9,7 +9,14 @@ import sys
 import threading
 
 from fastelastic.errors import StoreError
-from fastelastic.store._hosting import SPIN_ENV, host_server, spin_us
+from fastelastic.store._hosting import (
+    DEFAULT_HANDSHAKE_MS,
+    HANDSHAKE_ENV,
+    SPIN_ENV,
+    handshake_ms,
+    host_server,
+    spin_us,
+)
 from fastelastic.store.auth import TOKEN_FILE_ENV, read_token, token_from_env
 
 
@@ -33,9 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--buffer-budget", type=int, default=256 << 20,
                         help="bytes all connections' buffers may hold together; above it the "
                              "connection holding the most is closed")
-    parser.add_argument("--handshake-ms", type=int, default=1000,
+    parser.add_argument("--handshake-ms", type=int, default=None,
                         help="close connections that have not completed the handshake this long "
-                             "after connecting, milliseconds")
+                             f"after connecting, milliseconds (default: ${HANDSHAKE_ENV} or "
+                             f"{DEFAULT_HANDSHAKE_MS})")
     parser.add_argument("--token-file", default=None,
                         help="serve only clients that prove they know the secret in this file "
                              f"(default: ${TOKEN_FILE_ENV} if set; else no token)")
@@ -54,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         handle = host_server(args.host, args.port, max_key=args.max_key,
                              max_value=args.max_value, max_keys=args.max_keys, spin_us=spin,
                              max_reply=args.max_reply, max_unsent=args.max_unsent,
-                             buffer_budget=args.buffer_budget, handshake_ms=args.handshake_ms,
+                             buffer_budget=args.buffer_budget,
+                             handshake_ms=(handshake_ms() if args.handshake_ms is None
+                                           else args.handshake_ms),
                              token=token or b"")
     except (StoreError, ValueError) as e:
         print(f"fastelastic.store: error: {e}", file=sys.stderr)
