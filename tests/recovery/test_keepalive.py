@@ -18,23 +18,72 @@ from fastelastic.store._hosting import KEEPALIVE_ENV, keepalive_s, listen_socket
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_accepted_sockets_inherit_keepalive(monkeypatch) -> None:
+def _server_side_of(client: socket.socket) -> socket.socket:
+    """The hosted server's socket for ``client`` (same process), found among our fds."""
+    want = client.getsockname()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            s = socket.socket(fileno=os.dup(int(name)))
+        except OSError:
+            continue
+        try:
+            peer = s.getpeername()  # ('::ffff:127.0.0.1', port, ...) on a dual-stack server
+            if s.type == socket.SOCK_STREAM and peer[1] == want[1] and str(peer[0]).endswith(
+                    want[0]):
+                return s
+        except OSError:
+            pass
+        s.close()
+    raise AssertionError(f"no server-side socket for {want}")
+
+
+def test_keepalive_is_armed_on_connections_with_disconnect_actions(monkeypatch) -> None:
+    """The server's side of each connection that registers disconnect actions (an agent) ends
+    within the window of the peer vanishing; a plain connection (a worker, a storm of them)
+    gets no probes that a flood of dropped packets could turn into resets of live clients."""
+    import struct
+
+    from fastelastic.store import TCPStore
+
+    def blob(b: bytes) -> bytes:
+        return struct.pack("<Q", len(b)) + b
+
     monkeypatch.setenv(KEEPALIVE_ENV, "4")
+    host = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    validate = b"\x00" + struct.pack("<I", 0x3C85F7CE)
+    ping = b"\x0d" + struct.pack("<I", 0x7E57FA57)  # the capability PING
+    on_disconnect = b"\x42" + blob(b"gone") + blob(b"1;")
+    agent = socket.create_connection(("127.0.0.1", host.port))
+    worker = socket.create_connection(("127.0.0.1", host.port))
+    try:
+        agent.sendall(validate + ping + on_disconnect)
+        assert len(agent.recv(16)) >= 4  # the PING's answer: the requests ran
+        worker.sendall(validate + b"\x07")  # GETNUMKEYS
+        assert len(worker.recv(16)) == 8
+        theirs = {n: _server_side_of(c) for n, c in (("agent", agent), ("worker", worker))}
+        opt = theirs["agent"].getsockopt
+        assert opt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert opt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 2
+        assert opt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == 1
+        assert opt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == 2
+        assert opt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 4000
+        assert theirs["worker"].getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 0
+        assert theirs["worker"].getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 0
+        for s in theirs.values():
+            s.close()
+    finally:
+        agent.close()
+        worker.close()
+        host.shutdown_server()
     lsock = listen_socket("127.0.0.1", 0)
-    with lsock, socket.create_connection(lsock.getsockname()[:2]) as client:
-        conn, _ = lsock.accept()
-        with conn:
-            opt = conn.getsockopt
-            assert opt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
-            assert opt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 2
-            assert opt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == 1
-            assert opt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == 2
-            assert opt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 4000
-        assert client.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 0  # plain socket
+    with lsock:
+        assert lsock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 0
     s = socket.socket()
     with s:
         set_keepalive(s, 0)  # off: untouched
         assert s.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 0
+        set_keepalive(s, 4)  # our clients' own side
+        assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 4000
 
 
 @pytest.mark.parametrize("raw", ["-1", "x", "99999"])

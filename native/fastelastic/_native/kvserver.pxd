@@ -136,6 +136,8 @@ cdef class KVServer:
     cdef size_t _budget
     cdef size_t _buffered       # every connection's buffers (see _account)
     cdef int64_t _handshake_ns
+    cdef int _keepalive_s   # keep-alive window of connections with disconnect actions (0: off)
+    cdef void _arm_keepalive(self, Conn *c) noexcept nogil
     cdef deque[Pending] _handshakes   # in accept order, so in deadline order
     cdef vector[Waiter] _resume       # un-paused connections with requests still buffered
     cdef string _token                # empty: no token required

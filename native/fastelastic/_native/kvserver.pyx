@@ -33,7 +33,8 @@ from fastelastic._native.includes.linux cimport (
     EAGAIN, EINTR, EMFILE, ENFILE, EPOLL_CLOEXEC, EPOLL_CTL_ADD, EPOLL_CTL_DEL, EPOLL_CTL_MOD,
     EPOLLERR, EPOLLHUP, EPOLLIN, EPOLLOUT, EPOLLRDHUP, EFD_CLOEXEC, EFD_NONBLOCK, FE_DEBUG,
     IPPROTO_TCP,
-    MSG_NOSIGNAL, O_CLOEXEC, O_RDONLY, SOCK_CLOEXEC, SOCK_NONBLOCK, TCP_NODELAY, accept4, close,
+    MSG_NOSIGNAL, O_CLOEXEC, O_RDONLY, SOCK_CLOEXEC, SOCK_NONBLOCK, SOL_SOCKET, SO_KEEPALIVE,
+    TCP_KEEPCNT, TCP_KEEPIDLE, TCP_KEEPINTVL, TCP_NODELAY, TCP_USER_TIMEOUT, accept4, close,
     epoll_create1, epoll_ctl, epoll_event, epoll_wait, errno, eventfd, fe_monotonic_ns,
     fe_nofile_limit, fe_peer_name, fe_sendv, getpid, iovec, open, read, recv, send, setsockopt,
     write,
@@ -224,7 +225,8 @@ cdef class KVServer:
                  size_t max_value=DEFAULT_MAX_VALUE, uint64_t max_keys=DEFAULT_MAX_KEYS,
                  int64_t spin_us=0, size_t max_reply=DEFAULT_MAX_REPLY,
                  size_t max_unsent=DEFAULT_MAX_UNSENT, size_t buffer_budget=DEFAULT_BUFFER_BUDGET,
-                 int64_t handshake_ms=DEFAULT_HANDSHAKE_MS, bytes token=b""):
+                 int64_t handshake_ms=DEFAULT_HANDSHAKE_MS, bytes token=b"",
+                 int keepalive_s=0):
         cdef epoll_event ev
         cdef int fd, one = 1
         cdef uint64_t i = 0
@@ -245,6 +247,9 @@ cdef class KVServer:
         self._max_unsent = max_unsent
         self._budget = buffer_budget
         self._handshake_ns = handshake_ms * 1000000
+        if keepalive_s < 0:
+            raise ValueError(f"keepalive_s must be 0 (off) or more, got {keepalive_s}")
+        self._keepalive_s = keepalive_s
         self._token = token
         self._next_cid = 1
         self._rdbuf = <char *>PyMem_RawMalloc(RDBUF_SIZE)
@@ -1215,9 +1220,30 @@ cdef class KVServer:
         q += 8 + ln
         ln2 = load_u64(q)
         action.second.assign(q + 8, ln2)
+        if c.on_close.empty():
+            self._arm_keepalive(c)
         c.on_close.push_back(action)
         put_u8(c.wbuf, 0)
         return 0
+
+    cdef void _arm_keepalive(self, Conn *c) noexcept nogil:
+        """Ends c within the keep-alive window of its host vanishing (no FIN: power or link
+        lost), so that its disconnect actions run. Only connections that registered some: on
+        every connection, probes lost in a connect storm (thousands of clients, packets
+        dropped by the thousand) would reset live clients that merely wait. Best effort."""
+        cdef int s = self._keepalive_s
+        cdef int one = 1, idle, intvl = 1, cnt
+        cdef unsigned int user_ms
+        if s <= 0:
+            return
+        idle = s // 2 if s >= 2 else 1
+        cnt = s - idle if s - idle >= 1 else 1
+        user_ms = <unsigned int>s * 1000
+        setsockopt(c.fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one))
+        setsockopt(c.fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof(idle))
+        setsockopt(c.fd, IPPROTO_TCP, TCP_KEEPINTVL, &intvl, sizeof(intvl))
+        setsockopt(c.fd, IPPROTO_TCP, TCP_KEEPCNT, &cnt, sizeof(cnt))
+        setsockopt(c.fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_ms, sizeof(user_ms))
     cdef int _bump(self, Conn *c, const string &key, int64_t delta, int64_t *result) noexcept nogil:
         """Adds delta to the decimal counter at key (missing is 0; wraps like int64).
 

@@ -104,7 +104,9 @@ def keepalive_s() -> int:
 def set_keepalive(sock: socket.socket, seconds: Optional[int] = None) -> None:
     """Makes ``sock`` end within ``seconds`` (default :func:`keepalive_s`) of its peer vanishing.
 
-    On a listening socket Linux copies these options to every accepted connection.
+    For our clients' connections. The server arms the same on each connection that registers
+    disconnect actions (an agent in the rendezvous), not on the listener: on every accepted
+    connection, keep-alive probes dropped during a connect storm would reset live clients.
     """
     window = keepalive_s() if seconds is None else seconds
     if window <= 0 or sock.family not in (socket.AF_INET, socket.AF_INET6):
@@ -162,7 +164,6 @@ def listen_socket(host: str, port: int) -> socket.socket:
             if fam == socket.AF_INET6 and wildcard:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
             sock.bind(addr)
-            set_keepalive(sock)
             sock.listen(_somaxconn())
             return sock
         except OSError as e:
@@ -190,6 +191,7 @@ class ServerHandle:
         self.port: int = sock.getsockname()[1]
         limits.setdefault("spin_us", spin_us())
         limits.setdefault("handshake_ms", handshake_ms())
+        limits.setdefault("keepalive_s", keepalive_s())
         self.server = KVServer([sock.fileno()], **limits)
         self._refs = 1
         self._thread: Optional[threading.Thread] = threading.Thread(
@@ -246,7 +248,6 @@ def host_server(
             return _tenants[port].acquire()
     if listen_fd is not None:
         sock = socket.socket(fileno=os.dup(listen_fd))
-        set_keepalive(sock)
     else:
         sock = listen_socket(host, port)
     handle = ServerHandle(sock, **limits)

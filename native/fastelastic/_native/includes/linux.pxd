@@ -176,6 +176,7 @@ cdef extern from "<sys/socket.h>" nogil:
         SOCK_NONBLOCK
         SOCK_CLOEXEC
         SOL_SOCKET
+        SO_KEEPALIVE
         SO_REUSEADDR
         SO_ERROR
         SO_SNDBUF
@@ -205,6 +206,10 @@ cdef extern from "<netinet/in.h>" nogil:
 cdef extern from "<netinet/tcp.h>" nogil:
     enum:
         TCP_NODELAY
+        TCP_USER_TIMEOUT
+        TCP_KEEPIDLE
+        TCP_KEEPINTVL
+        TCP_KEEPCNT
 
 
 cdef extern from "<sys/uio.h>" nogil:
