@@ -8,7 +8,7 @@ from libcpp.string cimport string
 from libcpp.unordered_map cimport unordered_map
 from libcpp.vector cimport vector
 
-from fastelastic._native.includes.linux cimport epoll_event
+from fastelastic._native.includes.linux cimport epoll_event, iovec
 from fastelastic._native.spin cimport Spinner
 
 
@@ -40,6 +40,54 @@ cdef extern from "kvmap.h" nogil:
         size_t retired_bytes()
 
 
+cdef extern from "kvbuf.h" nogil:
+    cdef cppclass fe_scan:
+        fe_scan()
+        size_t need
+        size_t off
+        uint64_t i
+
+    cdef cppclass fe_inbuf:
+        fe_scan scan
+        @staticmethod
+        fe_inbuf *holding(const char *p, size_t n, const fe_scan &scan)
+        char *data()
+        size_t size()
+        size_t heap()
+        cbool complete()
+        cbool reserve(size_t want)
+        cbool append(const char *p, size_t n)
+        char *tail()
+        size_t room()
+        void grew(size_t n)
+        void consume(size_t n)
+
+    cdef cppclass fe_outbuf:
+        string bytes
+        size_t pos()
+        size_t unsent()
+        cbool streaming()
+        size_t heap()
+        cbool put_value(fe_entry *e, size_t stream_above)
+        const char *pending()
+        size_t pending_size()
+        void sent(size_t n)
+        int gather(iovec *iov, int max)
+        void advance(size_t n, fe_kvmap &kv)
+        void truncate(size_t size, fe_kvmap &kv)
+        void reset_if_sent(size_t keep)
+        void release(fe_kvmap &kv)
+
+    cdef cppclass fe_budget:
+        size_t max_unsent
+        size_t limit
+        size_t held
+        cbool should_pause(const fe_outbuf &o)
+        cbool may_resume(const fe_outbuf &o)
+        void recount(size_t &counted, size_t now)
+        cbool over(size_t elsewhere)
+
+
 cdef struct KeyRef:
     const char *k           # a key in the request buffer
     size_t n
@@ -52,17 +100,6 @@ cdef struct Waiter:
     uint64_t cid
     uint64_t gen
     size_t slot             # its index in the connection's wait_keys
-
-
-cdef struct OutRef:         # a streamed value: e's bytes go out after wbuf[0:at]
-    size_t at
-    fe_entry *e
-
-
-cdef cppclass Streamed:     # a connection's streamed values (allocated while it has any)
-    vector[OutRef] refs     # in order (see KVServer._flush_refs)
-    size_t i                # refs[0:i] are sent (and unpinned)
-    size_t off              # bytes of refs[i]'s value sent
 
 
 cdef struct Pending:        # a connection that has until ``deadline`` to finish its handshake
@@ -82,32 +119,24 @@ cdef cppclass WaitKey:
     size_t pos              # where its Waiter sits in _waiters[key] (NO_POS: gone already)
 
 
-cdef cppclass Conn:
+cdef cppclass Conn:          # 144 bytes: what an idle connection costs the server
     int fd
     uint32_t events         # the epoll mask armed now
-    uint64_t cid
-    char *rb                # unparsed input: a request one recv could not complete
-    size_t rb_len           # ... its bytes so far (rb[0:rb_len]; PyMem_Raw-allocated)
-    size_t rb_cap
-    size_t need             # rb must hold this many bytes before a parse can succeed
-    size_t scan_off         # a partial multi-key request in rb is measured up to here
-    uint64_t scan_i         # ... and this many of its blobs
-    string wbuf             # replies not yet accepted by the kernel
-    size_t wpos
-    Streamed *st            # large values streamed from the map, or NULL
-    size_t ref_unsent       # bytes of them not sent yet
-    size_t counted          # bytes of its buffers counted in KVServer._buffered
-    char *challenge         # CONN_AUTH: the nonce the client must prove the token with
     ConnState state         # changed only by KVServer._set_state
+    int wait_left           # keys the pending wait still misses (<= max_keys)
     cbool ext               # answered the capability PING: may send CMD_EXT_*
     cbool dirty             # has replies queued by another connection's write
     cbool paused            # unsent replies over max_unsent: not reading until they drain
     cbool waiting           # a WAIT or BARRIER is pending
     cbool wait_get          # the pending wait is an EXT_WAIT_GET: answer with the value
-    int64_t wait_left       # keys the pending wait still misses
+    uint64_t cid
+    fe_inbuf *inb           # a request one recv could not complete, or NULL
+    fe_outbuf out           # replies not yet accepted by the kernel
+    size_t counted          # heap bytes of its buffers counted in KVServer._budget.held
+    char *challenge         # CONN_AUTH: the nonce the client must prove the token with
     uint64_t wait_gen       # bumped on every wait and cancel; stale Waiter entries carry an old one
     vector[WaitKey] wait_keys
-    vector[pair[string, string]] on_close
+    vector[pair[string, string]] *on_close   # disconnect actions (EXT_ON_DISCONNECT_APPEND)
 
 
 cdef class KVServer:
@@ -132,9 +161,7 @@ cdef class KVServer:
     cdef size_t _max_value
     cdef uint64_t _max_keys
     cdef size_t _max_reply
-    cdef size_t _max_unsent
-    cdef size_t _budget
-    cdef size_t _buffered       # every connection's buffers (see _account)
+    cdef fe_budget _budget       # max_unsent, buffer_budget and what all buffers hold
     cdef int64_t _handshake_ns
     cdef int _keepalive_s   # keep-alive window of connections with disconnect actions (0: off)
     cdef void _arm_keepalive(self, Conn *c) noexcept nogil
@@ -164,13 +191,14 @@ cdef class KVServer:
     cdef void _account(self, Conn *c) noexcept nogil
     cdef bint _over_budget(self, Conn *c) noexcept nogil
     cdef int _gate(self, Conn *c, uint8_t cmd) noexcept nogil
+    cdef bint _keep_tail(self, Conn *c, const char *p, size_t n, fe_scan *scan) noexcept nogil
     cdef void _consume_rb(self, Conn *c) noexcept nogil
     cdef void _log_conn(self, int fd, const char *msg) noexcept nogil
     cdef void _on_readable(self, Conn *c) noexcept nogil
-    cdef bint _grow_rb(self, Conn *c, size_t want) noexcept nogil
-    cdef int _consume(self, Conn *c, const char *p, size_t n, size_t *used) noexcept nogil
-    cdef ssize_t _measure(self, const char *p, size_t n, size_t *need, size_t *scan_off,
-                          uint64_t *scan_i) noexcept nogil
+    cdef bint _reserve_rb(self, Conn *c, size_t want) noexcept nogil
+    cdef int _consume(self, Conn *c, const char *p, size_t n, fe_scan *scan,
+                      size_t *used) noexcept nogil
+    cdef ssize_t _measure(self, const char *p, size_t n, fe_scan *scan) noexcept nogil
     cdef int _execute(self, Conn *c, const char *p) noexcept nogil
     cdef int _cmd_set(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil
     cdef int _cmd_get(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil
@@ -192,8 +220,8 @@ cdef class KVServer:
     cdef int _cmd_barrier(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil
     cdef int _cmd_on_disconnect(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil
     cdef void _flush(self, Conn *c) noexcept nogil
-    cdef bint _flush_refs(self, Conn *c) noexcept nogil
-    cdef void _drop_refs(self, Conn *c, size_t after) noexcept nogil
+    cdef bint _flush_streamed(self, Conn *c) noexcept nogil
+    cdef void _free_conn(self, Conn *c) noexcept nogil
     cdef void _close_conn(self, Conn *c, const char *why) noexcept nogil
     cdef int _bump(self, Conn *c, const string &key, int64_t delta,
                    int64_t *result) noexcept nogil

@@ -144,26 +144,14 @@ cdef void _fill_shapes():
 
 _fill_shapes()
 
-
-cdef inline size_t _unsent(Conn *c) noexcept nogil:
-    return c.wbuf.size() - c.wpos + c.ref_unsent
+# What one connection's state costs the server before any buffer (tests keep it from growing).
+CONN_BYTES = sizeof(Conn)
 
 
 cdef inline void _put_value(Conn *c, fe_entry *e) noexcept nogil:
     """A value for c's reply: a large one is streamed from the map (pinned), not copied."""
-    cdef OutRef r
-    if e.vlen < STREAM_ABOVE:
-        put_blob(c.wbuf, e.val(), e.vlen)
-        return
-    put_u64(c.wbuf, e.vlen)
-    r.at = c.wbuf.size()
-    r.e = e
-    if c.st == NULL:
-        c.st = new Streamed()
-        c.st.i = c.st.off = 0
-    c.st.refs.push_back(r)
-    fe_entry_pin(e)
-    c.ref_unsent += e.vlen
+    if not c.out.put_value(e, STREAM_ABOVE):
+        fe_set_oom()
 
 
 cdef inline void _read_keys(const char *q, uint64_t count, vector[string] &keys) noexcept nogil:
@@ -244,8 +232,8 @@ cdef class KVServer:
         self._max_value = max_value
         self._max_keys = max_keys
         self._max_reply = max_reply
-        self._max_unsent = max_unsent
-        self._budget = buffer_budget
+        self._budget.max_unsent = max_unsent
+        self._budget.limit = buffer_budget
         self._handshake_ns = handshake_ms * 1000000
         if keepalive_s < 0:
             raise ValueError(f"keepalive_s must be 0 (off) or more, got {keepalive_s}")
@@ -306,7 +294,7 @@ cdef class KVServer:
     @property
     def buffered(self):
         """Bytes every connection's buffers hold now (what ``buffer_budget`` bounds)."""
-        return self._buffered
+        return self._budget.held
 
     @property
     def requires_token(self):
@@ -321,16 +309,13 @@ cdef class KVServer:
             return  # a forked child must not close its parent's sockets
         for i in range(self._conns.size()):
             if self._conns[i] != NULL:
-                self._drop_refs(self._conns[i], 0)
-                PyMem_RawFree(self._conns[i].challenge)
                 close(self._conns[i].fd)
-                PyMem_RawFree(self._conns[i].rb)
-                del self._conns[i]
+                self._free_conn(self._conns[i])
                 self._conns[i] = NULL
         self._conns.clear()
         self._handshakes.clear()
         self._resume.clear()
-        self._buffered = 0
+        self._budget.held = 0
         for i in range(self._listen_fds.size()):
             close(self._listen_fds[i])
         self._listen_fds.clear()
@@ -447,7 +432,7 @@ cdef class KVServer:
                 w = self._resume[d]
                 d += 1
                 c = self._lookup(w.fd, w.cid)
-                if c != NULL and not c.paused and c.rb_len > 0:
+                if c != NULL and not c.paused and c.inb != NULL:
                     self._consume_rb(c)
                     c = self._lookup(w.fd, w.cid)
                     if c != NULL:
@@ -455,7 +440,7 @@ cdef class KVServer:
             self._resume.clear()
             if not self._handshakes.empty():
                 self._expire_handshakes()
-            if self._buffered + self._kv.retired_bytes() > self._budget:
+            if self._budget.over(self._kv.retired_bytes()):
                 self._over_budget(NULL)
         return 0
 
@@ -509,30 +494,12 @@ cdef class KVServer:
 
     cdef Conn *_new_conn(self, int fd, uint32_t events) noexcept nogil:
         """A fresh connection on fd, in CONN_HANDSHAKE, registered in _conns."""
-        cdef Conn *c = new Conn()
+        cdef Conn *c = new Conn()   # value-initialized: zeros, NULLs and empty buffers
         c.fd = fd
         c.cid = self._next_cid
         self._next_cid += 1
-        c.rb = NULL
-        c.rb_len = 0
-        c.rb_cap = 0
-        c.need = 0
-        c.scan_off = 0
-        c.scan_i = 0
-        c.wpos = 0
-        c.st = NULL
-        c.ref_unsent = 0
         c.state = CONN_HANDSHAKE
-        c.challenge = NULL
-        c.ext = False
-        c.dirty = False
-        c.paused = False
         c.events = events
-        c.counted = 0
-        c.waiting = False
-        c.wait_left = 0
-        c.wait_gen = 0
-        c.wait_get = False
         if <size_t>fd >= self._conns.size():
             self._conns.resize(<size_t>fd * 2 + 64, NULL)
         self._conns[fd] = c
@@ -554,6 +521,7 @@ cdef class KVServer:
         """
         cdef Conn *c
         cdef size_t used = 0
+        cdef fe_scan scan
         cdef uint64_t cid
         cdef int fd
         cdef bytes out
@@ -566,10 +534,11 @@ cdef class KVServer:
             self._set_state(c, CONN_READY if self._token.empty() else CONN_AUTH)
             c.ext = True
         self._last_why = NULL
-        if self._consume(c, frames, len(frames), &used) < 0 or self._lookup(fd, cid) == NULL:
+        if (self._consume(c, frames, len(frames), &scan, &used) < 0
+                or self._lookup(fd, cid) == NULL):
             why = "closed" if self._last_why == NULL else self._last_why.decode("utf-8", "replace")
             return b"", 0, why
-        out = c.wbuf.substr(c.wpos)
+        out = c.out.bytes.substr(c.out.pos())
         self._close_conn(c, NULL)
         return out, len(frames) - used, None
 
@@ -594,7 +563,7 @@ cdef class KVServer:
         """Sets c's epoll mask from its state: read unless paused, write while replies wait.
         Returns -1 (c closed) if epoll_ctl fails."""
         cdef epoll_event ev
-        ev.events = (0 if c.paused else EPOLLIN | EPOLLRDHUP) | (EPOLLOUT if _unsent(c) else 0)
+        ev.events = (0 if c.paused else EPOLLIN | EPOLLRDHUP) | (EPOLLOUT if c.out.unsent() else 0)
         if ev.events == c.events:
             return 0
         ev.data.u64 = <uint64_t>c.fd
@@ -605,10 +574,8 @@ cdef class KVServer:
         return 0
 
     cdef void _account(self, Conn *c) noexcept nogil:
-        """Re-counts c's buffers (heap bytes of its reply string, its request buffer)."""
-        cdef size_t now = c.rb_cap + (c.wbuf.capacity() if c.wbuf.capacity() > 15 else 0)
-        self._buffered = self._buffered - c.counted + now
-        c.counted = now
+        """Re-counts c's buffers (heap bytes of its replies and of its partial request)."""
+        self._budget.recount(c.counted, c.out.heap() + (c.inb.heap() if c.inb != NULL else 0))
 
     cdef bint _over_budget(self, Conn *c) noexcept nogil:
         """Brings the buffers back under the budget: first drops idle connections' spare
@@ -622,23 +589,22 @@ cdef class KVServer:
         cdef char msg[160]
         for i in range(self._conns.size()):
             x = self._conns[i]
-            if x != NULL and _unsent(x) == 0 and x.wbuf.capacity() > 15:
-                x.wbuf.clear()
-                x.wpos = 0
-                string().swap(x.wbuf)
+            if x != NULL and x.out.unsent() == 0 and x.out.heap() > 0:
+                x.out.reset_if_sent(0)
                 self._account(x)
-        while self._buffered + self._kv.retired_bytes() > self._budget:
+        while self._budget.over(self._kv.retired_bytes()):
             worst = NULL
             most = 0
             for i in range(self._conns.size()):
                 x = self._conns[i]
-                if x != NULL and x.counted + x.ref_unsent > most:
-                    worst, most = x, x.counted + x.ref_unsent
+                if x != NULL and x.counted + x.out.unsent() > most:
+                    worst, most = x, x.counted + x.out.unsent()
             if worst == NULL:
                 break
             self.shed += 1
             snprintf(msg, sizeof(msg), "connection buffers over the budget (%zu MiB): closing the "
-                     "connection that holds the most (%zu KiB)", self._budget >> 20, most >> 10)
+                     "connection that holds the most (%zu KiB)", self._budget.limit >> 20,
+                     most >> 10)
             self._log_conn(worst.fd, msg)
             self._close_conn(worst, "connection buffers over the budget")
         return c != NULL and self._lookup(fd, cid) == NULL
@@ -660,15 +626,15 @@ cdef class KVServer:
         cdef char *buf
         cdef size_t room
         cdef bint direct
+        cdef fe_scan scan
         while rounds < READ_BUDGET:
             rounds += 1
-            direct = c.rb_len >= DIRECT_READ_ABOVE
+            direct = c.inb != NULL and c.inb.size() >= DIRECT_READ_ABOVE
             if direct:
-                # A large request is partly here: read straight in behind it (no copy), growing
-                # the buffer geometrically (realloc of a large block remaps, it does not copy).
-                if c.rb_cap - c.rb_len < RDBUF_SIZE and not self._grow_rb(c, c.rb_len + RDBUF_SIZE):
+                # A large request is partly here: read straight in behind it (no copy).
+                if c.inb.room() < RDBUF_SIZE and not self._reserve_rb(c, c.inb.size() + RDBUF_SIZE):
                     return
-                buf, room = c.rb + c.rb_len, c.rb_cap - c.rb_len
+                buf, room = c.inb.tail(), c.inb.room()
             else:
                 buf, room = self._rdbuf, self._rdbuf_cap
             got = recv(fd, buf, room, 0)
@@ -682,23 +648,22 @@ cdef class KVServer:
             if got == 0:
                 self._close_conn(c, NULL)
                 return
-            if c.rb_len == 0:
+            if c.inb == NULL:
                 # Common case: parse straight from the read buffer; keep only an incomplete tail.
-                if self._consume(c, self._rdbuf, <size_t>got, &used) < 0:
+                scan = fe_scan()
+                if self._consume(c, self._rdbuf, <size_t>got, &scan, &used) < 0:
                     return
-                if used < <size_t>got:
-                    # Only what arrived: a length prefix claiming megabytes reserves nothing.
-                    if not self._grow_rb(c, <size_t>got - used):
-                        return
-                    memcpy(c.rb, self._rdbuf + used, <size_t>got - used)
-                    c.rb_len = <size_t>got - used
+                if used < <size_t>got and not self._keep_tail(c, self._rdbuf + used,
+                                                              <size_t>got - used, &scan):
+                    return
             else:
-                if not direct:
-                    if not self._grow_rb(c, c.rb_len + <size_t>got):
-                        return
-                    memcpy(c.rb + c.rb_len, self._rdbuf, <size_t>got)
-                c.rb_len += <size_t>got
-                if c.rb_len >= c.need:
+                if direct:
+                    c.inb.grew(<size_t>got)
+                elif not self._reserve_rb(c, c.inb.size() + <size_t>got):
+                    return
+                else:
+                    c.inb.append(self._rdbuf, <size_t>got)   # reserved: cannot fail
+                if c.inb.complete():
                     self._consume_rb(c)
             c = self._lookup(fd, cid)
             if c == NULL:
@@ -707,75 +672,73 @@ cdef class KVServer:
                 break
         self._flush(c)
 
-    cdef void _consume_rb(self, Conn *c) noexcept nogil:
-        """Executes the complete requests buffered in c.rb; keeps only an incomplete tail."""
-        cdef size_t used
-        if self._consume(c, c.rb, c.rb_len, &used) < 0:
-            return
-        if used > 0:
-            memmove(c.rb, c.rb + used, c.rb_len - used)
-            c.rb_len -= used
-        if c.rb_len == 0:   # the buffer lives only while a request is partial
-            PyMem_RawFree(c.rb)
-            c.rb = NULL
-            c.rb_cap = 0
-            self._account(c)
-
-    cdef bint _grow_rb(self, Conn *c, size_t want) noexcept nogil:
-        """Makes c.rb hold at least want bytes; out of memory, closes c and returns False."""
-        cdef size_t cap = c.rb_cap * 2
-        cdef char *grown
-        if want <= c.rb_cap:
-            return True
-        if cap < want:
-            cap = want
-        grown = <char *>PyMem_RawRealloc(c.rb, cap)
-        if grown == NULL:
+    cdef bint _keep_tail(self, Conn *c, const char *p, size_t n, fe_scan *scan) noexcept nogil:
+        """Buffers the first n bytes of a partial request (and how far it was measured) in a new
+        c.inb; out of memory or over the budget, closes c and returns False."""
+        c.inb = fe_inbuf.holding(p, n, scan[0])
+        if c.inb == NULL:
             self._close_conn(c, "out of memory buffering a request")
             return False
-        c.rb = grown
-        c.rb_cap = cap
         self._account(c)
-        if self._buffered + self._kv.retired_bytes() > self._budget and self._over_budget(c):
-            return False
-        return True
+        return not (self._budget.over(self._kv.retired_bytes()) and self._over_budget(c))
 
-    cdef int _consume(self, Conn *c, const char *p, size_t n, size_t *used) noexcept nogil:
+    cdef void _consume_rb(self, Conn *c) noexcept nogil:
+        """Executes the complete requests buffered in c.inb; keeps only an incomplete tail."""
+        cdef size_t used
+        if self._consume(c, c.inb.data(), c.inb.size(), &c.inb.scan, &used) < 0:
+            return
+        c.inb.consume(used)
+        if c.inb.size() == 0:   # the buffer lives only while a request is partial
+            del c.inb
+            c.inb = NULL
+            self._account(c)
+
+    cdef bint _reserve_rb(self, Conn *c, size_t want) noexcept nogil:
+        """Makes c.inb hold at least want bytes; out of memory or over the budget, closes c and
+        returns False."""
+        if want <= c.inb.size() + c.inb.room():
+            return True
+        if not c.inb.reserve(want):
+            self._close_conn(c, "out of memory buffering a request")
+            return False
+        self._account(c)
+        return not (self._budget.over(self._kv.retired_bytes()) and self._over_budget(c))
+
+    cdef int _consume(self, Conn *c, const char *p, size_t n, fe_scan *scan,
+                      size_t *used) noexcept nogil:
         """Executes every complete request in p[0:n]; returns -1 if the connection was closed.
 
-        ``c.scan_off``/``c.scan_i`` carry how far a partial multi-key request at p was already
-        measured, so a request that arrives in many reads is scanned once, not once per read.
+        ``scan`` carries how far a partial multi-key request at p was already measured, so a
+        request that arrives in many reads is scanned once, not once per read; it is left
+        saying how many bytes the next parse needs.
         """
-        cdef size_t off = 0, need = 0, before
+        cdef size_t off = 0, before
         cdef ssize_t m
         cdef uint8_t cmd
-        c.need = 0
+        scan.need = 0
         while off < n:
             cmd = <uint8_t>p[off]
             if (c.state != CONN_READY or SHAPES[cmd].ext) and self._gate(c, cmd) < 0:
                 return -1
-            m = self._measure(p + off, n - off, &need, &c.scan_off, &c.scan_i)
+            m = self._measure(p + off, n - off, scan)
             if m == 0:
-                c.need = need
                 break
             if m < 0:
                 self._close_conn(c, "malformed or over-limit request")
                 return -1
-            before = c.wbuf.size()
+            before = c.out.bytes.size()
             if self._execute(c, p + off) < 0:
                 return -1
             off += <size_t>m
             if fe_take_oom():
-                self._drop_refs(c, before)
-                c.wbuf.resize(before)   # no half reply: the client sees the close instead
+                c.out.truncate(before, self._kv)  # no half reply: the client sees the close
                 self._close_conn(c, "out of memory writing a reply")
                 return -1
-            if c.wbuf.capacity() > 15 or c.counted:
+            if c.out.heap() > 0 or c.counted:
                 self._account(c)
-                if (self._buffered + self._kv.retired_bytes() > self._budget
-                        and self._over_budget(c)):
+                if self._budget.over(self._kv.retired_bytes()) and self._over_budget(c):
                     return -1
-            if _unsent(c) > self._max_unsent:
+            if self._budget.should_pause(c.out):
                 # Backpressure: the client is not reading its replies; stop reading its requests
                 # (the rest stays buffered) until they drain (see _flush).
                 c.paused = True
@@ -804,10 +767,9 @@ cdef class KVServer:
     # ----------------------------------------------------------------------------- parsing
 
     @cython.boundscheck(False)
-    cdef ssize_t _measure(self, const char *p, size_t n, size_t *need, size_t *scan_off,
-                          uint64_t *scan_i) noexcept nogil:
-        """Length of the request at p if all of it is in p[0:n]; 0 if not (need says how many
-        bytes must be buffered before it can be); -1 if it is malformed or over a limit."""
+    cdef ssize_t _measure(self, const char *p, size_t n, fe_scan *scan) noexcept nogil:
+        """Length of the request at p if all of it is in p[0:n]; 0 if not (scan.need says how
+        many bytes must be buffered before it can be); -1 if it is malformed or over a limit."""
         cdef size_t off = 1
         cdef uint64_t count, i, ln, start = 0
         cdef const Shape *sh = &SHAPES[<uint8_t>p[0]]
@@ -817,49 +779,49 @@ cdef class KVServer:
             off = 0   # size is all of it (below)
         elif sh.kind == SH_MULTI:
             if n < 9:
-                need[0] = 9
+                scan.need = 9
                 return 0
             count = load_u64(p + 1)
             if count > self._max_keys:
                 return -1
             off = 9
-            if scan_off[0] > 0:
-                off = scan_off[0]
-                start = scan_i[0]
+            if scan.off > 0:
+                off = scan.off
+                start = scan.i
             for i in range(start, count * per):
                 if n - off < 8:
-                    scan_off[0] = off
-                    scan_i[0] = i
-                    need[0] = off + 8
+                    scan.off = off
+                    scan.i = i
+                    scan.need = off + 8
                     return 0
                 ln = load_u64(p + off)
                 if ln > (lim1 if (sh.pairs and (i & 1)) else lim0):
                     return -1
                 if n - off - 8 < ln:
-                    scan_off[0] = off
-                    scan_i[0] = i
-                    need[0] = off + 8 + <size_t>ln
+                    scan.off = off
+                    scan.i = i
+                    scan.need = off + 8 + <size_t>ln
                     return 0
                 off += 8 + <size_t>ln
-            scan_off[0] = 0
-            scan_i[0] = 0
+            scan.off = 0
+            scan.i = 0
             return <ssize_t>off
         elif sh.kind != SH_BLOBS:
             return -1
         for i in range(<uint64_t>sh.nblobs):
             if n - off < 8:
-                need[0] = off + 8
+                scan.need = off + 8
                 return 0
             ln = load_u64(p + off)
             if ln > (lim0 if i == 0 else lim1):
                 return -1
             if n - off - 8 < ln:
-                need[0] = off + 8 + ln
+                scan.need = off + 8 + ln
                 return 0
             off += 8 + <size_t>ln
         off += sh.size   # a fixed request's length; ADD, BARRIER: the int64 after the key
         if n < off:
-            need[0] = off
+            scan.need = off
             return 0
         return <ssize_t>off
 
@@ -944,7 +906,7 @@ cdef class KVServer:
         key.assign(q + 8, ln)
         e = self._kv.find(key)
         if e == NULL:
-            put_u64(c.wbuf, 0)
+            put_u64(c.out.bytes, 0)
         else:
             _put_value(c, e)
         return 0
@@ -959,7 +921,7 @@ cdef class KVServer:
         key.assign(q + 8, ln)
         e = self._kv.find(key)
         if e != NULL:
-            put_u8(c.wbuf, REPLY_VALUE)
+            put_u8(c.out.bytes, REPLY_VALUE)
             _put_value(c, e)
         else:
             self._drop_wait(c)
@@ -978,7 +940,7 @@ cdef class KVServer:
         key.assign(q + 8, ln)
         if self._bump(c, key, <int64_t>load_u64(q + 8 + ln), &old) < 0:
             return -1
-        put_u64(c.wbuf, <uint64_t>old)
+        put_u64(c.out.bytes, <uint64_t>old)
         self._notify(key)
         return 0
 
@@ -996,14 +958,14 @@ cdef class KVServer:
         h = fe_kvmap.hash(key.data(), key.size())   # once, for the lookup and the write
         e = self._kv.find(key.data(), key.size(), h)
         if e == NULL and ln2 != 0:
-            put_blob(c.wbuf, q + 8, ln2)
+            put_blob(c.out.bytes, q + 8, ln2)
         elif e != NULL and not (e.vlen == ln2 and memcmp(e.val(), q + 8, ln2) == 0):
-            put_blob(c.wbuf, e.val(), e.vlen)
+            put_blob(c.out.bytes, e.val(), e.vlen)
             self._notify(key)
         else:
             if not self._kv.set(key.data(), key.size(), h, q + 16 + ln2, ln3):
                 return self._out_of_memory(c)
-            put_blob(c.wbuf, q + 16 + ln2, ln3)
+            put_blob(c.out.bytes, q + 16 + ln2, ln3)
             self._notify(key)
         return 0
 
@@ -1021,7 +983,7 @@ cdef class KVServer:
                 if self._missing(keys[i]):
                     found = False
                     break
-            put_u8(c.wbuf, REPLY_READY if found else REPLY_NOT_READY)
+            put_u8(c.out.bytes, REPLY_READY if found else REPLY_NOT_READY)
         else:
             self._drop_wait(c)
             c.wait_gen += 1
@@ -1031,7 +993,7 @@ cdef class KVServer:
                 if self._missing(keys[i]) and seen.insert(keys[i]).second:
                     self._register_wait(c, keys[i])
             if c.wait_left == 0:
-                put_u8(c.wbuf, REPLY_STOP_WAITING)
+                put_u8(c.out.bytes, REPLY_STOP_WAITING)
             else:
                 c.waiting = True
                 self.waiting += 1
@@ -1057,7 +1019,7 @@ cdef class KVServer:
                 self._kv.prefetch_entry(refs[i + PREFETCH_ENTRY].h)
             e = self._kv.find(refs[i].k, refs[i].n, refs[i].h)
             if e == NULL and cmd == CMD_EXT_TRY_MULTI_GET:
-                put_u8(c.wbuf, 0)
+                put_u8(c.out.bytes, 0)
                 return 0
             found_vals.push_back(e)
             if e != NULL:
@@ -1069,14 +1031,14 @@ cdef class KVServer:
         if total > self._max_reply:
             return self._refuse_reply(c, total)
         if cmd == CMD_EXT_TRY_MULTI_GET:
-            put_u8(c.wbuf, 1)
-        if not fe_reserve(c.wbuf, c.wbuf.size() + inline):
+            put_u8(c.out.bytes, 1)
+        if not fe_reserve(c.out.bytes, c.out.bytes.size() + inline):
             self._close_conn(c, "out of memory for a MULTI_GET reply")
             return -1
         for i in range(count):
             e = found_vals[i]
             if e == NULL:
-                put_u64(c.wbuf, 0)
+                put_u64(c.out.bytes, 0)
             else:
                 _put_value(c, e)
         return 0
@@ -1103,20 +1065,20 @@ cdef class KVServer:
 
     cdef int _cmd_getnumkeys(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil:
         """GETNUMKEYS."""
-        put_u64(c.wbuf, self._kv.size())
+        put_u64(c.out.bytes, self._kv.size())
         return 0
 
     cdef int _cmd_delete_key(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil:
         """DELETE_KEY."""
         cdef uint64_t ln
         ln = load_u64(q)
-        put_u64(c.wbuf, 1 if self._kv.erase(q + 8, ln) else 0)
+        put_u64(c.out.bytes, 1 if self._kv.erase(q + 8, ln) else 0)
         return 0
 
     cdef int _cmd_cancel_wait(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil:
         """CANCEL_WAIT."""
         self._drop_wait(c)
-        put_u8(c.wbuf, REPLY_WAIT_CANCELED)
+        put_u8(c.out.bytes, REPLY_WAIT_CANCELED)
         return 0
 
     cdef int _cmd_ping(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil:
@@ -1128,19 +1090,17 @@ cdef class KVServer:
             if c.state == CONN_AUTH:
                 return self._challenge(c)
             nonce = ~nonce
-        put_u32(c.wbuf, nonce)
+        put_u32(c.out.bytes, nonce)
         return 0
 
     cdef int _cmd_ext_auth(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil:
         """EXT_AUTH."""
         return self._check_proof(c, q)
-        return 0
 
     cdef int _cmd_validate(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil:
         """VALIDATE."""
         self._close_conn(c, "VALIDATE sent twice")
         return -1
-        return 0
 
     cdef int _cmd_queue_push(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil:
         """QUEUE_PUSH."""
@@ -1162,10 +1122,10 @@ cdef class KVServer:
         key.assign(q + 8, ln)
         qit = self._queues.find(key)
         count = 0 if qit == self._queues.end() else deref_qsize(qit)
-        put_u64(c.wbuf, count)
+        put_u64(c.out.bytes, count)
         if cmd == CMD_QUEUE_POP and count > 0:
             pop_front_into(qit, val)
-            put_blob(c.wbuf, val.data(), val.size())
+            put_blob(c.out.bytes, val.data(), val.size())
             if count == 1:
                 self._queues.erase(qit)
         return 0
@@ -1182,11 +1142,11 @@ cdef class KVServer:
                 total += 8 + e.klen
         if total > self._max_reply:
             return self._refuse_reply(c, total)
-        put_u64(c.wbuf, self._kv.size())
+        put_u64(c.out.bytes, self._kv.size())
         for i in range(self._kv.capacity()):
             e = self._kv.at(i)
             if e != NULL:
-                put_blob(c.wbuf, e.key(), e.klen)
+                put_blob(c.out.bytes, e.key(), e.klen)
         return 0
 
     cdef int _cmd_barrier(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil:
@@ -1201,7 +1161,7 @@ cdef class KVServer:
             return -1
         if old >= ws:
             self._notify(key)
-            put_u8(c.wbuf, REPLY_STOP_WAITING)
+            put_u8(c.out.bytes, REPLY_STOP_WAITING)
         else:
             self._drop_wait(c)
             c.wait_gen += 1
@@ -1220,10 +1180,11 @@ cdef class KVServer:
         q += 8 + ln
         ln2 = load_u64(q)
         action.second.assign(q + 8, ln2)
-        if c.on_close.empty():
+        if c.on_close == NULL:
+            c.on_close = new vector[pair[string, string]]()
             self._arm_keepalive(c)
         c.on_close.push_back(action)
-        put_u8(c.wbuf, 0)
+        put_u8(c.out.bytes, 0)
         return 0
 
     cdef void _arm_keepalive(self, Conn *c) noexcept nogil:
@@ -1271,8 +1232,8 @@ cdef class KVServer:
         if fe_random(c.challenge, AUTH_CHALLENGE_LEN) < 0:
             self._close_conn(c, "no random bytes for a token challenge")
             return -1
-        put_u32(c.wbuf, EXT_AUTH_NONCE)
-        fe_append(c.wbuf, c.challenge, AUTH_CHALLENGE_LEN)
+        put_u32(c.out.bytes, EXT_AUTH_NONCE)
+        fe_append(c.out.bytes, c.challenge, AUTH_CHALLENGE_LEN)
         return 0
 
     cdef int _check_proof(self, Conn *c, const char *proof) noexcept nogil:
@@ -1291,7 +1252,7 @@ cdef class KVServer:
             self._close_conn(c, "wrong token proof")
             return -1
         self._set_state(c, CONN_READY)
-        put_u8(c.wbuf, 0)
+        put_u8(c.out.bytes, 0)
         return 0
 
     cdef int _refuse_reply(self, Conn *c, size_t size) noexcept nogil:
@@ -1393,14 +1354,14 @@ cdef class KVServer:
             key = c.wait_keys[0].key
             self._drop_wait(c)
             e = self._kv.find(key)
-            put_u8(c.wbuf, REPLY_VALUE)
+            put_u8(c.out.bytes, REPLY_VALUE)
             if e == NULL:    # woken by a queue push of the same name
-                put_u64(c.wbuf, 0)
+                put_u64(c.out.bytes, 0)
             else:
                 _put_value(c, e)
         else:
             self._drop_wait(c)
-            put_u8(c.wbuf, REPLY_STOP_WAITING)
+            put_u8(c.out.bytes, REPLY_STOP_WAITING)
         if not c.dirty:
             c.dirty = True
             self._dirty.push_back(w)
@@ -1427,10 +1388,10 @@ cdef class KVServer:
         """Sends what the kernel takes of c's replies; re-arms epoll for the rest."""
         cdef ssize_t sent
         cdef Waiter w
-        if c.st != NULL and not self._flush_refs(c):
+        if c.out.streaming() and not self._flush_streamed(c):
             return
-        while c.st == NULL and c.wpos < c.wbuf.size():
-            sent = send(c.fd, c.wbuf.data() + c.wpos, c.wbuf.size() - c.wpos, MSG_NOSIGNAL)
+        while not c.out.streaming() and c.out.pending_size() > 0:
+            sent = send(c.fd, c.out.pending(), c.out.pending_size(), MSG_NOSIGNAL)
             if sent < 0:
                 if errno == EINTR:
                     continue
@@ -1438,50 +1399,24 @@ cdef class KVServer:
                     break
                 self._close_conn(c, NULL)
                 return
-            c.wpos += <size_t>sent
+            c.out.sent(<size_t>sent)
             self._replied = True
-        if c.wpos == c.wbuf.size() and c.st == NULL:
-            c.wbuf.clear()
-            c.wpos = 0
-            if c.wbuf.capacity() > SHRINK_ABOVE:
-                string().swap(c.wbuf)
+        c.out.reset_if_sent(SHRINK_ABOVE)
         self._account(c)
-        if c.paused and _unsent(c) <= self._max_unsent // 2:
+        if c.paused and self._budget.may_resume(c.out):
             c.paused = False
-            if c.rb_len > 0:   # requests it sent before it was paused: run them this round
+            if c.inb != NULL:   # requests it sent before it was paused: run them this round
                 w.fd, w.cid = c.fd, c.cid
                 self._resume.push_back(w)
         self._arm(c)
 
-    cdef bint _flush_refs(self, Conn *c) noexcept nogil:
-        """Sends c's replies while they include streamed values: one sendmsg gathers wbuf spans
-        and the values between them. Returns False if c was closed; stops at EAGAIN."""
+    cdef bint _flush_streamed(self, Conn *c) noexcept nogil:
+        """Sends c's replies while they include streamed values: one sendmsg gathers the plain
+        spans and the values between them. Returns False if c was closed; stops at EAGAIN."""
         cdef iovec iov[MAX_IOV]
-        cdef int n
-        cdef size_t pos, i, off, end, take
         cdef ssize_t sent
-        cdef fe_entry *e
-        cdef Streamed *st = c.st
-        while st.i < st.refs.size():
-            n, pos, i, off = 0, c.wpos, st.i, st.off
-            while n < MAX_IOV:
-                if i < st.refs.size() and pos == st.refs[i].at:
-                    e = st.refs[i].e
-                    iov[n].iov_base = e.val() + off
-                    iov[n].iov_len = e.vlen - off
-                    n += 1
-                    i += 1
-                    off = 0
-                    continue
-                end = st.refs[i].at if i < st.refs.size() else c.wbuf.size()
-                if end > pos:
-                    iov[n].iov_base = <void *>(c.wbuf.data() + pos)
-                    iov[n].iov_len = end - pos
-                    n += 1
-                    pos = end
-                if i >= st.refs.size():
-                    break
-            sent = fe_sendv(c.fd, iov, n)
+        while c.out.streaming():
+            sent = fe_sendv(c.fd, iov, c.out.gather(iov, MAX_IOV))
             if sent < 0:
                 if errno == EINTR:
                     continue
@@ -1490,44 +1425,17 @@ cdef class KVServer:
                 self._close_conn(c, NULL)
                 return False
             self._replied = True
-            while sent > 0:   # advance over what went out
-                if st.i < st.refs.size() and c.wpos == st.refs[st.i].at:
-                    e = st.refs[st.i].e
-                    take = e.vlen - st.off
-                    if <size_t>sent < take:
-                        take = <size_t>sent
-                    st.off += take
-                    c.ref_unsent -= take
-                    sent -= <ssize_t>take
-                    if st.off == e.vlen:
-                        self._kv.unpin(e)
-                        st.i += 1
-                        st.off = 0
-                else:
-                    end = st.refs[st.i].at if st.i < st.refs.size() else c.wbuf.size()
-                    take = end - c.wpos
-                    if <size_t>sent < take:
-                        take = <size_t>sent
-                    c.wpos += take
-                    sent -= <ssize_t>take
-        del st   # all streamed: what is left is plain bytes
-        c.st = NULL
+            c.out.advance(<size_t>sent, self._kv)
         return True
 
-    cdef void _drop_refs(self, Conn *c, size_t after) noexcept nogil:
-        """Unpins c's unsent streamed values placed after wbuf byte ``after`` (0: all)."""
-        cdef fe_entry *e
-        cdef Streamed *st = c.st
-        if st == NULL:
-            return
-        while st.refs.size() > st.i and (after == 0 or st.refs.back().at > after):
-            e = st.refs.back().e
-            c.ref_unsent -= e.vlen - (st.off if st.refs.size() - 1 == st.i else 0)
-            self._kv.unpin(e)
-            st.refs.pop_back()
-        if st.refs.size() == st.i:
-            del st
-            c.st = NULL
+    cdef void _free_conn(self, Conn *c) noexcept nogil:
+        """Frees c and what it holds (its fd is closed by the caller): unpins the values it
+        was still streaming."""
+        c.out.release(self._kv)
+        PyMem_RawFree(c.challenge)
+        del c.inb
+        del c.on_close
+        del c
 
     cdef void _close_conn(self, Conn *c, const char *why) noexcept nogil:
         cdef size_t i
@@ -1535,7 +1443,8 @@ cdef class KVServer:
         cdef vector[pair[string, string]] actions
         cdef char msg[320]
         self._drop_wait(c)
-        actions.swap(c.on_close)
+        if c.on_close != NULL:
+            actions.swap(c.on_close[0])
         if why != NULL:
             # The GIL only for a logged one: the first ten, then every thousandth.
             self.protocol_errors += 1
@@ -1544,14 +1453,11 @@ cdef class KVServer:
                 snprintf(msg, sizeof(msg), "closed its connection: %s (%llu so far)", why,
                          <unsigned long long>self.protocol_errors)
                 self._log_conn(fd, msg)
-        self._buffered -= c.counted
-        self._drop_refs(c, 0)
-        PyMem_RawFree(c.challenge)
+        self._budget.recount(c.counted, 0)
         epoll_ctl(self._epfd, EPOLL_CTL_DEL, fd, NULL)   # no check: close() removes it anyway
         close(fd)
         self._conns[fd] = NULL
-        PyMem_RawFree(c.rb)
-        del c
+        self._free_conn(c)
         self.closed += 1
         # A disconnect is an event others may wait for (a peer that died).
         for i in range(actions.size()):

@@ -77,9 +77,11 @@ cdef extern from *:
         try { s.append(p, n); } catch (...) { fe_oom = true; }
     }
     static inline bool fe_take_oom(void) noexcept { bool o = fe_oom; fe_oom = false; return o; }
+    static inline void fe_set_oom(void) noexcept { fe_oom = true; }
     """
     void fe_append(string &s, const char *p, size_t n) noexcept nogil
     cbool fe_take_oom() noexcept nogil
+    void fe_set_oom() noexcept nogil
 
 
 cdef inline void put_u8(string &out, uint8_t v) noexcept nogil:

@@ -2,6 +2,8 @@
 
 from typing import Optional, Sequence
 
+CONN_BYTES: int
+
 def hmac_sha256(key: bytes, a: bytes, b: bytes) -> bytes: ...
 
 class KVServer:
