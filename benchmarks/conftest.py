@@ -205,6 +205,8 @@ _ROWS = [
     *[("barrier", str(n), m, f"barrier storm {n:,} clients: {lab}", u, sc, d, t)
       for n in (512, 19_000) for (m, lab, u, sc, d, t) in (
           ("time_s", "time to all connected+ADD+released", "ms", 1000, "", None),
+          ("first_time_s", "the same, first storm on a fresh server", "ms", 1000, "", None),
+          ("first_listen_drops", "TcpExt ListenDrops in that first storm", "", 1, "", None),
           ("add_s", "time to every ADD answered", "ms", 1000, "", None),
           ("server_cpu_us_per_conn", "server CPU per connection", "µs", 1, "<=", 0.4),
           ("rss_bytes_per_conn", "server RSS per held connection", "B", 1, "", None),

@@ -179,6 +179,7 @@ cdef class KVServer:
     cdef readonly uint64_t shed         # connections closed because buffers went over budget
     cdef readonly uint64_t paused       # times a connection stopped being read (backpressure)
 
+    cdef void _grow_fd_table(self)
     cdef int _wait(self, epoll_event *events, bint may_spin) noexcept nogil
     cdef int _loop(self) except -1 nogil
     cdef int _timeout_ms(self) noexcept nogil

@@ -9,6 +9,7 @@ cdef enum:
     DIRECT_READ_ABOVE = 64 * 1024   # a partial request this large is read straight into c.rb
     STREAM_ABOVE = 64 * 1024        # values this large are sent from the map, not copied
     MAX_IOV = 64                    # iovecs per sendmsg of a streamed reply
+    FD_TABLE_RESERVE = 65536        # fd table slots grown at start (see KVServer._grow_fd_table)
 
 # Default limits (KVServer keyword arguments; python -m fastelastic.store flags).
 cdef enum:

@@ -55,6 +55,7 @@ cdef extern from "<fcntl.h>" nogil:
         O_CLOEXEC
         F_GETFL
         F_SETFL
+        F_DUPFD_CLOEXEC
     int open(const char *path, int flags, ...)
     int fcntl(int fd, int cmd, ...)
 
