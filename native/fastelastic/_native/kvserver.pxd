@@ -49,6 +49,7 @@ cdef extern from "kvbuf.h" nogil:
 
     cdef cppclass fe_inbuf:
         fe_scan scan
+
         @staticmethod
         fe_inbuf *holding(const char *p, size_t n, const fe_scan &scan)
         char *data()

@@ -19,10 +19,10 @@ Invariants:
 """
 
 cimport cython
-from cpython.mem cimport PyMem_RawFree, PyMem_RawMalloc, PyMem_RawRealloc
+from cpython.mem cimport PyMem_RawFree, PyMem_RawMalloc
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdio cimport snprintf
-from libc.string cimport memcmp, memcpy, memmove, strerror, strlen
+from libc.string cimport memcmp, strerror, strlen
 from libcpp cimport bool as cbool
 from libcpp.pair cimport pair
 from libcpp.string cimport string
