@@ -183,9 +183,9 @@ def test_an_idle_connection_costs_the_server_at_most_160_bytes_of_state():
     """A connection's fixed state (buffers are allocated only while used) bounds the server's
     RSS per held connection at 96K ranks; the optional parts (a partial request, disconnect
     actions, streamed values, the token challenge) live behind pointers. 144 bytes today."""
-    from fastelastic._native import kvserver
+    from fastelastic._native import kvcore
 
-    assert 64 <= kvserver.CONN_BYTES <= 160, kvserver.CONN_BYTES
+    assert 64 <= kvcore.CONN_BYTES <= 160, kvcore.CONN_BYTES
 
 
 _FD_TABLE_PROBE = """

@@ -13,7 +13,7 @@ from datetime import timedelta
 
 import pytest
 
-from fastelastic._native.kvserver import hmac_sha256
+from fastelastic._native.kvproto import hmac_sha256
 from fastelastic.errors import StoreConnectionError, StoreError
 from fastelastic.store import TCPStore
 from fastelastic.store.auth import TOKEN_FILE_ENV, read_token

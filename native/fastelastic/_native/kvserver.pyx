@@ -1,67 +1,43 @@
 # distutils: language = c++
-"""Epoll TCP key-value server speaking torch's TCPStore wire protocol.
+"""Epoll TCP key-value server speaking torch's TCPStore wire protocol: the sockets and the loop.
+
+The protocol (kvproto.pyx) and the state it acts on (kvcore.pyx) have no sockets; this layer
+accepts connections, reads their bytes into the protocol, sends the replies it builds, and arms
+epoll for what each connection waits for.
 
 Invariants:
 - One thread runs ``_loop`` with the GIL released; it alone touches the maps and connections.
   Python threads only read the counters and write the wake-up eventfd.
-- A request is executed only once all of its bytes are buffered (``_measure`` says how long it
-  is), so execution never bounds-checks and a half-received request has no effect.
-- A client that breaks the protocol loses its own connection and nothing else: the request is
-  not executed, its registrations are dropped and its ``on_close`` actions run.
-- ``Waiter`` entries name a connection by (fd, cid, gen) and sit in ``_waiters[key]`` only while
-  that wait is pending: each connection knows where its entries are (``WaitKey.pos``), so dropping a
-  wait removes them in O(1) each.
-- Memory is bounded: a connection is not read while its unsent replies exceed ``max_unsent``; no
-  reply is built above ``max_reply``; before its handshake a connection buffers at most 4 bytes
-  and lives at most ``handshake_ms``; and when every connection's buffers together exceed
-  ``buffer_budget`` the largest holder is disconnected (one log line names it).
-- Connection state changes only in ``_set_state``: HANDSHAKE -> (AUTH ->) READY.
+- A connection's epoll mask follows its state (``_arm``): read unless paused, write while
+  replies wait.
+- Before its handshake a connection lives at most ``handshake_ms`` (``_expire_handshakes``).
 """
 
-cimport cython
 from cpython.mem cimport PyMem_RawFree, PyMem_RawMalloc
-from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdint cimport int64_t, uint64_t
 from libc.stdio cimport snprintf
-from libc.string cimport memcmp, strerror, strlen
-from libcpp cimport bool as cbool
-from libcpp.pair cimport pair
-from libcpp.string cimport string
-from libcpp.unordered_set cimport unordered_set
-from libcpp.vector cimport vector
+from libc.string cimport strerror
 
 from fastelastic._native.includes.linux cimport (
     EAGAIN, EINTR, EMFILE, ENFILE, EPOLL_CLOEXEC, EPOLL_CTL_ADD, EPOLL_CTL_DEL, EPOLL_CTL_MOD,
-    EPOLLERR, EPOLLHUP, EPOLLIN, EPOLLOUT, EPOLLRDHUP, EFD_CLOEXEC, EFD_NONBLOCK, FE_DEBUG,
-    IPPROTO_TCP,
-    MSG_NOSIGNAL, O_CLOEXEC, O_RDONLY, SOCK_CLOEXEC, SOCK_NONBLOCK, SOL_SOCKET, SO_KEEPALIVE,
-    TCP_KEEPCNT, TCP_KEEPIDLE, TCP_KEEPINTVL, TCP_NODELAY, TCP_USER_TIMEOUT, F_DUPFD_CLOEXEC,
-    accept4, close, fcntl,
-    epoll_create1, epoll_ctl, epoll_event, epoll_wait, errno, eventfd, fe_monotonic_ns,
-    fe_nofile_limit, fe_peer_name, fe_sendv, getpid, iovec, open, read, recv, send, setsockopt,
-    write,
+    EPOLLERR, EPOLLHUP, EPOLLIN, EPOLLOUT, EPOLLRDHUP, EFD_CLOEXEC, EFD_NONBLOCK,
+    F_DUPFD_CLOEXEC, IPPROTO_TCP, MSG_NOSIGNAL, O_CLOEXEC, O_RDONLY, SOCK_CLOEXEC,
+    SOCK_NONBLOCK, SOL_SOCKET, SO_KEEPALIVE, TCP_KEEPCNT, TCP_KEEPIDLE, TCP_KEEPINTVL,
+    TCP_NODELAY, TCP_USER_TIMEOUT, accept4, close, epoll_create1, epoll_ctl, epoll_event,
+    epoll_wait, errno, eventfd, fcntl, fe_monotonic_ns, fe_nofile_limit, fe_sendv, getpid,
+    iovec, open, read, recv, send, setsockopt, write,
 )
+from fastelastic._native.kvbuf cimport fe_scan
+from fastelastic._native.kvcore cimport CONN_READY, Pending, Waiter
+from fastelastic._native.kvproto cimport KVProtocol
 from fastelastic._native.kvtune cimport *
 from fastelastic._native.spin cimport spin_again, spin_deadline
-from fastelastic._native.wire cimport *
-
-cdef extern from "hmac_sha256.h" nogil:
-    void fe_hmac_sha256(const void *key, size_t klen, const void *a, size_t alen,
-                        const void *b, size_t blen, unsigned char *out)
-    int fe_equal_ct(const unsigned char *a, const unsigned char *b, size_t n)
-    int fe_random(void *buf, size_t n)
 
 import logging
 import os
 
+
 _log = logging.getLogger("fastelastic.store")
-
-
-def hmac_sha256(bytes key, bytes a, bytes b):
-    """The server's own HMAC-SHA256(key, a + b) (for tests against Python's hmac)."""
-    cdef unsigned char out[32]
-    fe_hmac_sha256(<const char *>key, len(key), <const char *>a, len(a), <const char *>b,
-                   len(b), out)
-    return out[:32]
 
 
 cdef extern from *:
@@ -75,12 +51,6 @@ cdef extern from *:
     const uint64_t TAG_LISTEN "FE_TAG_LISTEN"
     const uint64_t TAG_LOW "FE_TAG_LOW"
 
-cdef extern from *:
-    """
-    #define FE_NO_POS ((size_t)-1)
-    """
-    const size_t NO_POS "FE_NO_POS"    # WaitKey.pos: this key's Waiter is gone already
-
 
 cdef int check_rc(int rc) except -1:
     """The one rc check for syscalls made with the GIL: -1 raises OSError for errno (Python
@@ -90,99 +60,7 @@ cdef int check_rc(int rc) except -1:
     return rc
 
 
-# ------------------------------------------------------------------------- the command table
-# What each command's request looks like on the wire (tcpstore-protocol.md section 2): one entry
-# per command byte, read by _measure (how long a request is, which limit each length has) and by
-# _gate (extensions need the capability PING). A byte without an entry is a protocol error.
-
-cdef enum:
-    SH_UNKNOWN = 0
-    SH_FIXED = 1     # ``size`` bytes in all (command byte included)
-    SH_BLOBS = 2     # ``nblobs`` length-prefixed blobs (a key, then values), then ``size`` bytes
-    SH_MULTI = 3     # a count, then that many keys (``pairs``: key and value blobs)
-
-
-cdef struct Shape:
-    uint8_t kind
-    uint8_t nblobs
-    uint8_t size
-    cbool pairs
-    cbool ext        # one of our extensions
-
-
-cdef Shape SHAPES[256]
-
-
-cdef void _shape(uint8_t cmd, uint8_t kind, uint8_t nblobs, uint8_t size, bint pairs=False):
-    SHAPES[cmd].kind = kind
-    SHAPES[cmd].nblobs = nblobs
-    SHAPES[cmd].size = size
-    SHAPES[cmd].pairs = pairs
-    SHAPES[cmd].ext = cmd >= CMD_EXT_WAIT_GET
-
-
-cdef void _fill_shapes():
-    cdef int c
-    for c in range(256):
-        SHAPES[c].kind = SH_UNKNOWN
-        SHAPES[c].ext = c >= CMD_EXT_WAIT_GET
-    for c in (CMD_VALIDATE, CMD_PING):
-        _shape(c, SH_FIXED, 0, 5)
-    _shape(CMD_EXT_AUTH, SH_FIXED, 0, 1 + AUTH_CHALLENGE_LEN)
-    for c in (CMD_GETNUMKEYS, CMD_CANCEL_WAIT, CMD_LIST_KEYS):
-        _shape(c, SH_FIXED, 0, 1)
-    for c in (CMD_SET, CMD_APPEND, CMD_QUEUE_PUSH, CMD_EXT_ON_DISCONNECT_APPEND):
-        _shape(c, SH_BLOBS, 2, 0)
-    _shape(CMD_COMPARE_SET, SH_BLOBS, 3, 0)
-    for c in (CMD_GET, CMD_DELETE_KEY, CMD_QUEUE_POP, CMD_QUEUE_LEN, CMD_EXT_WAIT_GET):
-        _shape(c, SH_BLOBS, 1, 0)
-    for c in (CMD_ADD, CMD_BARRIER):
-        _shape(c, SH_BLOBS, 1, 8)
-    for c in (CMD_CHECK, CMD_WAIT, CMD_MULTI_GET, CMD_EXT_TRY_MULTI_GET):
-        _shape(c, SH_MULTI, 0, 0)
-    _shape(CMD_MULTI_SET, SH_MULTI, 0, 0, True)
-
-
-_fill_shapes()
-
-# What one connection's state costs the server before any buffer (tests keep it from growing).
-CONN_BYTES = sizeof(Conn)
-
-
-cdef inline void _put_value(Conn *c, fe_entry *e) noexcept nogil:
-    """A value for c's reply: a large one is streamed from the map (pinned), not copied."""
-    if not c.out.put_value(e, STREAM_ABOVE):
-        fe_set_oom()
-
-
-cdef inline void _read_keys(const char *q, uint64_t count, vector[string] &keys) noexcept nogil:
-    """Copies the keys of a measured CHECK or WAIT request at q (waits keep their keys)."""
-    cdef uint64_t _j, ln
-    keys.reserve(count)
-    for _j in range(count):
-        ln = load_u64(q)
-        keys.push_back(string(q + 8, ln))
-        q += 8 + ln
-
-
-cdef inline void _ref_keys(const char *q, uint64_t count, vector[KeyRef] &refs,
-                           bint with_values) noexcept nogil:
-    """Points at (and hashes) the keys of a measured MULTI_GET, or MULTI_SET with values."""
-    cdef uint64_t _j
-    cdef KeyRef r
-    refs.reserve(count)
-    for _j in range(count):
-        r.n = load_u64(q)
-        r.k = q + 8
-        r.h = fe_kvmap.hash(r.k, r.n)
-        q += 8 + r.n
-        if with_values:
-            r.v = q
-            q += 8 + load_u64(q)
-        refs.push_back(r)
-
-
-cdef class KVServer:
+cdef class KVServer(KVProtocol):
     """The store's server: an epoll loop over already-listening sockets.
 
     Args:
@@ -219,28 +97,14 @@ cdef class KVServer:
         cdef epoll_event ev
         cdef int fd, one = 1
         cdef uint64_t i = 0
-        if max_reply < max_value + 64:
-            raise ValueError(f"max_reply ({max_reply}) must exceed max_value ({max_value}): "
-                             "a GET of the largest value must fit")
-        if buffer_budget < max_reply:
-            raise ValueError(f"buffer_budget ({buffer_budget}) must be at least max_reply "
-                             f"({max_reply})")
-        if handshake_ms <= 0:
-            raise ValueError(f"handshake_ms must be positive, got {handshake_ms}")
-        self._owner_pid = getpid()
-        self._spin.budget_ns = spin_us * 1000 if spin_us > 0 else 0
-        self._max_key = max_key
-        self._max_value = max_value
-        self._max_keys = max_keys
-        self._max_reply = max_reply
-        self._budget.max_unsent = max_unsent
-        self._budget.limit = buffer_budget
-        self._handshake_ns = handshake_ms * 1000000
+        KVProtocol.__init__(self, max_key=max_key, max_value=max_value, max_keys=max_keys,
+                            max_reply=max_reply, max_unsent=max_unsent,
+                            buffer_budget=buffer_budget, handshake_ms=handshake_ms, token=token)
         if keepalive_s < 0:
             raise ValueError(f"keepalive_s must be 0 (off) or more, got {keepalive_s}")
+        self._owner_pid = getpid()
+        self._spin.budget_ns = spin_us * 1000 if spin_us > 0 else 0
         self._keepalive_s = keepalive_s
-        self._token = token
-        self._next_cid = 1
         self._rdbuf = <char *>PyMem_RawMalloc(RDBUF_SIZE)
         if self._rdbuf == NULL:
             raise MemoryError()
@@ -298,28 +162,6 @@ cdef class KVServer:
         if self._wakefd >= 0:
             write(self._wakefd, &one, 8)
 
-    @property
-    def num_connections(self):
-        return self.accepted - self.closed
-
-    @property
-    def num_keys(self):
-        return self._kv.size()
-
-    @property
-    def last_error(self):
-        """The reason the most recent misbehaving connection was closed, or None."""
-        return None if self._last_why == NULL else self._last_why.decode()
-
-    @property
-    def buffered(self):
-        """Bytes every connection's buffers hold now (what ``buffer_budget`` bounds)."""
-        return self._budget.held
-
-    @property
-    def requires_token(self):
-        return not self._token.empty()
-
     def close(self):
         """Closes every fd the server owns. Call after the loop has returned."""
         cdef size_t i
@@ -327,15 +169,7 @@ cdef class KVServer:
             raise RuntimeError("stop() the server and wait for serve_forever() to return first")
         if self._owner_pid != getpid():
             return  # a forked child must not close its parent's sockets
-        for i in range(self._conns.size()):
-            if self._conns[i] != NULL:
-                close(self._conns[i].fd)
-                self._free_conn(self._conns[i])
-                self._conns[i] = NULL
-        self._conns.clear()
-        self._handshakes.clear()
-        self._resume.clear()
-        self._budget.held = 0
+        self._free_all()
         for i in range(self._listen_fds.size()):
             close(self._listen_fds[i])
         self._listen_fds.clear()
@@ -343,9 +177,6 @@ cdef class KVServer:
             if fd >= 0:
                 close(fd)
         self._epfd = self._wakefd = self._spare_fd = -1
-        self._kv.clear()
-        self._queues.clear()
-        self._waiters.clear()
 
     def __dealloc__(self):
         if self._epfd >= 0 and not self._running:
@@ -354,7 +185,7 @@ cdef class KVServer:
             PyMem_RawFree(self._rdbuf)
             self._rdbuf = NULL
 
-    # ----------------------------------------------------------------------------- the loop
+    # ------------------------------------------------------------------------------ the loop
 
     cdef int _wait(self, epoll_event *events, bint may_spin) noexcept nogil:
         """epoll_wait() for the next round: polls for up to the spin budget, then blocks."""
@@ -464,15 +295,6 @@ cdef class KVServer:
                 self._over_budget(NULL)
         return 0
 
-    cdef Conn *_lookup(self, int fd, uint64_t cid) noexcept nogil:
-        cdef Conn *c
-        if fd < 0 or <size_t>fd >= self._conns.size():
-            return NULL
-        c = self._conns[fd]
-        if c == NULL or c.cid != cid:
-            return NULL
-        return c
-
     cdef void _on_accept(self, int lfd) noexcept nogil:
         cdef int fd, n = 0
         cdef char msg[160]
@@ -512,56 +334,6 @@ cdef class KVServer:
             self._handshakes.push_back(p)
             self.accepted += 1
 
-    cdef Conn *_new_conn(self, int fd, uint32_t events) noexcept nogil:
-        """A fresh connection on fd, in CONN_HANDSHAKE, registered in _conns."""
-        cdef Conn *c = new Conn()   # value-initialized: zeros, NULLs and empty buffers
-        c.fd = fd
-        c.cid = self._next_cid
-        self._next_cid += 1
-        c.state = CONN_HANDSHAKE
-        c.events = events
-        if <size_t>fd >= self._conns.size():
-            self._conns.resize(<size_t>fd * 2 + 64, NULL)
-        self._conns[fd] = c
-        return c
-
-    def execute_socketless(self, bytes frames, *, bint handshaken=True):
-        """Runs the requests in ``frames`` as one client connection would, with no socket: the
-        protocol core (gate, measure, the command's method) on its own, for tests.
-
-        The connection starts after VALIDATE and the capability PING when ``handshaken``,
-        else before VALIDATE; it is closed (its disconnect actions run) at the end. Only on a
-        server that is not serving. Values of the streamed size and above are not in the
-        replies returned.
-
-        Returns:
-            ``(replies, unconsumed, closed)``: the reply bytes, the number of trailing bytes
-            of an incomplete request, and the server's reason if it closed the connection
-            (else None).
-        """
-        cdef Conn *c
-        cdef size_t used = 0
-        cdef fe_scan scan
-        cdef uint64_t cid
-        cdef int fd
-        cdef bytes out
-        if self._running:
-            raise RuntimeError("execute_socketless: the server is serving")
-        fd = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
-        c = self._new_conn(fd, 0)
-        cid = c.cid
-        if handshaken:
-            self._set_state(c, CONN_READY if self._token.empty() else CONN_AUTH)
-            c.ext = True
-        self._last_why = NULL
-        if (self._consume(c, frames, len(frames), &scan, &used) < 0
-                or self._lookup(fd, cid) == NULL):
-            why = "closed" if self._last_why == NULL else self._last_why.decode("utf-8", "replace")
-            return b"", 0, why
-        out = c.out.bytes.substr(c.out.pos())
-        self._close_conn(c, NULL)
-        return out, len(frames) - used, None
-
     cdef void _refused_fd(self) noexcept nogil:
         """accept() ran out of fds: counted and logged (rate-limited) with the limit."""
         self.refused_fds += 1
@@ -571,13 +343,6 @@ cdef class KVServer:
                            "open): refused a connection (%d so far). Raise the limit "
                            "(ulimit -n) on the host that runs the store.",
                            fe_nofile_limit(), self.accepted - self.closed, self.refused_fds)
-
-    cdef void _set_state(self, Conn *c, ConnState state) noexcept nogil:
-        """The one place a connection's state changes; the handshake only moves forward."""
-        if FE_DEBUG and state <= c.state:
-            with gil:
-                raise AssertionError(f"connection state {c.state} -> {state}")
-        c.state = state
 
     cdef int _arm(self, Conn *c) noexcept nogil:
         """Sets c's epoll mask from its state: read unless paused, write while replies wait.
@@ -593,49 +358,7 @@ cdef class KVServer:
         c.events = ev.events
         return 0
 
-    cdef void _account(self, Conn *c) noexcept nogil:
-        """Re-counts c's buffers (heap bytes of its replies and of its partial request)."""
-        self._budget.recount(c.counted, c.out.heap() + (c.inb.heap() if c.inb != NULL else 0))
-
-    cdef bint _over_budget(self, Conn *c) noexcept nogil:
-        """Brings the buffers back under the budget: first drops idle connections' spare
-        capacity, then closes whichever connection holds the most (c included). O(connections),
-        run only when the budget is exceeded. Returns True if c (may be NULL) was closed."""
-        cdef size_t i, most
-        cdef Conn *x
-        cdef Conn *worst
-        cdef uint64_t cid = c.cid if c != NULL else 0
-        cdef int fd = c.fd if c != NULL else -1
-        cdef char msg[160]
-        for i in range(self._conns.size()):
-            x = self._conns[i]
-            if x != NULL and x.out.unsent() == 0 and x.out.heap() > 0:
-                x.out.reset_if_sent(0)
-                self._account(x)
-        while self._budget.over(self._kv.retired_bytes()):
-            worst = NULL
-            most = 0
-            for i in range(self._conns.size()):
-                x = self._conns[i]
-                if x != NULL and x.counted + x.out.unsent() > most:
-                    worst, most = x, x.counted + x.out.unsent()
-            if worst == NULL:
-                break
-            self.shed += 1
-            snprintf(msg, sizeof(msg), "connection buffers over the budget (%zu MiB): closing the "
-                     "connection that holds the most (%zu KiB)", self._budget.limit >> 20,
-                     most >> 10)
-            self._log_conn(worst.fd, msg)
-            self._close_conn(worst, "connection buffers over the budget")
-        return c != NULL and self._lookup(fd, cid) == NULL
-
-    cdef void _log_conn(self, int fd, const char *msg) noexcept nogil:
-        """One warning naming the client at fd (takes the GIL: only for rare events)."""
-        cdef char peer[96]
-        fe_peer_name(fd, peer, sizeof(peer))
-        with gil:
-            _log.warning("store: client %s: %s", peer.decode(errors="replace"),
-                         msg.decode(errors="replace"))
+    # --------------------------------------------------------------------------------- input
 
     cdef void _on_readable(self, Conn *c) noexcept nogil:
         cdef ssize_t got
@@ -692,520 +415,11 @@ cdef class KVServer:
                 break
         self._flush(c)
 
-    cdef bint _keep_tail(self, Conn *c, const char *p, size_t n, fe_scan *scan) noexcept nogil:
-        """Buffers the first n bytes of a partial request (and how far it was measured) in a new
-        c.inb; out of memory or over the budget, closes c and returns False."""
-        c.inb = fe_inbuf.holding(p, n, scan[0])
-        if c.inb == NULL:
-            self._close_conn(c, "out of memory buffering a request")
-            return False
-        self._account(c)
-        return not (self._budget.over(self._kv.retired_bytes()) and self._over_budget(c))
-
-    cdef void _consume_rb(self, Conn *c) noexcept nogil:
-        """Executes the complete requests buffered in c.inb; keeps only an incomplete tail."""
-        cdef size_t used
-        if self._consume(c, c.inb.data(), c.inb.size(), &c.inb.scan, &used) < 0:
-            return
-        c.inb.consume(used)
-        if c.inb.size() == 0:   # the buffer lives only while a request is partial
-            del c.inb
-            c.inb = NULL
-            self._account(c)
-
-    cdef bint _reserve_rb(self, Conn *c, size_t want) noexcept nogil:
-        """Makes c.inb hold at least want bytes; out of memory or over the budget, closes c and
-        returns False."""
-        if want <= c.inb.size() + c.inb.room():
-            return True
-        if not c.inb.reserve(want):
-            self._close_conn(c, "out of memory buffering a request")
-            return False
-        self._account(c)
-        return not (self._budget.over(self._kv.retired_bytes()) and self._over_budget(c))
-
-    cdef int _consume(self, Conn *c, const char *p, size_t n, fe_scan *scan,
-                      size_t *used) noexcept nogil:
-        """Executes every complete request in p[0:n]; returns -1 if the connection was closed.
-
-        ``scan`` carries how far a partial multi-key request at p was already measured, so a
-        request that arrives in many reads is scanned once, not once per read; it is left
-        saying how many bytes the next parse needs.
-        """
-        cdef size_t off = 0, before
-        cdef ssize_t m
-        cdef uint8_t cmd
-        scan.need = 0
-        while off < n:
-            cmd = <uint8_t>p[off]
-            if (c.state != CONN_READY or SHAPES[cmd].ext) and self._gate(c, cmd) < 0:
-                return -1
-            m = self._measure(p + off, n - off, scan)
-            if m == 0:
-                break
-            if m < 0:
-                self._close_conn(c, "malformed or over-limit request")
-                return -1
-            before = c.out.bytes.size()
-            if self._execute(c, p + off) < 0:
-                return -1
-            off += <size_t>m
-            if fe_take_oom():
-                c.out.truncate(before, self._kv)  # no half reply: the client sees the close
-                self._close_conn(c, "out of memory writing a reply")
-                return -1
-            if c.out.heap() > 0 or c.counted:
-                self._account(c)
-                if self._budget.over(self._kv.retired_bytes()) and self._over_budget(c):
-                    return -1
-            if self._budget.should_pause(c.out):
-                # Backpressure: the client is not reading its replies; stop reading its requests
-                # (the rest stays buffered) until they drain (see _flush).
-                c.paused = True
-                self.paused += 1
-                break
-        used[0] = off
-        return 0
-
-    cdef int _gate(self, Conn *c, uint8_t cmd) noexcept nogil:
-        """Which requests a connection may send in its state; -1 (closed) if not this one.
-        Checked on a request's first byte, before anything of it is buffered."""
-        if c.state == CONN_HANDSHAKE:
-            if cmd != CMD_VALIDATE:
-                self._close_conn(c, "first request is not VALIDATE")
-                return -1
-        elif c.state == CONN_AUTH:
-            if cmd != CMD_PING and cmd != CMD_EXT_AUTH:
-                self._close_conn(c, "request before the token proof (this store requires a "
-                                 "token: --token-file / FASTELASTIC_STORE_TOKEN_FILE)")
-                return -1
-        if SHAPES[cmd].ext and not c.ext:
-            self._close_conn(c, "extension request before the capability PING")
-            return -1
-        return 0
-
-    # ----------------------------------------------------------------------------- parsing
-
-    @cython.boundscheck(False)
-    cdef ssize_t _measure(self, const char *p, size_t n, fe_scan *scan) noexcept nogil:
-        """Length of the request at p if all of it is in p[0:n]; 0 if not (scan.need says how
-        many bytes must be buffered before it can be); -1 if it is malformed or over a limit."""
-        cdef size_t off = 1
-        cdef uint64_t count, i, ln, start = 0
-        cdef const Shape *sh = &SHAPES[<uint8_t>p[0]]
-        cdef size_t lim0 = self._max_key, lim1 = self._max_value
-        cdef uint64_t per = 2 if sh.pairs else 1
-        if sh.kind == SH_FIXED:
-            off = 0   # size is all of it (below)
-        elif sh.kind == SH_MULTI:
-            if n < 9:
-                scan.need = 9
-                return 0
-            count = load_u64(p + 1)
-            if count > self._max_keys:
-                return -1
-            off = 9
-            if scan.off > 0:
-                off = scan.off
-                start = scan.i
-            for i in range(start, count * per):
-                if n - off < 8:
-                    scan.off = off
-                    scan.i = i
-                    scan.need = off + 8
-                    return 0
-                ln = load_u64(p + off)
-                if ln > (lim1 if (sh.pairs and (i & 1)) else lim0):
-                    return -1
-                if n - off - 8 < ln:
-                    scan.off = off
-                    scan.i = i
-                    scan.need = off + 8 + <size_t>ln
-                    return 0
-                off += 8 + <size_t>ln
-            scan.off = 0
-            scan.i = 0
-            return <ssize_t>off
-        elif sh.kind != SH_BLOBS:
-            return -1
-        for i in range(<uint64_t>sh.nblobs):
-            if n - off < 8:
-                scan.need = off + 8
-                return 0
-            ln = load_u64(p + off)
-            if ln > (lim0 if i == 0 else lim1):
-                return -1
-            if n - off - 8 < ln:
-                scan.need = off + 8 + ln
-                return 0
-            off += 8 + <size_t>ln
-        off += sh.size   # a fixed request's length; ADD, BARRIER: the int64 after the key
-        if n < off:
-            scan.need = off
-            return 0
-        return <ssize_t>off
-
-    # ----------------------------------------------------------------------------- commands
-
-    cdef int _execute(self, Conn *c, const char *p) noexcept nogil:
-        """Runs one complete request (one small method per command); returns -1 if it closed
-        the connection."""
-        cdef uint8_t cmd = <uint8_t>p[0]
-        cdef const char *q = p + 1
-        self.ops += 1
-        if c.state == CONN_HANDSHAKE:   # _gate let only VALIDATE through
-            if load_u32(q) != VALIDATE_MAGIC:
-                self._close_conn(c, "VALIDATE without the TCPStore magic")
-                return -1
-            self._set_state(c, CONN_READY if self._token.empty() else CONN_AUTH)
-            return 0
-        if cmd == CMD_SET or cmd == CMD_APPEND:
-            return self._cmd_set(c, cmd, q)
-        elif cmd == CMD_GET:
-            return self._cmd_get(c, cmd, q)
-        elif cmd == CMD_EXT_WAIT_GET:
-            return self._cmd_ext_wait_get(c, cmd, q)
-        elif cmd == CMD_ADD:
-            return self._cmd_add(c, cmd, q)
-        elif cmd == CMD_COMPARE_SET:
-            return self._cmd_compare_set(c, cmd, q)
-        elif cmd == CMD_CHECK or cmd == CMD_WAIT:
-            return self._cmd_check(c, cmd, q)
-        elif cmd == CMD_MULTI_GET or cmd == CMD_EXT_TRY_MULTI_GET:
-            return self._cmd_multi_get(c, cmd, q)
-        elif cmd == CMD_MULTI_SET:
-            return self._cmd_multi_set(c, cmd, q)
-        elif cmd == CMD_GETNUMKEYS:
-            return self._cmd_getnumkeys(c, cmd, q)
-        elif cmd == CMD_DELETE_KEY:
-            return self._cmd_delete_key(c, cmd, q)
-        elif cmd == CMD_CANCEL_WAIT:
-            return self._cmd_cancel_wait(c, cmd, q)
-        elif cmd == CMD_PING:
-            return self._cmd_ping(c, cmd, q)
-        elif cmd == CMD_EXT_AUTH:
-            return self._cmd_ext_auth(c, cmd, q)
-        elif cmd == CMD_VALIDATE:
-            return self._cmd_validate(c, cmd, q)
-        elif cmd == CMD_QUEUE_PUSH:
-            return self._cmd_queue_push(c, cmd, q)
-        elif cmd == CMD_QUEUE_POP or cmd == CMD_QUEUE_LEN:
-            return self._cmd_queue_pop(c, cmd, q)
-        elif cmd == CMD_LIST_KEYS:
-            return self._cmd_list_keys(c, cmd, q)
-        elif cmd == CMD_BARRIER:
-            return self._cmd_barrier(c, cmd, q)
-        elif cmd == CMD_EXT_ON_DISCONNECT_APPEND:
-            return self._cmd_on_disconnect(c, cmd, q)
-        return 0
-
-    cdef int _cmd_set(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil:
-        """SET, APPEND."""
-        cdef uint64_t ln, ln2
-        cdef string key
-        cdef bint stored
-        ln = load_u64(q)
-        key.assign(q + 8, ln)
-        q += 8 + ln
-        ln2 = load_u64(q)
-        if cmd == CMD_SET:
-            stored = self._kv.set(key, q + 8, ln2)
-        else:
-            stored = self._kv.append(key, q + 8, ln2)
-        if not stored:
-            return self._out_of_memory(c)
-        self._notify(key)
-        return 0
-
-    cdef int _cmd_get(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil:
-        """GET."""
-        cdef uint64_t ln
-        cdef string key
-        cdef fe_entry * e
-        ln = load_u64(q)
-        key.assign(q + 8, ln)
-        e = self._kv.find(key)
-        if e == NULL:
-            put_u64(c.out.bytes, 0)
-        else:
-            _put_value(c, e)
-        return 0
-
-    cdef int _cmd_ext_wait_get(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil:
-        """EXT_WAIT_GET."""
-        cdef uint64_t ln
-        cdef string key
-        cdef fe_entry * e
-        # torch's get is WAIT then GET: two round trips even for a key that is there.
-        ln = load_u64(q)
-        key.assign(q + 8, ln)
-        e = self._kv.find(key)
-        if e != NULL:
-            put_u8(c.out.bytes, REPLY_VALUE)
-            _put_value(c, e)
-        else:
-            self._drop_wait(c)
-            self._register_wait(c, key)
-            c.wait_get = True
-            c.waiting = True
-            self.waiting += 1
-        return 0
-
-    cdef int _cmd_add(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil:
-        """ADD."""
-        cdef uint64_t ln
-        cdef int64_t old
-        cdef string key
-        ln = load_u64(q)
-        key.assign(q + 8, ln)
-        if self._bump(c, key, <int64_t>load_u64(q + 8 + ln), &old) < 0:
-            return -1
-        put_u64(c.out.bytes, <uint64_t>old)
-        self._notify(key)
-        return 0
-
-    cdef int _cmd_compare_set(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil:
-        """COMPARE_SET."""
-        cdef uint64_t ln, ln2, ln3
-        cdef string key
-        cdef fe_entry * e
-        cdef uint64_t h
-        ln = load_u64(q)
-        key.assign(q + 8, ln)
-        q += 8 + ln
-        ln2 = load_u64(q)
-        ln3 = load_u64(q + 8 + ln2)
-        h = fe_kvmap.hash(key.data(), key.size())   # once, for the lookup and the write
-        e = self._kv.find(key.data(), key.size(), h)
-        if e == NULL and ln2 != 0:
-            put_blob(c.out.bytes, q + 8, ln2)
-        elif e != NULL and not (e.vlen == ln2 and memcmp(e.val(), q + 8, ln2) == 0):
-            put_blob(c.out.bytes, e.val(), e.vlen)
-            self._notify(key)
-        else:
-            if not self._kv.set(key.data(), key.size(), h, q + 16 + ln2, ln3):
-                return self._out_of_memory(c)
-            put_blob(c.out.bytes, q + 16 + ln2, ln3)
-            self._notify(key)
-        return 0
-
-    cdef int _cmd_check(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil:
-        """CHECK, WAIT."""
-        cdef uint64_t count, i
-        cdef vector[string] keys
-        cdef unordered_set[string] seen
-        cdef bint found
-        count = load_u64(q)
-        _read_keys(q + 8, count, keys)
-        if cmd == CMD_CHECK:
-            found = True
-            for i in range(count):
-                if self._missing(keys[i]):
-                    found = False
-                    break
-            put_u8(c.out.bytes, REPLY_READY if found else REPLY_NOT_READY)
-        else:
-            self._drop_wait(c)
-            c.wait_gen += 1
-            c.wait_left = 0
-            for i in range(count):
-                # a duplicate key in one WAIT is satisfied by one write
-                if self._missing(keys[i]) and seen.insert(keys[i]).second:
-                    self._register_wait(c, keys[i])
-            if c.wait_left == 0:
-                put_u8(c.out.bytes, REPLY_STOP_WAITING)
-            else:
-                c.waiting = True
-                self.waiting += 1
-        return 0
-
-    cdef int _cmd_multi_get(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil:
-        """MULTI_GET, EXT_TRY_MULTI_GET."""
-        cdef uint64_t count, i
-        cdef vector[KeyRef] refs
-        cdef vector[fe_entry *] found_vals
-        cdef fe_entry * e
-        cdef size_t total, inline
-        count = load_u64(q)
-        _ref_keys(q + 8, count, refs, False)
-        found_vals.reserve(count)
-        total = inline = 0
-        # Pipelined lookups (see kvmap.h): slots PREFETCH_SLOT keys ahead, entries
-        # PREFETCH_ENTRY ahead, so the misses of many keys overlap.
-        for i in range(count):
-            if i + PREFETCH_SLOT < count:
-                self._kv.prefetch_slot(refs[i + PREFETCH_SLOT].h)
-            if i + PREFETCH_ENTRY < count:
-                self._kv.prefetch_entry(refs[i + PREFETCH_ENTRY].h)
-            e = self._kv.find(refs[i].k, refs[i].n, refs[i].h)
-            if e == NULL and cmd == CMD_EXT_TRY_MULTI_GET:
-                put_u8(c.out.bytes, 0)
-                return 0
-            found_vals.push_back(e)
-            if e != NULL:
-                total += e.vlen
-                if e.vlen < STREAM_ABOVE:
-                    inline += e.vlen
-        total += 8 * count
-        inline += 8 * count
-        if total > self._max_reply:
-            return self._refuse_reply(c, total)
-        if cmd == CMD_EXT_TRY_MULTI_GET:
-            put_u8(c.out.bytes, 1)
-        if not fe_reserve(c.out.bytes, c.out.bytes.size() + inline):
-            self._close_conn(c, "out of memory for a MULTI_GET reply")
-            return -1
-        for i in range(count):
-            e = found_vals[i]
-            if e == NULL:
-                put_u64(c.out.bytes, 0)
-            else:
-                _put_value(c, e)
-        return 0
-
-    cdef int _cmd_multi_set(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil:
-        """MULTI_SET."""
-        cdef uint64_t count, i
-        cdef string key
-        cdef vector[KeyRef] refs
-        count = load_u64(q)
-        _ref_keys(q + 8, count, refs, True)
-        for i in range(count):   # pipelined like MULTI_GET's
-            if i + PREFETCH_SLOT < count:
-                self._kv.prefetch_slot(refs[i + PREFETCH_SLOT].h)
-            if i + PREFETCH_ENTRY < count:
-                self._kv.prefetch_entry(refs[i + PREFETCH_ENTRY].h)
-            if not self._kv.set(refs[i].k, refs[i].n, refs[i].h, refs[i].v + 8,
-                                load_u64(refs[i].v)):
-                return self._out_of_memory(c)
-            if not self._waiters.empty():
-                key.assign(refs[i].k, refs[i].n)
-                self._notify(key)
-        return 0
-
-    cdef int _cmd_getnumkeys(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil:
-        """GETNUMKEYS."""
-        put_u64(c.out.bytes, self._kv.size())
-        return 0
-
-    cdef int _cmd_delete_key(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil:
-        """DELETE_KEY."""
-        cdef uint64_t ln
-        ln = load_u64(q)
-        put_u64(c.out.bytes, 1 if self._kv.erase(q + 8, ln) else 0)
-        return 0
-
-    cdef int _cmd_cancel_wait(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil:
-        """CANCEL_WAIT."""
-        self._drop_wait(c)
-        put_u8(c.out.bytes, REPLY_WAIT_CANCELED)
-        return 0
-
-    cdef int _cmd_ping(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil:
-        """PING."""
-        cdef uint32_t nonce
-        nonce = load_u32(q)
-        if nonce == EXT_NONCE:
-            c.ext = True
-            if c.state == CONN_AUTH:
-                return self._challenge(c)
-            nonce = ~nonce
-        put_u32(c.out.bytes, nonce)
-        return 0
-
-    cdef int _cmd_ext_auth(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil:
-        """EXT_AUTH."""
-        return self._check_proof(c, q)
-
-    cdef int _cmd_validate(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil:
-        """VALIDATE."""
-        self._close_conn(c, "VALIDATE sent twice")
-        return -1
-
-    cdef int _cmd_queue_push(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil:
-        """QUEUE_PUSH."""
-        cdef uint64_t ln, ln2
-        cdef string key
-        ln = load_u64(q)
-        key.assign(q + 8, ln)
-        q += 8 + ln
-        ln2 = load_u64(q)
-        self._queues[key].push_back(string(q + 8, ln2))
-        self._notify_one(key)
-        return 0
-
-    cdef int _cmd_queue_pop(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil:
-        """QUEUE_POP, QUEUE_LEN."""
-        cdef uint64_t ln, count
-        cdef string key, val
-        ln = load_u64(q)
-        key.assign(q + 8, ln)
-        qit = self._queues.find(key)
-        count = 0 if qit == self._queues.end() else deref_qsize(qit)
-        put_u64(c.out.bytes, count)
-        if cmd == CMD_QUEUE_POP and count > 0:
-            pop_front_into(qit, val)
-            put_blob(c.out.bytes, val.data(), val.size())
-            if count == 1:
-                self._queues.erase(qit)
-        return 0
-
-    cdef int _cmd_list_keys(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil:
-        """LIST_KEYS."""
-        cdef uint64_t i
-        cdef fe_entry * e
-        cdef size_t total
-        total = 8
-        for i in range(self._kv.capacity()):
-            e = self._kv.at(i)
-            if e != NULL:
-                total += 8 + e.klen
-        if total > self._max_reply:
-            return self._refuse_reply(c, total)
-        put_u64(c.out.bytes, self._kv.size())
-        for i in range(self._kv.capacity()):
-            e = self._kv.at(i)
-            if e != NULL:
-                put_blob(c.out.bytes, e.key(), e.klen)
-        return 0
-
-    cdef int _cmd_barrier(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil:
-        """BARRIER."""
-        cdef uint64_t ln
-        cdef int64_t old, ws
-        cdef string key
-        ln = load_u64(q)
-        key.assign(q + 8, ln)
-        ws = <int64_t>load_u64(q + 8 + ln)
-        if self._bump(c, key, 1, &old) < 0:   # the count is an ordinary key, as torch's
-            return -1
-        if old >= ws:
-            self._notify(key)
-            put_u8(c.out.bytes, REPLY_STOP_WAITING)
-        else:
-            self._drop_wait(c)
-            c.wait_gen += 1
-            c.wait_left = 0
-            self._register_wait(c, key)
-            c.waiting = True
-            self.waiting += 1
-        return 0
-
-    cdef int _cmd_on_disconnect(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil:
-        """EXT_ON_DISCONNECT_APPEND."""
-        cdef uint64_t ln, ln2
-        cdef pair[string, string] action
-        ln = load_u64(q)
-        action.first.assign(q + 8, ln)
-        q += 8 + ln
-        ln2 = load_u64(q)
-        action.second.assign(q + 8, ln2)
-        if c.on_close == NULL:
-            c.on_close = new vector[pair[string, string]]()
-            self._arm_keepalive(c)
-        c.on_close.push_back(action)
-        put_u8(c.out.bytes, 0)
-        return 0
+    cdef void _release_fd(self, int fd) noexcept nogil:
+        # Out of the epoll set first: close() alone would leave it there while a forked child
+        # still holds the file, and its events would name a reused fd number.
+        epoll_ctl(self._epfd, EPOLL_CTL_DEL, fd, NULL)
+        close(fd)
 
     cdef void _arm_keepalive(self, Conn *c) noexcept nogil:
         """Ends c within the keep-alive window of its host vanishing (no FIN: power or link
@@ -1225,184 +439,8 @@ cdef class KVServer:
         setsockopt(c.fd, IPPROTO_TCP, TCP_KEEPINTVL, &intvl, sizeof(intvl))
         setsockopt(c.fd, IPPROTO_TCP, TCP_KEEPCNT, &cnt, sizeof(cnt))
         setsockopt(c.fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_ms, sizeof(user_ms))
-    cdef int _bump(self, Conn *c, const string &key, int64_t delta, int64_t *result) noexcept nogil:
-        """Adds delta to the decimal counter at key (missing is 0; wraps like int64).
 
-        Returns -1, with the connection closed, if the value there is not a decimal integer.
-        """
-        cdef int64_t old = 0
-        cdef string num
-        cdef uint64_t h = fe_kvmap.hash(key.data(), key.size())   # once, for find and set
-        cdef fe_entry *e = self._kv.find(key.data(), key.size(), h)
-        if e != NULL and parse_decimal(e.val(), e.vlen, &old) < 0:
-            self._close_conn(c, "ADD or BARRIER on a value that is not a decimal integer")
-            return -1
-        result[0] = <int64_t>(<uint64_t>old + <uint64_t>delta)
-        format_decimal(num, result[0])
-        if not self._kv.set(key.data(), key.size(), h, num.data(), num.size()):
-            return self._out_of_memory(c)
-        return 0
-
-    cdef int _challenge(self, Conn *c) noexcept nogil:
-        """Token required: answers the capability PING with a fresh random challenge."""
-        if c.challenge == NULL:
-            c.challenge = <char *>PyMem_RawMalloc(AUTH_CHALLENGE_LEN)
-            if c.challenge == NULL:
-                return self._out_of_memory(c)
-        if fe_random(c.challenge, AUTH_CHALLENGE_LEN) < 0:
-            self._close_conn(c, "no random bytes for a token challenge")
-            return -1
-        put_u32(c.out.bytes, EXT_AUTH_NONCE)
-        fe_append(c.out.bytes, c.challenge, AUTH_CHALLENGE_LEN)
-        return 0
-
-    cdef int _check_proof(self, Conn *c, const char *proof) noexcept nogil:
-        """EXT_AUTH: the client's HMAC of our challenge under the token; READY if it matches."""
-        cdef unsigned char want[32]
-        if c.state != CONN_AUTH or c.challenge == NULL:
-            self._close_conn(c, "EXT_AUTH without a token challenge")
-            return -1
-        fe_hmac_sha256(self._token.data(), self._token.size(), AUTH_CONTEXT,
-                       strlen(AUTH_CONTEXT), c.challenge, AUTH_CHALLENGE_LEN, want)
-        PyMem_RawFree(c.challenge)   # one proof per challenge
-        c.challenge = NULL
-        if not fe_equal_ct(want, <const unsigned char *>proof, 32):
-            self._log_conn(c.fd, "wrong token proof: closing the connection (is its token "
-                           "file the same as the server's?)")
-            self._close_conn(c, "wrong token proof")
-            return -1
-        self._set_state(c, CONN_READY)
-        put_u8(c.out.bytes, 0)
-        return 0
-
-    cdef int _refuse_reply(self, Conn *c, size_t size) noexcept nogil:
-        """A reply over max_reply is not built: the client is told by a close and the log."""
-        cdef char msg[160]
-        snprintf(msg, sizeof(msg), "refused a reply of %zu bytes (max_reply %zu); closing the "
-                 "connection", size, self._max_reply)
-        self._log_conn(c.fd, msg)
-        self._close_conn(c, "reply over max_reply")
-        return -1
-
-    cdef int _out_of_memory(self, Conn *c) noexcept nogil:
-        """A write the server could not allocate for: the writer's connection is closed."""
-        self._close_conn(c, "out of memory storing the request's key or value")
-        return -1
-
-    # ----------------------------------------------------------------------------- waiting
-
-    cdef int _missing(self, const string &key) noexcept nogil:
-        if self._kv.find(key) != NULL:
-            return 0
-        qit = self._queues.find(key)
-        if qit != self._queues.end() and deref_qsize(qit) > 0:
-            return 0
-        return 1
-
-    cdef void _register_wait(self, Conn *c, const string &key) noexcept nogil:
-        cdef Waiter w
-        cdef vector[Waiter] *ws = &self._waiters[key]
-        w.fd = c.fd
-        w.cid = c.cid
-        w.gen = c.wait_gen
-        w.slot = c.wait_keys.size()
-        c.wait_keys.resize(w.slot + 1)
-        c.wait_keys.back().key = key
-        c.wait_keys.back().pos = ws.size()
-        ws.push_back(w)
-        c.wait_left += 1
-
-    cdef void _unlink_wait(self, Conn *c, size_t slot) noexcept nogil:
-        """Removes c's Waiter for its slot-th wait key in O(1): the list's last entry moves into
-        its place, and that entry's connection is told its new position."""
-        cdef size_t pos = c.wait_keys[slot].pos
-        cdef vector[Waiter] *ws
-        cdef Waiter moved
-        cdef Conn *o
-        if pos == NO_POS:
-            return
-        c.wait_keys[slot].pos = NO_POS
-        wit = self._waiters.find(c.wait_keys[slot].key)
-        if wit == self._waiters.end():
-            return
-        ws = &deref_waiters(wit)
-        moved = ws.back()
-        ws.pop_back()
-        if pos < ws.size():
-            ws[0][pos] = moved
-            o = self._lookup(moved.fd, moved.cid)
-            if o != NULL:
-                o.wait_keys[moved.slot].pos = pos
-        if ws.size() == 0:
-            self._waiters.erase(wit)
-
-    cdef void _drop_wait(self, Conn *c) noexcept nogil:
-        """Forgets c's pending wait and removes its entries, so no wake-up follows a cancel."""
-        cdef size_t i
-        for i in range(c.wait_keys.size()):
-            self._unlink_wait(c, i)
-        c.wait_keys.clear()
-        c.wait_get = False
-        if c.waiting:
-            self.waiting -= 1
-        c.waiting = False
-        c.wait_left = 0
-        c.wait_gen += 1
-
-    cdef void _notify(self, const string &key) noexcept nogil:
-        cdef vector[Waiter] ws
-        cdef size_t i
-        cdef Conn *c
-        wit = self._waiters.find(key)
-        if wit == self._waiters.end():
-            return
-        ws.swap(deref_waiters(wit))
-        self._waiters.erase(wit)
-        for i in range(ws.size()):
-            c = self._lookup(ws[i].fd, ws[i].cid)
-            if c == NULL or not c.waiting or c.wait_gen != ws[i].gen:
-                continue
-            c.wait_keys[ws[i].slot].pos = NO_POS
-            c.wait_left -= 1
-            if c.wait_left <= 0:
-                self._finish_wait(c, ws[i])
-
-    cdef void _finish_wait(self, Conn *c, Waiter w) noexcept nogil:
-        """Answers a satisfied wait, and queues c's reply to be sent this loop round."""
-        cdef string key
-        if c.wait_get:
-            key = c.wait_keys[0].key
-            self._drop_wait(c)
-            e = self._kv.find(key)
-            put_u8(c.out.bytes, REPLY_VALUE)
-            if e == NULL:    # woken by a queue push of the same name
-                put_u64(c.out.bytes, 0)
-            else:
-                _put_value(c, e)
-        else:
-            self._drop_wait(c)
-            put_u8(c.out.bytes, REPLY_STOP_WAITING)
-        if not c.dirty:
-            c.dirty = True
-            self._dirty.push_back(w)
-
-    cdef void _notify_one(self, const string &key) noexcept nogil:
-        """A queue push satisfies one waiting consumer, not all of them."""
-        cdef Conn *c
-        cdef Waiter w
-        wit = self._waiters.find(key)
-        if wit == self._waiters.end():
-            return
-        w = deref_waiters(wit).front()
-        c = self._lookup(w.fd, w.cid)
-        if c == NULL or not c.waiting or c.wait_gen != w.gen:
-            return   # not reached: only pending waits have entries
-        self._unlink_wait(c, w.slot)
-        c.wait_left -= 1
-        if c.wait_left <= 0:
-            self._finish_wait(c, w)
-
-    # ----------------------------------------------------------------------------- output
+    # -------------------------------------------------------------------------------- output
 
     cdef void _flush(self, Conn *c) noexcept nogil:
         """Sends what the kernel takes of c's replies; re-arms epoll for the rest."""
@@ -1447,62 +485,3 @@ cdef class KVServer:
             self._replied = True
             c.out.advance(<size_t>sent, self._kv)
         return True
-
-    cdef void _free_conn(self, Conn *c) noexcept nogil:
-        """Frees c and what it holds (its fd is closed by the caller): unpins the values it
-        was still streaming."""
-        c.out.release(self._kv)
-        PyMem_RawFree(c.challenge)
-        del c.inb
-        del c.on_close
-        del c
-
-    cdef void _close_conn(self, Conn *c, const char *why) noexcept nogil:
-        cdef size_t i
-        cdef int fd = c.fd
-        cdef vector[pair[string, string]] actions
-        cdef char msg[320]
-        self._drop_wait(c)
-        if c.on_close != NULL:
-            actions.swap(c.on_close[0])
-        if why != NULL:
-            # The GIL only for a logged one: the first ten, then every thousandth.
-            self.protocol_errors += 1
-            self._last_why = why
-            if self.protocol_errors <= 10 or self.protocol_errors % 1000 == 0:
-                snprintf(msg, sizeof(msg), "closed its connection: %s (%llu so far)", why,
-                         <unsigned long long>self.protocol_errors)
-                self._log_conn(fd, msg)
-        self._budget.recount(c.counted, 0)
-        epoll_ctl(self._epfd, EPOLL_CTL_DEL, fd, NULL)   # no check: close() removes it anyway
-        close(fd)
-        self._conns[fd] = NULL
-        self._free_conn(c)
-        self.closed += 1
-        # A disconnect is an event others may wait for (a peer that died).
-        for i in range(actions.size()):
-            # out of memory here loses the action; there is no connection left to tell
-            if self._kv.append(actions[i].first, actions[i].second.data(),
-                               actions[i].second.size()):
-                self._notify(actions[i].first)
-
-
-# Small C++ iterator helpers: Cython cannot spell ``it->second.size()`` directly.
-cdef extern from *:
-    """
-    #define deref_qsize(it) ((it)->second.size())
-    #define deref_waiters(it) ((it)->second)
-    #define pop_front_into(it, out) \
-        do { (out).swap((it)->second.front()); (it)->second.pop_front(); } while (0)
-    #define PREFETCH_SLOT 16
-    #define PREFETCH_ENTRY 8
-    static inline bool fe_reserve(std::string &s, size_t n) {
-        try { s.reserve(n); return true; } catch (...) { return false; }
-    }
-    """
-    size_t deref_qsize(...) nogil
-    vector[Waiter] &deref_waiters(...) nogil
-    void pop_front_into(...) nogil
-    size_t PREFETCH_SLOT
-    size_t PREFETCH_ENTRY
-    cbool fe_reserve(string &s, size_t n) nogil

@@ -1,20 +1,10 @@
 """Type stub for the native epoll key-value server."""
 
-from typing import Optional, Sequence
+from typing import Sequence
 
-CONN_BYTES: int
+from fastelastic._native.kvproto import KVProtocol
 
-def hmac_sha256(key: bytes, a: bytes, b: bytes) -> bytes: ...
-
-class KVServer:
-    ops: int
-    accepted: int
-    closed: int
-    protocol_errors: int
-    waiting: int
-    refused_fds: int
-    shed: int
-    paused: int
+class KVServer(KVProtocol):
     def __init__(
         self,
         listen_fds: Sequence[int],
@@ -33,16 +23,3 @@ class KVServer:
     def serve_forever(self) -> None: ...
     def stop(self) -> None: ...
     def close(self) -> None: ...
-    def execute_socketless(
-        self, frames: bytes, *, handshaken: bool = True
-    ) -> tuple[bytes, int, Optional[str]]: ...
-    @property
-    def num_connections(self) -> int: ...
-    @property
-    def num_keys(self) -> int: ...
-    @property
-    def last_error(self) -> Optional[str]: ...
-    @property
-    def buffered(self) -> int: ...
-    @property
-    def requires_token(self) -> bool: ...
