@@ -23,8 +23,13 @@ def _server_side_of(client: socket.socket) -> socket.socket:
     want = client.getsockname()
     for name in os.listdir("/proc/self/fd"):
         try:
-            s = socket.socket(fileno=os.dup(int(name)))
+            fd = os.dup(int(name))
         except OSError:
+            continue
+        try:
+            s = socket.socket(fileno=fd)
+        except OSError:   # not a socket: the dup must not outlive the check (a leaked dup of a
+            os.close(fd)  # pipe's write end keeps its reader from ever seeing EOF)
             continue
         try:
             peer = s.getpeername()  # ('::ffff:127.0.0.1', port, ...) on a dual-stack server
