@@ -112,6 +112,7 @@ cdef class KVCore:
     cdef Conn *_lookup(self, int fd, uint64_t cid) noexcept nogil
     cdef void _set_state(self, Conn *c, ConnState state) noexcept nogil
     cdef void _account(self, Conn *c) noexcept nogil
+    cdef bint _recount(self, Conn *c) noexcept nogil
     cdef bint _over_budget(self, Conn *c) noexcept nogil
     cdef void _log_conn(self, int fd, const char *msg) noexcept nogil
     cdef void _close_conn(self, Conn *c, const char *why) noexcept nogil

@@ -99,6 +99,11 @@ cdef class KVCore:
         """Re-counts c's buffers (heap bytes of its replies and of its partial request)."""
         self._budget.recount(c.counted, c.out.heap() + (c.inb.heap() if c.inb != NULL else 0))
 
+    cdef bint _recount(self, Conn *c) noexcept nogil:
+        """Re-counts c's buffers and keeps all of them under the budget; False if that closed c."""
+        self._account(c)
+        return not (self._budget.over(self._kv.retired_bytes()) and self._over_budget(c))
+
     cdef bint _over_budget(self, Conn *c) noexcept nogil:
         """Brings the buffers back under the budget: first drops idle connections' spare
         capacity, then closes whichever connection holds the most (c included). O(connections),

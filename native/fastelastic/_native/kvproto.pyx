@@ -219,8 +219,7 @@ cdef class KVProtocol(KVCore):
         if c.inb == NULL:
             self._close_conn(c, "out of memory buffering a request")
             return False
-        self._account(c)
-        return not (self._budget.over(self._kv.retired_bytes()) and self._over_budget(c))
+        return self._recount(c)
 
     cdef void _consume_rb(self, Conn *c) noexcept nogil:
         """Executes the complete requests buffered in c.inb; keeps only an incomplete tail."""
@@ -241,8 +240,7 @@ cdef class KVProtocol(KVCore):
         if not c.inb.reserve(want):
             self._close_conn(c, "out of memory buffering a request")
             return False
-        self._account(c)
-        return not (self._budget.over(self._kv.retired_bytes()) and self._over_budget(c))
+        return self._recount(c)
 
     cdef int _consume(self, Conn *c, const char *p, size_t n, fe_scan *scan,
                       size_t *used) noexcept nogil:
@@ -275,8 +273,7 @@ cdef class KVProtocol(KVCore):
                 self._close_conn(c, "out of memory writing a reply")
                 return -1
             if c.out.heap() > 0 or c.counted:
-                self._account(c)
-                if self._budget.over(self._kv.retired_bytes()) and self._over_budget(c):
+                if not self._recount(c):
                     return -1
             if self._budget.should_pause(c.out):
                 # Backpressure: the client is not reading its replies; stop reading its requests

@@ -122,17 +122,12 @@ class fe_outbuf {
      * from the map (pinned until sent) from stream_above on. False: out of memory. */
     bool put_value(fe_entry *e, size_t stream_above) {
         uint64_t n = e->vlen;
-        if (e->vlen < stream_above) {
-            try {
-                bytes.append(reinterpret_cast<const char *>(&n), 8);
-                bytes.append(e->val(), e->vlen);
-            } catch (...) {
-                return false;
-            }
-            return true;
-        }
         try {
             bytes.append(reinterpret_cast<const char *>(&n), 8);
+            if (e->vlen < stream_above) {
+                bytes.append(e->val(), e->vlen);
+                return true;
+            }
             if (st_ == nullptr)
                 st_ = new streamed();
             st_->refs.push_back(ref{bytes.size(), e});
