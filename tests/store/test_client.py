@@ -341,3 +341,39 @@ def test_lost_reply_times_out_even_under_a_stream_of_signals():
         listener.close()
     assert got_request.is_set()
     assert 0.9 < took < 3.0, f"a 1 s reply timeout took {took:.2f} s"
+
+
+def test_a_write_from_another_thread_never_queues_behind_a_blocked_wait(master):
+    """A keep-alive (a fire-and-forget write) from a second thread goes out while the first
+    thread's WAIT is still blocked on the same connection, and the wait still ends as it must."""
+    c = client(master, timeout=60)
+    other = client(master)
+    outcome: list = []
+
+    def waiter():
+        try:
+            c.wait(["release"], timedelta(seconds=60))
+            outcome.append("released")
+        except BaseException as e:  # noqa: BLE001 - reported below
+            outcome.append(e)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    wait_until(lambda: master.server.waiting == 1, what="the wait registered")
+    start = time.monotonic()
+    for i in range(1, 51):  # each returns at once although the wait holds c's connection
+        c.set("hb", b"%d" % i)
+        c.multi_set(["hb2", "hb3"], [b"%d" % i, b"x"])
+        c.append("log", b".")
+    c.set("done", b"1")
+    writes = time.monotonic() - start
+    # c's writes are executed in order; another connection sees them once it sees the last
+    other.wait(["done"], timedelta(seconds=10))
+    assert other.get("hb") == b"50" and other.get("hb2") == b"50"
+    assert other.get("log") == b"." * 50
+    assert t.is_alive() and master.server.waiting == 1, "the wait must still be blocked"
+    other.set("release", b"1")
+    t.join(10)
+    assert outcome == ["released"]
+    assert writes < 30, "the writes waited for the wait"
+    assert c.add("n", 2) == 2 and c.get("hb3") == b"x"  # the connection is still in step

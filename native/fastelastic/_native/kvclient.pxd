@@ -12,6 +12,7 @@ cdef class KVClient:
     cdef int _fd
     cdef int _owner_pid
     cdef PyThread_type_lock _lock
+    cdef PyThread_type_lock _send_lock  # held while a request's bytes are sent
     cdef string _out          # the request being built
     cdef size_t _out_pos      # how much of it the kernel has taken
     cdef char *_in            # response bytes; [_in_pos, _in_len) not yet consumed
@@ -27,6 +28,8 @@ cdef class KVClient:
     cdef object _peer         # "host:port", for error messages
 
     cdef void _acquire(self) noexcept
+    cdef void _acquire_send(self) noexcept
+    cdef int _post(self, string &req) except -1
     cdef void _end(self) noexcept
     cdef int _begin(self, unsigned char cmd) except -1
     cdef int _fire(self, unsigned char cmd, object key, object value) except -1
@@ -47,5 +50,5 @@ cdef class KVClient:
     cdef void _put_key(self, object key) except *
     cdef void _put_value(self, object value) except *
     cdef object _take_blob(self)
-    cdef object _wait_get(self, object key)
+    cdef object _wait_get(self, object key, int64_t ms)
     cdef int64_t _take_i64(self) noexcept

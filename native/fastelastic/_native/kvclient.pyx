@@ -4,6 +4,9 @@
 Invariants:
 - ``_lock`` is held from the first byte of a request to the last byte of its reply, so threads
   sharing a client never interleave; it is acquired with the GIL released.
+- ``_send_lock`` is held while a request's bytes go out. A fire-and-forget request (SET,
+  APPEND, MULTI_SET, QUEUE_PUSH) made while another thread holds ``_lock`` takes only it: it
+  has no reply to mix up with the other's, so it never queues behind a blocked WAIT.
 - Every user key goes on the wire with torch's ``/`` prefix, so torch clients see the same keys.
 - Once a reply could not be read in full the stream is out of step: the client is marked
   broken and every later call raises :class:`~fastelastic.errors.StoreConnectionError`.
@@ -108,6 +111,37 @@ cdef int64_t _timeout_arg(object timeout, int64_t default_ms) except? -2:
     return <int64_t>(float(timeout) * 1000.0)
 
 
+cdef void _put_key_to(string &out, object key) except *:
+    """Appends key as a blob with torch's ``/`` prefix."""
+    cdef const char *p
+    cdef Py_ssize_t n
+    if PyUnicode_Check(key):
+        p = PyUnicode_AsUTF8AndSize(key, &n)
+    elif isinstance(key, bytes):
+        p = PyBytes_AS_STRING(key)
+        n = PyBytes_GET_SIZE(key)
+    else:
+        raise TypeError(f"store keys are str, not {type(key).__name__}")
+    put_u64(out, <uint64_t>n + 1)
+    out.push_back(c'/')
+    out.append(p, <size_t>n)
+
+
+cdef void _put_value_to(string &out, object value) except *:
+    cdef const char *p
+    cdef Py_ssize_t n
+    if isinstance(value, bytes):
+        p = PyBytes_AS_STRING(value)
+        n = PyBytes_GET_SIZE(value)
+    elif PyUnicode_Check(value):
+        p = PyUnicode_AsUTF8AndSize(value, &n)
+    else:
+        value = bytes(value)
+        p = PyBytes_AS_STRING(value)
+        n = PyBytes_GET_SIZE(value)
+    put_blob(out, p, <size_t>n)
+
+
 cdef class KVClient:
     """One connection to a TCPStore-protocol server.
 
@@ -123,7 +157,8 @@ cdef class KVClient:
         self._fd = -1
         self._in = NULL
         self._lock = PyThread_allocate_lock()
-        if self._lock == NULL:
+        self._send_lock = PyThread_allocate_lock()
+        if self._lock == NULL or self._send_lock == NULL:
             raise MemoryError()
 
     def __init__(self, int fd, str peer, double timeout, *, int64_t spin_us=0,
@@ -207,16 +242,20 @@ cdef class KVClient:
             PyMem_RawFree(self._in)
         if self._lock != NULL:
             PyThread_free_lock(self._lock)
+        if self._send_lock != NULL:
+            PyThread_free_lock(self._send_lock)
 
     def close(self):
         """Closes the connection (the server sees the client go)."""
         self._acquire()
+        self._acquire_send()
         try:
             if self._fd >= 0 and self._owner_pid == getpid():
                 close(self._fd)
             self._fd = -1
             self._broken = True
         finally:
+            PyThread_release_lock(self._send_lock)
             PyThread_release_lock(self._lock)
 
     @property
@@ -249,6 +288,11 @@ cdef class KVClient:
         if not PyThread_acquire_lock(self._lock, NOWAIT_LOCK):
             with nogil:
                 PyThread_acquire_lock(self._lock, WAIT_LOCK)
+
+    cdef void _acquire_send(self) noexcept:
+        if not PyThread_acquire_lock(self._send_lock, NOWAIT_LOCK):
+            with nogil:
+                PyThread_acquire_lock(self._send_lock, WAIT_LOCK)
 
     cdef int _send_all(self, int64_t deadline) except? -1 nogil:
         """Sends ``_out`` from ``_out_pos`` on; blocking, bounded by SO_SNDTIMEO."""
@@ -332,8 +376,12 @@ cdef class KVClient:
         return recv(self._fd, at, room, 0)
 
     cdef int _transact(self, size_t n, int64_t deadline) except -1:
-        """Sends ``_out`` and buffers n reply bytes (0 for fire-and-forget requests)."""
-        cdef int rc
+        """Sends ``_out`` and buffers n reply bytes (0 for fire-and-forget requests).
+
+        Only the sending holds ``_send_lock``: once the request is out, a fire-and-forget
+        request of another thread may follow it on the wire (see ``_post``)."""
+        cdef int rc = IO_OK
+        cdef bint sending = True
         if self._broken or self._fd < 0:
             raise StoreConnectionError(f"the connection to the store at {self._peer} is closed")
         if fe_take_oom():
@@ -341,15 +389,24 @@ cdef class KVClient:
             raise MemoryError("out of memory building a store request")
         self._out_pos = 0
         self._reply_by = fe_monotonic_ns() + max(self._timeout_ms, 1) * 1000000
-        while True:
-            with nogil:
-                rc = self._send_all(deadline)
-                if rc == IO_OK and n > 0:
-                    rc = self._need(n, deadline)
-            if rc != IO_INTR:
-                break
-            self._check_signals()
-            deadline = self._after_signal(deadline)
+        self._acquire_send()
+        try:
+            while True:
+                with nogil:
+                    if sending:
+                        rc = self._send_all(deadline)
+                        if rc == IO_OK:
+                            sending = False
+                            PyThread_release_lock(self._send_lock)
+                    if not sending and n > 0:
+                        rc = self._need(n, deadline)
+                if rc != IO_INTR:
+                    break
+                self._check_signals()
+                deadline = self._after_signal(deadline)
+        finally:
+            if sending:
+                PyThread_release_lock(self._send_lock)
         if rc != IO_OK:
             raise self._fail(rc, "request")
         return 0
@@ -429,32 +486,10 @@ cdef class KVClient:
         return 1
 
     cdef void _put_key(self, object key) except *:
-        cdef const char *p
-        cdef Py_ssize_t n
-        if PyUnicode_Check(key):
-            p = PyUnicode_AsUTF8AndSize(key, &n)
-        elif isinstance(key, bytes):
-            p = PyBytes_AS_STRING(key)
-            n = PyBytes_GET_SIZE(key)
-        else:
-            raise TypeError(f"store keys are str, not {type(key).__name__}")
-        put_u64(self._out, <uint64_t>n + 1)
-        self._out.push_back(c'/')
-        self._out.append(p, <size_t>n)
+        _put_key_to(self._out, key)
 
     cdef void _put_value(self, object value) except *:
-        cdef const char *p
-        cdef Py_ssize_t n
-        if isinstance(value, bytes):
-            p = PyBytes_AS_STRING(value)
-            n = PyBytes_GET_SIZE(value)
-        elif PyUnicode_Check(value):
-            p = PyUnicode_AsUTF8AndSize(value, &n)
-        else:
-            value = bytes(value)
-            p = PyBytes_AS_STRING(value)
-            n = PyBytes_GET_SIZE(value)
-        put_blob(self._out, p, <size_t>n)
+        _put_value_to(self._out, value)
 
     cdef object _take_blob(self):
         cdef uint64_t n = load_u64(self._in + self._in_pos)
@@ -514,9 +549,50 @@ cdef class KVClient:
         for k in ks:
             self._put_key(k)
 
+    cdef int _post(self, string &req) except -1:
+        """Sends one whole fire-and-forget request without waiting for the connection.
+
+        Used when another thread holds ``_lock``, typically blocked in a WAIT for minutes: a
+        request without a reply may follow any request on the wire, and the server executes
+        requests while a wait is pending, so a keep-alive never queues behind a wait. Only
+        ``_send_lock`` is taken, so the bytes of two requests never interleave.
+        """
+        cdef size_t pos = 0
+        cdef ssize_t sent
+        cdef int err
+        if fe_take_oom():
+            raise MemoryError("out of memory building a store request")
+        self._acquire_send()
+        try:
+            if self._broken or self._fd < 0:
+                raise StoreConnectionError(
+                    f"the connection to the store at {self._peer} is closed")
+            while pos < req.size():
+                with nogil:
+                    sent = send(self._fd, req.data() + pos, req.size() - pos, MSG_NOSIGNAL)
+                    err = errno
+                if sent >= 0:
+                    pos += <size_t>sent
+                    continue
+                if err == EINTR:
+                    self._check_signals()
+                    continue
+                fe_set_errno(err)
+                raise self._fail(IO_TIMEOUT if err == EAGAIN else IO_ERROR, "request")
+        finally:
+            PyThread_release_lock(self._send_lock)
+        return 0
+
     cdef int _fire(self, unsigned char cmd, object key, object value) except -1:
         """A fire-and-forget request of a key and a value (SET, APPEND, QUEUE_PUSH)."""
-        self._begin(cmd)
+        cdef string req
+        if not PyThread_acquire_lock(self._lock, NOWAIT_LOCK):
+            put_u8(req, cmd)
+            _put_key_to(req, key)
+            _put_value_to(req, value)
+            return self._post(req)
+        self._out.clear()
+        put_u8(self._out, cmd)
         try:
             self._put_key(key)
             self._put_value(value)
@@ -531,17 +607,19 @@ cdef class KVClient:
         """Stores value under key (fire-and-forget, as torch's)."""
         self._fire(CMD_SET, key, value)
 
-    def get(self, key):
-        """Returns the value of key, waiting up to the store timeout for it to be set."""
+    def get(self, key, timeout=None):
+        """Returns the value of key, waiting up to ``timeout`` (default: the store timeout)
+        for it to be set."""
+        cdef int64_t ms = _timeout_arg(timeout, self._timeout_ms)
         if self._ext:
-            return self._wait_get(key)
+            return self._wait_get(key, ms)
         self._begin(CMD_WAIT)
         try:
             put_u64(self._out, 1)
             self._put_key(key)
             self._transact(0, REPLY)
-            if self._wait_reply(self._timeout_ms):
-                raise StoreTimeoutError(f"wait timeout after {self._timeout_ms}ms, keys: /{key}")
+            if self._wait_reply(ms):
+                raise StoreTimeoutError(f"wait timeout after {ms}ms, keys: /{key}")
             self._out.clear()
             put_u8(self._out, CMD_GET)
             self._put_key(key)
@@ -550,7 +628,7 @@ cdef class KVClient:
         finally:
             self._end()
 
-    cdef object _wait_get(self, object key):
+    cdef object _wait_get(self, object key, int64_t ms):
         """One round trip, whether the key is there or comes later (our server only)."""
         cdef int rc
         cdef uint8_t b
@@ -559,7 +637,7 @@ cdef class KVClient:
         try:
             self._put_key(key)
             self._transact(0, REPLY)
-            rc = self._need_intr(1, _deadline(self._timeout_ms))
+            rc = self._need_intr(1, _deadline(ms))
             if rc == IO_TIMEOUT:
                 self._out.clear()
                 put_u8(self._out, CMD_CANCEL_WAIT)
@@ -581,7 +659,7 @@ cdef class KVClient:
             if rc == IO_OK and b != REPLY_VALUE:
                 raise self._fail(IO_CLOSED, "get (unexpected reply)")
             if value is None:
-                raise StoreTimeoutError(f"wait timeout after {self._timeout_ms}ms, keys: /{key}")
+                raise StoreTimeoutError(f"wait timeout after {ms}ms, keys: /{key}")
             return value
         finally:
             self._end()
@@ -701,7 +779,17 @@ cdef class KVClient:
         values = list(values)
         if len(keys) != len(values):
             raise ValueError(f"multi_set got {len(keys)} keys but {len(values)} values")
-        self._begin(CMD_MULTI_SET)
+        cdef string req
+        if not PyThread_acquire_lock(self._lock, NOWAIT_LOCK):
+            put_u8(req, CMD_MULTI_SET)
+            put_u64(req, <uint64_t>len(keys))
+            for k, v in zip(keys, values):
+                _put_key_to(req, k)
+                _put_value_to(req, v)
+            self._post(req)
+            return
+        self._out.clear()
+        put_u8(self._out, CMD_MULTI_SET)
         try:
             put_u64(self._out, <uint64_t>len(keys))
             for k, v in zip(keys, values):

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -60,6 +61,9 @@ class Beats:
 class KeepAlive:
     """One daemon thread per process bumps the keep-alive counter of every member handler.
 
+    A bump is one ``set`` of a value never written before: fire-and-forget, so it never waits
+    for a connection blocked in a wait, and one request per node per interval.
+
     Handlers are held weakly: one dropped without ``shutdown()`` stops beating once it is
     collected. A handler whose keep-alives have failed for its whole window is dropped too: by
     then the other members count it gone, and the thread must not retry a dead store forever.
@@ -70,6 +74,7 @@ class KeepAlive:
         # id(handler) -> (weak handler, next due, key, last success)
         self._due: dict[int, tuple[weakref.ref[Any], float, str, float]] = {}
         self._thread: threading.Thread | None = None
+        self._beats = itertools.count(1)  # a keep-alive writes a value never written before
 
     def add(self, handler: Any, key: str) -> None:
         now = time.monotonic()
@@ -102,11 +107,14 @@ class KeepAlive:
                     self._cond.wait(when - now)
                     continue
                 self._due[hid] = (ref, now + handler._ka_interval, key, last_ok)
+            beat = next(self._beats)
             try:  # outside the lock: a slow store must not block add/remove
-                handler._store.add(key, 1)
+                # A fire-and-forget write: it goes out at once even while the handler's
+                # connection is blocked in a wait of another thread (see KVClient).
+                handler._store.set(key, b"%d" % beat)
                 ok = True
-            except (StoreError, OSError):
-                log.debug("keep-alive %s failed", key, exc_info=True)
+            except (StoreError, OSError) as e:
+                log.warning("rendezvous %s: keep-alive %s failed: %s", handler._run_id, key, e)
                 ok = False
             with self._cond:
                 entry = self._due.get(hid)

@@ -199,8 +199,8 @@ class EtcdKV:
     def check(self, keys: list[str]) -> bool:
         return all(self._range(k)[0] is not None for k in keys)
 
-    def get(self, key: str) -> bytes:
-        self.wait([key])
+    def get(self, key: str, timeout: timedelta | None = None) -> bytes:
+        self.wait([key], timeout)
         value = self._range(key)[0]
         if value is None:
             raise StoreError(f"etcd key {key!r} vanished")

@@ -39,10 +39,11 @@ class EtcdFastRendezvousHandler(FastRendezvousHandler):
         super().__init__(*args, **kwargs)
         self._client: Any = None  # this round's connection to rank 0's worker store
 
-    def _round_store(self, r: int, rank: int) -> tuple[Any, RendezvousStoreInfo]:
+    def _round_store(self, r: int, rank: int,
+                     wstore: bytes = b"") -> tuple[Any, RendezvousStoreInfo]:
         from fastelastic.store import TCPStore
 
-        info = self._worker_store_info(r, rank, self._store)
+        info = self._worker_store_info(r, rank, self._store, wstore)
         if self._client is not None and self._client is not self._worker_server:
             self._client.close()
         if self._worker_server is not None:

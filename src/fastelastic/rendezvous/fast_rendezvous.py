@@ -42,18 +42,20 @@ Roles come from the ticket, so nobody races: ticket ``max_nodes`` publishes at o
 
 from __future__ import annotations
 
-import ipaddress
+import contextlib
 import logging
 import os
-import socket
 import threading
 import time
+from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 from fastelastic.errors import (
     RendezvousClosedError,
     RendezvousConnectionError,
+    RendezvousError,
+    RendezvousGracefulExitError,
     RendezvousMemberLostError,
     RendezvousStateError,
     RendezvousTimeoutError,
@@ -65,6 +67,7 @@ from fastelastic.events import NodeState, construct_and_record_rdzv_event
 
 from ._liveness import BEATER, Beats
 from ._store_hosting import host_store, token_from
+from ._worker_store import WorkerStoreHost
 from .api import (
     RendezvousHandler,
     RendezvousInfo,
@@ -82,6 +85,7 @@ DEFAULT_PORT = 29400
 _SEAL = 1 << 40
 _SLICE = 1.0  # seconds: how often a publisher blocked on a dead joiner's record re-checks res
 _MAX_WALK = 10_000  # bound on rounds walked forward/back
+_LINGER_S = 10.0  # at most this long the host's store outlives its own shutdown
 _MAX_WATCHED = 8  # peers whose keep-alive counters a member reads per membership check
 DEFAULT_KEEP_ALIVE_INTERVAL = 1.0  # seconds
 DEFAULT_KEEP_ALIVE_MAX_ATTEMPT = 5  # detection window: interval * attempts = 5 s (torch: 15 s)
@@ -119,7 +123,7 @@ def _members(raw: bytes) -> list[int]:
     if len(parts) < 3 or not parts[1]:
         return []
     try:
-        return [int(x) for x in parts[1].split(b",")]
+        return list(map(int, parts[1].split(b",")))
     except ValueError as e:
         raise RendezvousStateError(f"corrupt rendezvous outcome {raw[:40]!r}") from e
 
@@ -138,6 +142,70 @@ class _Watch:
         self.keys = [prefix + "gone"] + [f"{prefix}hb/t{tickets[p]}" for p in self.peers]
         self.beats = Beats(window, slack)  # keyed by rank
         self.reported: set[int] = set()
+
+
+_Last = tuple[int, int, list[int]]  # the last complete round: (round, world, tickets by rank)
+
+
+def _wait(store: Any, keys: list[str], seconds: float) -> bool:
+    """One slice of a wait: True once every key is set, False after ``seconds``.
+
+    Every wait loop of the protocol is made of these slices, so a loop re-checks what it must
+    (a lost decider, a decided round, the rendezvous closed) at its own pace. Keep-alives do
+    not depend on it: they never queue behind a wait (see ``KVClient``).
+    """
+    try:
+        store.wait(keys, timedelta(seconds=max(seconds, 0.001)))
+        return True
+    except StoreTimeoutError:
+        return False
+
+
+class _Deciders:
+    """What a ticket holder waiting for round ``r``'s outcome checks each quarter window: the
+    holders of the deciding tickets (``min_nodes``: last call; ``max_nodes``: publish) have
+    a record and a moving keep-alive counter. One request per check once their records are
+    seen (a ``multi_get`` of their counters)."""
+
+    def __init__(self, handler: FastRendezvousHandler, r: int, ticket: int) -> None:
+        self.h = handler
+        self.p = f"{handler._key}{r}/"
+        self.r = r
+        self.roles = [x for x in sorted({handler._min, handler._max}) if x != ticket]
+        self.recorded: set[int] = set()
+        self.count = 0
+        self.seen = Beats(handler._window, handler._ka_interval / 2)
+
+    def stalled(self) -> bool:
+        h, store, p = self.h, self.h._store, self.p
+        if any(role > self.count for role in self.roles):
+            self.count = int(store.add(p + "t", 0))
+            if self.count >= _SEAL:  # sealed: the coordinator is publishing
+                self.count -= _SEAL
+        roles = [x for x in self.roles if x <= self.count]
+        states: dict[int, Any] = {}
+        for role in roles:
+            if role not in self.recorded:
+                if not store.check([f"{p}n/{role}"]):
+                    states[role] = -1
+                    continue
+                self.recorded.add(role)
+        known = [x for x in roles if x in self.recorded]
+        if known:
+            vals = store.multi_get([f"{p}hb/t{x}" for x in known])
+            states.update((x, bytes(v)) for x, v in zip(known, vals, strict=True))
+        stalled = self.seen.observe(states)
+        for role, still in stalled.items():
+            why = "no record" if states[role] == -1 else "no keep-alive"
+            log.warning("rendezvous %s round %d: the node holding ticket %d (%s for %.1fs) is "
+                        "lost; abandoning the round", h._run_id, self.r, role, why, still)
+        return bool(stalled)
+
+
+def _wstore_of(raw: bytes) -> bytes:
+    """Rank 0's workers' store address, on the third line of a complete outcome (or b"")."""
+    parts = raw.split(b"\n", 3)
+    return parts[2] if len(parts) > 3 else b""
 
 
 def _outcome(raw: bytes) -> tuple[str, int]:
@@ -173,6 +241,9 @@ class FastRendezvousHandler(RendezvousHandler):
             (default 5: a frozen or hung node is noticed within 5 s).
         bootstrap_addr: Host workers use to reach the store (``MASTER_ADDR``).
         server: The hosting store object when this node hosts, kept alive with the handler.
+        reform_last_call: Wait ``last_call`` also when a round re-forms after a complete one
+            (torch's behaviour); by default such a round is sealed once every member of the
+            last one is back or lost.
 
     Raises:
         ValueError: Bad run id or node counts.
@@ -192,6 +263,7 @@ class FastRendezvousHandler(RendezvousHandler):
         keep_alive_max_attempt: int = DEFAULT_KEEP_ALIVE_MAX_ATTEMPT,
         bootstrap_addr: str | None = None,
         server: Any = None,
+        reform_last_call: bool = False,
     ) -> None:
         if not run_id:
             raise ValueError("The run id must be a non-empty string.")
@@ -224,10 +296,15 @@ class FastRendezvousHandler(RendezvousHandler):
         self._hooks = bool(getattr(store, "supports_extensions", False))
         self._key = f"fe.rdzv.{run_id}/"
         self._member: tuple[int, int, int] | None = None  # (round, rank, world)
-        self._pending_left: str | None = None
-        self._lock = threading.Lock()
+        self._last_seen: tuple[int, int, list[int]] | None = None  # see _last_complete
+        self._deadline = 0.0  # a spare's join deadline, from when its full round was over
+        self._reform_last_call = reform_last_call
+        self._waited_as_spare = False  # this node waited behind a full, running round
+        self._lock = threading.Lock()  # held by the thread inside next_rendezvous
+        self._owner: int | None = None  # that thread's id
+        self._side_lock = threading.Lock()
         self._side: Any = None
-        self._worker_server: Any = None
+        self._wstore = WorkerStoreHost(self._local_addr)
 
     # ------------------------------------------------------------------ RendezvousHandler
 
@@ -256,6 +333,7 @@ class FastRendezvousHandler(RendezvousHandler):
         """See base class."""
         self._record(f"joining the next round of rendezvous '{self._run_id}'", NodeState.RUNNING)
         with self._lock:
+            self._owner = threading.get_ident()
             try:
                 info = self._next_rendezvous()
             except (StoreConnectionError, ConnectionError) as e:
@@ -267,6 +345,8 @@ class FastRendezvousHandler(RendezvousHandler):
                 self._stop_heartbeats()
                 self._record(f"{type(e).__name__}: {e}", NodeState.FAILED)
                 raise
+            finally:
+                self._owner = None
         self._record(f"joined round {self._member[0] if self._member else -1} as rank "
                      f"{info.rank} of {info.world_size}", NodeState.SUCCEEDED, info.rank)
         return info
@@ -278,39 +358,64 @@ class FastRendezvousHandler(RendezvousHandler):
             master_endpoint=self._bootstrap_addr, rank=rank,
         )
 
-    def _side_store(self) -> Any:
-        """The connection for calls made while another thread is inside next_rendezvous.
+    @contextlib.contextmanager
+    def _conn(self) -> Iterator[Any]:
+        """The connection for one call that expects a reply.
 
-        A client connection serves one request at a time, and a joining node's connection may
-        be blocked in a long wait; calls from other threads then use a second connection.
+        The thread inside :py:meth:`next_rendezvous` uses the handler's own connection. So
+        does any other thread while no rendezvous is under way (it holds ``_lock`` for the
+        call, so a rendezvous starting meanwhile waits for it, never the other way round).
+        While one is under way its connection may be blocked in a long wait, so the others use
+        a second connection, made once, on first need (shutdown and the agent's checks during
+        a rendezvous: rare). Keep-alives need neither: they are fire-and-forget writes, which
+        go out on the busy connection without waiting (see ``KVClient``).
         """
-        if not self._lock.locked():
-            return self._store
-        if self._side is None:
-            clone = getattr(self._store, "clone", None)
-            self._side = clone() if clone is not None else self._store
-        return self._side
+        if self._owner == threading.get_ident():
+            yield self._store
+            return
+        if self._lock.acquire(blocking=False):
+            try:
+                yield self._store
+            finally:
+                self._lock.release()
+            return
+        with self._side_lock:
+            if self._side is None:
+                clone = getattr(self._store, "clone", None)
+                self._side = clone() if clone is not None else self._store
+            side = self._side
+        yield side
 
     def is_closed(self) -> bool:
         """See base class."""
-        return bool(self._call(self._side_store().check, [self._key + "closed"]))
+        with self._conn() as store:
+            return bool(self._call(store.check, [self._key + "closed"]))
 
     def set_closed(self) -> None:
         """See base class: sets ``closed`` and wakes every node waiting in a forming round."""
-        store = self._side_store()
-        self._call(store.set, self._key + "closed", b"1")
-        cur = int(self._call(store.add, self._key + "open", 0))
-        rounds = {cur, cur + 1}
-        if self._member is not None:
-            rounds.add(self._member[0] + 1)
-        for r in sorted(rounds):
-            self._call(store.append, f"{self._key}{r}/res", b"C;")
+        with self._conn() as store:
+            self._call(store.set, self._key + "closed", b"1")
+            cur = int(self._call(store.add, self._key + "open", 0))
+            rounds = {cur, cur + 1}
+            if self._member is not None:
+                rounds.add(self._member[0] + 1)
+            for r in sorted(rounds):
+                self._call(store.append, f"{self._key}{r}/res", b"C;")
+            if self._member is not None:  # wakes the spares waiting behind our round at once
+                self._call(store.append, f"{self._key}{self._member[0]}/broken", b"C")
 
     def num_nodes_waiting(self) -> int:
-        """See base class: the tickets taken in the round after this node's round."""
-        if self._member is None:
+        """See base class: the tickets taken in the round after this node's round.
+
+        A full round (``max_nodes`` members) has room for nobody: the nodes waiting behind it
+        are spares (torch's redundancy list) and count as none, so they never restart it. A
+        member of it that re-joins is reported by :py:meth:`lost_members` instead.
+        """
+        member = self._member
+        if member is None or member[2] >= self._max:
             return 0
-        v = int(self._call(self._side_store().add, f"{self._key}{self._member[0] + 1}/t", 0))
+        with self._conn() as store:
+            v = int(self._call(store.add, f"{self._key}{member[0] + 1}/t", 0))
         return v - _SEAL if v >= _SEAL else v
 
     def get_run_id(self) -> str:
@@ -330,7 +435,10 @@ class FastRendezvousHandler(RendezvousHandler):
         w = self._watch
         if w is None:
             return []
-        store = self._side_store()
+        with self._conn() as store:
+            return self._lost_members(w, store)
+
+    def _lost_members(self, w: _Watch, store: Any) -> list[tuple[int, str]]:
         vals = [bytes(v) for v in self._call(store.multi_get, w.keys)]
         now = time.monotonic()
         gone = _parse_gone(vals[0])
@@ -340,7 +448,8 @@ class FastRendezvousHandler(RendezvousHandler):
                 log.warning("rendezvous %s: rank %d sent no keep-alive for %.1fs; dropping it",
                             self._run_id, rank, still)
                 self._call(store.append, w.prefix + "gone", b"%d:silent;" % rank)
-                self._call(store.set, f"{w.prefix}left/{rank}", b"silent")
+                self._call(store.multi_set, [f"{w.prefix}left/{rank}", w.prefix + "broken"],
+                           [b"silent", b"1"])
                 gone[rank] = "silent"
         fresh = [(r, why) for r, why in gone.items() if r not in w.reported and why != "done"]
         if not fresh:
@@ -354,6 +463,8 @@ class FastRendezvousHandler(RendezvousHandler):
             if why == "closed":
                 text = (f"cut: no keep-alive for {stale:.1f}s, then its connection timed out"
                         if stale >= 2 * self._ka_interval else "dead: its connection closed")
+            elif why == "left":
+                text = "left the round: it is re-joining (its workers restarted)"
             else:
                 text = (f"silent: connected but no keep-alive for {self._window:g}s "
                         "(frozen or hung)")
@@ -368,8 +479,8 @@ class FastRendezvousHandler(RendezvousHandler):
         leaves the exit barrier early does not make the others restart their workers.
         """
         w = self._watch
-        if w is not None:
-            self._call(self._side_store().append, w.prefix + "gone", b"%d:done;" % w.rank)
+        if w is not None:  # fire-and-forget: never waits for the connection
+            self._call(self._store.append, w.prefix + "gone", b"%d:done;" % w.rank)
 
     def wait_members(self, store: Any, keys: list[str], deadline: float) -> None:
         """Waits for ``keys`` (written by other members) unless a member is lost first.
@@ -395,13 +506,28 @@ class FastRendezvousHandler(RendezvousHandler):
     def shutdown(self) -> bool:
         """See base class: stops keep-alives and closes the rendezvous."""
         self._stop_heartbeats()
-        self._retire_worker_store()
+        self._wstore.close()
         try:
             self.set_closed()
         except (RendezvousConnectionError, StoreError) as e:
             log.warning("rendezvous %s: shutdown could not close: %s", self._run_id, e)
             return False
+        self._linger()
         return True
+
+    def _linger(self) -> None:
+        """As the store's host, keeps it up (bounded) until the other nodes have gone.
+
+        They are finishing too, and spares leave as soon as they read that the rendezvous
+        closed: were the store to go first, they would see a failure instead of the end.
+        """
+        server = getattr(self._server, "server", None)
+        if server is None:
+            return
+        own = 1 + (self._side is not None and self._side is not self._store)
+        until = time.monotonic() + min(_LINGER_S, self._timeout.close.total_seconds())
+        while server.num_connections > own and time.monotonic() < until:
+            time.sleep(0.01)  # bounded: the server has no "connections dropped to N" event
 
     # ------------------------------------------------------------------ protocol
 
@@ -417,12 +543,13 @@ class FastRendezvousHandler(RendezvousHandler):
         store = self._store
         deadline = time.monotonic() + self._timeout.join.total_seconds()
         self._stop_heartbeats()
+        self._waited_as_spare = False
         self._prev_watch, self._watch = self._watch, None
         if store.check([self._key + "closed"]):
             raise RendezvousClosedError(f"The rendezvous '{self._run_id}' is closed.")
         if self._member is not None:
             r = self._member[0] + 1
-            self._pending_left = f"{self._key}{self._member[0]}/left/{self._member[1]}"
+            self._leave_last_round()
         else:
             r = int(store.add(self._key + "open", 0))
         for _ in range(_MAX_WALK):
@@ -430,100 +557,97 @@ class FastRendezvousHandler(RendezvousHandler):
                 break
             got = self._try_round(r, deadline)
             if got is not None:
-                rank, world, tickets = got
+                rank, world, tickets, wstore = got
                 self._member = (r, rank, world)
                 p = f"{self._key}{r}/"
-                if self._hooks:
+                if self._hooks:  # our death: we left, the round is over, and why
                     store.append_on_disconnect(p + "left/%d" % rank, b"1")
+                    store.append_on_disconnect(p + "broken", b"1")
                     store.append_on_disconnect(p + "gone", b"%d:closed;" % rank)
                 self._watch = (_Watch(p, rank, tickets, self._window, self._ka_interval / 2)
                                if len(tickets) == world else None)
-                round_store, boot = self._round_store(r, rank)
+                round_store, boot = self._round_store(r, rank, wstore)
                 return RendezvousInfo(round_store, rank, world, boot)
             r += 1
         raise RendezvousTimeoutError(
             f"The rendezvous '{self._run_id}' did not complete within {self._timeout.join}."
         )
 
-    def _round_store(self, r: int, rank: int) -> tuple[Any, RendezvousStoreInfo]:
+    def _round_store(self, r: int, rank: int,
+                     wstore: bytes = b"") -> tuple[Any, RendezvousStoreInfo]:
         """The agents' store (prefixed per round) and the workers' store address."""
         round_store = _prefix_store(str(self.store_prefix), self._store)
         if not self.use_agent_store:
             # torch's TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: rank 0's workers host their own.
             return round_store, RendezvousStoreInfo.build(rank, round_store, self._local_addr)
-        return round_store, self._worker_store_info(r, rank, self._store)
+        return round_store, self._worker_store_info(r, rank, self._store, wstore)
 
-    def _worker_store_info(self, r: int, rank: int, meet: Any) -> RendezvousStoreInfo:
-        """Rank 0 hosts a fresh, empty store for this round's workers; all learn its address.
+    def _worker_store_info(self, r: int, rank: int, meet: Any,
+                           addr: bytes = b"") -> RendezvousStoreInfo:
+        """The workers' store of round ``r`` (see :mod:`._worker_store`): rank 0 hosts it.
 
-        Workers of a restarted group use the same key names as the dead attempt (gloo's
-        ``default_pg/...`` addresses, for one): on a shared store they would read stale
-        values and connect to dead peers. A store per round, as torch's agent-store comment
-        intends, starts every attempt clean. The address is published through ``meet`` (the
-        rendezvous's own store, or etcd) with one ``set``; others read it with one ``get``.
-        ``MASTER_ADDR`` is rank 0's ``local_addr``, else its FQDN, as torch publishes it.
+        ``addr`` is rank 0's announced address, from the round's outcome. Without one (a
+        round decided by an older node) rank 0 publishes it through ``meet`` with one
+        ``set`` and the others read it with one ``get``. ``MASTER_ADDR`` is rank 0's
+        ``local_addr``, else its FQDN, as torch publishes it.
         """
-        from fastelastic.store import TCPStore
-
-        self._retire_worker_store()
-        key = f"{self._key}{r}/wstore"
+        ws = self._wstore
         if rank == 0:
-            addr = self._local_addr or socket.getfqdn()
-            # torch's clients cannot authenticate, so this store is open: it listens only on
-            # the address the workers are given when that is an address of this host (a name
-            # would need a lookup and may stand for several; an address of a NAT is not
-            # ours), else on every interface, as torch's does.
-            self._worker_server = None
-            if _is_ip(addr):
-                try:
-                    self._worker_server = TCPStore(
-                        "", 0, is_master=True, wait_for_workers=False,
-                        timeout=self._store.timeout, bind_host=addr)
-                except StoreError as e:
-                    log.info("workers' store: cannot listen on %s only (%s); listening on "
-                             "every interface", addr, e)
-            if self._worker_server is None:
-                self._worker_server = TCPStore(
-                    "", 0, is_master=True, wait_for_workers=False, timeout=self._store.timeout)
-            meet.set(key, f"{addr}:{self._worker_server.port}".encode())
+            ws.host(self._store.timeout)
+            if not addr:
+                addr = f"{ws.addr}:{ws.server.port}".encode()
+                meet.set(f"{self._key}{r}/wstore", addr)
         else:
-            self.wait_members(meet, [key], time.monotonic() + self._store.timeout.total_seconds())
-        host, _, port = bytes(meet.get(key)).decode().rpartition(":")
+            ws.retire()
+            if not addr:
+                key = f"{self._key}{r}/wstore"
+                self.wait_members(meet, [key],
+                                  time.monotonic() + self._store.timeout.total_seconds())
+                addr = bytes(meet.get(key))
+        host, _, port = addr.decode().rpartition(":")
         return RendezvousStoreInfo(host, int(port))
+
+    @property
+    def _worker_server(self) -> Any:
+        return self._wstore.server
 
     def _retire_worker_store(self) -> None:
         """Stops the previous round's worker store (its workers were stopped before re-joining)."""
-        server, self._worker_server = self._worker_server, None
-        if server is not None:
-            server.shutdown_server()
+        self._wstore.retire()
 
-    def _try_round(self, r: int, deadline: float) -> tuple[int, int, list[int]] | None:
-        """Joins round ``r``; (rank, world, tickets by rank) or None to move on to ``r + 1``."""
+    def _leave_last_round(self) -> None:
+        """Tells the members of this node's last round that it left (it is re-joining).
+
+        Fire-and-forget writes: ``left/<rank>`` (what the next round's coordinator waits
+        for), ``broken`` (the round is over: a next round may form) and ``<rank>:left;`` in
+        ``gone`` (the other members restart their workers at their next membership check).
+        """
+        if self._member is None:
+            return
+        q, rank, _ = self._member
+        p = f"{self._key}{q}/"
+        self._store.multi_set([f"{p}left/{rank}", p + "broken"], [b"1", b"1"])
+        self._store.append(p + "gone", b"%d:left;" % rank)
+
+    def _try_round(self, r: int, deadline: float) -> tuple[int, int, list[int], bytes] | None:
+        """Joins round ``r``; (rank, world, tickets by rank, workers' store address) or None
+        to move on to ``r + 1``."""
         store = self._store
         p = f"{self._key}{r}/"
-        if self._hooks:
-            store.append_on_disconnect(p + "res", b"D;")
         t = int(store.add(p + "t", 1))
-        keys: list[str] = []
-        vals: list[bytes] = []
-        if self._pending_left is not None:
-            keys.append(self._pending_left)
-            vals.append(b"1")
-            self._pending_left = None
         if t > self._max:  # full or sealed: wait in the next round
-            if keys:
-                store.multi_set(keys, vals)
             return None
+        if self._hooks:  # our death abandons the round while it forms
+            store.append_on_disconnect(p + "res", b"D;")
         pref = self._member[1] if self._member is not None else self._node_rank
-        keys.append(f"{p}n/{t}")
-        vals.append(b"%d|%s|%d" % (pref, self._local_addr.encode(), os.getpid()))
-        # A placeholder for our rank: the publisher overwrites it (after it saw this write)
-        # before deciding res, so one multi_get of (res, rank) reads both once res exists.
-        keys.append(f"{p}rank/{t}")
-        vals.append(b"-1")
-        keys.append(f"{p}hb/t{t}")  # keep-alives from the ticket on
-        vals.append(b"0")
-        store.multi_set(keys, vals)
+        # The record; a placeholder for our rank, which the publisher overwrites (after it
+        # saw this write) before deciding res, so one multi_get of (res, rank) reads both; and
+        # the keep-alive counter, bumped from the ticket on.
+        store.multi_set(
+            [f"{p}n/{t}", f"{p}rank/{t}", f"{p}hb/t{t}"],
+            [b"%d|%s|%d|%s" % (pref, self._local_addr.encode(), os.getpid(),
+                                self._wstore.address() if self.use_agent_store else b""),
+             b"-1", b"0"])
         BEATER.add(self, f"{p}hb/t{t}")
         if t == self._max:
             self._publish(r, self._max, deadline)
@@ -532,13 +656,28 @@ class FastRendezvousHandler(RendezvousHandler):
         kind, count, rank, raw = self._wait_outcome(r, deadline, rank_key=f"{p}rank/{t}",
                                                     ticket=t)
         if kind == "C":
-            raise RendezvousClosedError(f"The rendezvous '{self._run_id}' is closed.")
+            raise self._closed_error(r)
         if kind == "D":
             log.info("rendezvous %s round %d abandoned (a node left); re-joining", self._run_id, r)
             return None
         if rank < 0:  # not admitted (round full, or our record came too late)
             return None
-        return rank, count, _members(raw)
+        return rank, count, _members(raw), _wstore_of(raw)
+
+    def _closed_error(self, r: int) -> RendezvousError:
+        """Closed: a spare (waiting behind a full round) exits gracefully, as torch's does."""
+        if self._waited_as_spare or self._spare(r):
+            return RendezvousGracefulExitError(
+                f"The rendezvous '{self._run_id}' is closed; this node waited as a spare.")
+        return RendezvousClosedError(f"The rendezvous '{self._run_id}' is closed.")
+
+    def _spare(self, r: int) -> bool:
+        """True while the last round before ``r`` is complete, full and not over: a node
+        waiting for ``r`` is then a spare (torch's redundancy list), whom no join timeout
+        applies to."""
+        last = self._last_complete(r, time.monotonic() + _SLICE)
+        return (last is not None and last[1] >= self._max
+                and not self._store.check([f"{self._key}{last[0]}/broken"]))
 
     def _wait_outcome(self, r: int, deadline: float, mine: bool = True,
                       rank_key: str | None = None, ticket: int = 0) -> tuple[str, int, int, bytes]:
@@ -547,26 +686,28 @@ class FastRendezvousHandler(RendezvousHandler):
         A node holding ``ticket`` checks every quarter window that the holders of the
         deciding tickets (``min_nodes``: last call; ``max_nodes``: publish) are alive, and
         abandons the round when one is not (no record: a stray or a node lost right after its
-        ticket; its keep-alive stood still for a window: frozen or hung).
+        ticket; its keep-alive stood still for a window: frozen or hung). A spare's join
+        timeout starts only when the full round it waits behind is over.
         """
         key = f"{self._key}{r}/res"
-        seen = Beats(self._window, self._ka_interval / 2)
+        watch = _Deciders(self, r, ticket) if ticket else None
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                if mine and self._spare(r):
+                    self._waited_as_spare = True
+                    deadline = time.monotonic() + self._timeout.join.total_seconds()
+                    continue
                 if mine:  # give up our ticket: nobody may count this node in the round any more
                     self._store.append(key, b"D;")
                 raise RendezvousTimeoutError(
                     f"The rendezvous '{self._run_id}' did not complete within "
                     f"{self._timeout.join}."
                 )
-            step = remaining if not ticket else min(remaining, self._window / 4)
-            try:
-                self._store.wait([key], timedelta(seconds=step))
+            step = remaining if watch is None else min(remaining, self._window / 4)
+            if _wait(self._store, [key], step):
                 break
-            except StoreTimeoutError:
-                pass
-            if ticket and self._deciders_stalled(r, ticket, seen):
+            if watch is not None and watch.stalled():
                 self._store.compare_set(key, "", b"D;")
         if rank_key is None:
             raw = bytes(self._store.get(key))
@@ -578,57 +719,76 @@ class FastRendezvousHandler(RendezvousHandler):
             raise RendezvousStateError(f"corrupt rank {bytes(raw_rank)[:40]!r}") from e
         return (*_outcome(bytes(raw_res)), rank, bytes(raw_res))
 
-    def _deciders_stalled(self, r: int, ticket: int, seen: Beats) -> bool:
-        """True if a deciding ticket of round ``r`` has no record, or a keep-alive that stood
-        still for the detection window (``seen``: the counters polled so far)."""
-        p = f"{self._key}{r}/"
-        count = int(self._store.add(p + "t", 0))
-        if count >= _SEAL:  # sealed: the coordinator is publishing; the holder of min acts
-            count -= _SEAL
-        states: dict[int, int] = {}
-        for role in sorted({self._min, self._max}):
-            if role > count or role == ticket:
-                continue
-            # -1: no record yet; else the keep-alive counter. Stalled: unchanged for a window.
-            if not self._store.check([f"{p}n/{role}"]):
-                states[role] = -1
-            else:
-                states[role] = int(self._store.add(f"{p}hb/t{role}", 0))
-        stalled = seen.observe(states)
-        for role, still in stalled.items():
-            why = "no record" if states[role] < 0 else "no keep-alive"
-            log.warning("rendezvous %s round %d: the node holding ticket %d (%s for %.1fs) is "
-                        "lost; abandoning the round", self._run_id, r, role, why, still)
-        return bool(stalled)
-
     def _res_exists(self, r: int) -> bool:
         return bool(self._store.check([f"{self._key}{r}/res"]))
 
-    def _coordinate(self, r: int, deadline: float) -> None:
-        """Ticket ``min_nodes``: drain, last call, seal, publish."""
-        store = self._store
-        if not self._drain(r, deadline):
-            return
-        last_call = min(self._timeout.last_call.total_seconds(), deadline - time.monotonic())
-        if last_call >= 0.001:
-            try:
-                store.wait([f"{self._key}{r}/res"], timedelta(seconds=last_call))
-                return  # decided meanwhile (max reached, closed or abandoned)
+    def _after_last_round(self, r: int, deadline: float) -> _Last | None | Literal[False]:
+        """Before a decider decides ``r``: waits until the last complete round is over.
+
+        While it runs, everyone waiting for ``r`` is a spare, and a round of spares must not
+        form beside it (two worlds); it is over once a member of it left or was lost
+        (``broken``). Returns the last complete round (round, world, tickets), None if there
+        is none, or False if ``r`` got decided meanwhile (closed or abandoned). A spare waits
+        without a deadline; the join timeout counts from the moment the round is over.
+        """
+        last = self._last_complete(r, deadline)
+        if last is None:
+            return None
+        key = f"{self._key}{last[0]}/broken"
+        waited = False
+        while True:
+            try:  # one round trip: wait, and read why (``C``: the job ended and closed)
+                why = bytes(self._store.get(key, timedelta(seconds=_SLICE)))
+                break
             except StoreTimeoutError:
                 pass
+            waited = self._waited_as_spare = True
+            if self._res_exists(r):
+                return False
+        if waited:
+            # The job ended (closed, or a member finished its work and left): spares go home
+            # before the job's store does.
+            if b"C" in why or "done" in _parse_gone(
+                    bytes(self._store.get(f"{self._key}{last[0]}/gone"))).values():
+                raise self._closed_error(r)
+            deadline = time.monotonic() + self._timeout.join.total_seconds()
+        self._deadline = deadline
+        return last
+
+    def _coordinate(self, r: int, deadline: float) -> None:
+        """Ticket ``min_nodes``: drain, last call, seal, publish.
+
+        A round that re-forms after a complete one needs no last call: once every member of
+        that round is back (or lost), nobody else is expected, and a node that comes later
+        joins the next round (``--rdzv-conf reform_last_call=1`` keeps torch's wait).
+        """
+        store = self._store
+        last = self._after_last_round(r, deadline)
+        if last is False:
+            return
+        deadline = max(deadline, self._deadline)
+        if last is not None and not self._drain(r, last, deadline):
+            return
+        if last is None or self._reform_last_call:
+            last_call = min(self._timeout.last_call.total_seconds(),
+                            deadline - time.monotonic())
+            if last_call >= 0.001 and _wait(store, [f"{self._key}{r}/res"], last_call):
+                return  # decided meanwhile (max reached, closed or abandoned)
         count = int(store.add(f"{self._key}{r}/t", _SEAL)) - _SEAL
         if count < self._max:  # at max the max-ticket holder publishes
-            self._publish(r, count, deadline, drained=True)
+            self._publish(r, count, deadline, gated=True)
 
-    def _publish(self, r: int, count: int, deadline: float, drained: bool = False) -> None:
+    def _publish(self, r: int, count: int, deadline: float, gated: bool = False) -> None:
         """Decides round ``r`` with ``count`` members: ranks, then one compare_set of res."""
         store = self._store
         p = f"{self._key}{r}/"
-        # Draining lets every member of the last round that is still coming join this one; a
-        # full round (max_nodes tickets) has no room left for them, so it waits for nobody (a
-        # replacement node and the survivors need not wait for a frozen member's window).
-        if not drained and count < self._max and not self._drain(r, deadline):
-            return
+        # A full round (max_nodes tickets) has no room for the last round's members still
+        # coming, so it waits for nobody once that round is over (a replacement node and the
+        # survivors need not wait for a frozen member's window).
+        if not gated:
+            if self._after_last_round(r, deadline) is False:
+                return
+            deadline = max(deadline, self._deadline)
         tickets = list(range(1, count + 1))
         drop_at = min(deadline, time.monotonic() + self._window)
         while True:
@@ -639,22 +799,20 @@ class FastRendezvousHandler(RendezvousHandler):
                             "%gs)", self._run_id, r, sorted(set(range(1, count + 1))
                                                             - set(tickets)), self._window)
                 break
-            try:
-                store.wait([f"{p}n/{i}" for i in tickets],
-                           timedelta(seconds=min(_SLICE, remaining)))
+            if _wait(store, [f"{p}n/{i}" for i in tickets], min(_SLICE, remaining)):
                 break
-            except StoreTimeoutError:
-                if self._res_exists(r):  # a joiner died before writing its record
-                    return
+            if self._res_exists(r):  # a joiner died before writing its record
+                return
         if len(tickets) < self._min:
             store.compare_set(p + "res", "", b"D;")  # too few left: everyone re-joins r + 1
             return
         prefs = []
-        for raw in store.multi_get([f"{p}n/{i}" for i in tickets]):
+        records = [bytes(raw) for raw in store.multi_get([f"{p}n/{i}" for i in tickets])]
+        for raw in records:
             try:
-                prefs.append(int(bytes(raw).split(b"|", 1)[0]))
+                prefs.append(int(raw.split(b"|", 1)[0]))
             except ValueError as e:
-                raise RendezvousStateError(f"corrupt node record {bytes(raw)[:40]!r}") from e
+                raise RendezvousStateError(f"corrupt node record {raw[:40]!r}") from e
         world = len(tickets)
         ranks = assign_ranks(prefs, world)
         by_rank = [0] * world
@@ -662,65 +820,63 @@ class FastRendezvousHandler(RendezvousHandler):
             by_rank[rank] = ticket
         store.multi_set([f"{p}rank/{i}" for i in tickets] + [p + "gone"],
                         [b"%d" % x for x in ranks] + [b""])
-        blob = b"M%d\n%s\n" % (world, b",".join(b"%d" % t for t in by_rank))
+        first = records[tickets.index(by_rank[0])].split(b"|")
+        wstore = first[3] if len(first) > 3 else b""
+        blob = b"M%d\n%s\n%s\n" % (world, b",".join(b"%d" % t for t in by_rank), wstore)
         if bytes(store.compare_set(p + "res", "", blob)) == blob:
             store.set(self._key + "open", b"%d" % (r + 1))
 
     def _last_complete(self, r: int, deadline: float) -> tuple[int, int, list[int]] | None:
         """Walks back from ``r - 1`` to the last complete round: (round, world, tickets)."""
+        cached = self._last_seen
+        if cached is not None and cached[0] < r and cached[0] >= r - 1:
+            return cached
         for q in range(r - 1, max(-1, r - 1 - _MAX_WALK), -1):
             kind, count, _, raw = self._wait_outcome(q, deadline, mine=False)
             if kind == "M":
-                return q, count, _members(raw)
+                self._last_seen = (q, count, _members(raw))
+                return self._last_seen
             if kind == "C":
                 raise RendezvousClosedError(f"The rendezvous '{self._run_id}' is closed.")
         return None
 
-    def _drain(self, r: int, deadline: float) -> bool:
+    def _drain(self, r: int, last: tuple[int, int, list[int]], deadline: float) -> bool:
         """Waits until every member of the last complete round left. False if ``r`` got decided.
 
         A member whose keep-alive counter stands still for the detection window is dropped
         (frozen, hung or cut off). When this node watched it during that round, the window
-        counts from the last change it saw then, not from now.
+        counts from the last change it saw then, not from now. Each check is one
+        ``multi_get`` (the round's ``gone`` and the missing members' counters), whatever the
+        number of members.
         """
-        last = self._last_complete(r, deadline)
-        if last is None:
-            return True
         q, world, tickets = last
-        missing = [f"{self._key}{q}/left/{i}" for i in range(world)]
-        window = self._window
-        beats = Beats(window, self._ka_interval / 2)
+        pq = f"{self._key}{q}/"
+        missing = list(range(world))
+        beats = Beats(self._window, self._ka_interval / 2)
         prev = self._prev_watch
-        if prev is not None and prev.prefix == f"{self._key}{q}/":
+        if prev is not None and prev.prefix == pq:
             for rank, (raw, since) in prev.beats.since.items():
-                try:
-                    beats.since[rank] = (int(raw), since)
-                except ValueError:
-                    continue
+                beats.since[rank] = (raw, since)
+        step = max(0.05, min(self._window / 4, self._ka_interval / 2))
         while missing:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
-            try:
-                step = max(0.05, min(window / 4, self._ka_interval / 2))
-                self._store.wait(missing, timedelta(seconds=min(step, remaining)))
+            if _wait(self._store, [f"{pq}left/{i}" for i in missing], min(step, remaining)):
                 return True
-            except StoreTimeoutError:
-                pass
             if self._res_exists(r):
                 return False
-            present = self._store.check  # narrow the set to the keys still missing
-            missing = [k for k in missing if not present([k])]
-            counters = {}
-            for key in missing:  # a member silent for a whole window is lost: drop it
-                rank = int(key.rsplit("/", 1)[1])
-                hb = f"hb/t{tickets[rank]}" if rank < len(tickets) else f"hb/{rank}"
-                counters[rank] = int(self._store.add(f"{self._key}{q}/{hb}", 0))
+            hb = [f"{pq}hb/t{tickets[i]}" if i < len(tickets) else f"{pq}hb/{i}"
+                  for i in missing]
+            vals = [bytes(v) for v in self._store.multi_get([pq + "gone"] + hb)]
+            gone = _parse_gone(vals[0])
+            counters = {i: v for i, v in zip(missing, vals[1:], strict=True) if i not in gone}
             for rank, still in beats.observe(counters).items():
                 log.warning("rendezvous %s: member rank %d of round %d was lost (silent: no "
                             "keep-alive for %.1fs); dropping it", self._run_id, rank, q, still)
-                self._store.set(f"{self._key}{q}/left/{rank}", b"hung")
-            missing = [k for k in missing if not present([k])]
+                self._store.multi_set([f"{pq}left/{rank}", pq + "broken"], [b"hung", b"1"])
+                gone[rank] = "silent"
+            missing = [i for i in missing if i not in gone]
         return True
 
     # ------------------------------------------------------------------ keep-alive
@@ -729,14 +885,6 @@ class FastRendezvousHandler(RendezvousHandler):
         BEATER.remove(self)
 
 
-
-
-def _is_ip(addr: str) -> bool:
-    try:
-        ipaddress.ip_address(addr)
-    except ValueError:
-        return False
-    return True
 
 
 def _parse_gone(raw: bytes) -> dict[int, str]:
@@ -763,8 +911,9 @@ def create_fast_handler(params: RendezvousParameters) -> FastRendezvousHandler:
     ``rdzv_conf`` keys: ``join_timeout``, ``last_call_timeout``, ``close_timeout``,
     ``heartbeat``, ``keep_alive_interval``, ``keep_alive_max_attempt``, ``read_timeout``
     (store operations, default 60 s), ``is_host`` (default: the endpoint host is this machine),
-    ``rank`` (preferred node rank), ``token_file`` (a shared secret guarding the rendezvous
-    store; default ``$FASTELASTIC_STORE_TOKEN_FILE``).
+    ``rank`` (preferred node rank), ``reform_last_call`` (wait ``last_call_timeout`` also when
+    a round re-forms after a complete one, as torch does; default off), ``token_file`` (a
+    shared secret guarding the rendezvous store; default ``$FASTELASTIC_STORE_TOKEN_FILE``).
 
     Raises:
         ValueError: A malformed option.
@@ -786,6 +935,7 @@ def create_fast_handler(params: RendezvousParameters) -> FastRendezvousHandler:
     if keep_alive_max_attempt is None:
         raise ValueError("keep_alive_max_attempt must not be None.")
     rank = params.get_as_int("rank", -1)
+    reform_last_call = bool(params.get_as_bool("reform_last_call", False))
     client, server = host_store(host, port, params.get_as_bool("is_host"), read_timeout,
                                 token_from(params))
     return FastRendezvousHandler(
@@ -801,4 +951,5 @@ def create_fast_handler(params: RendezvousParameters) -> FastRendezvousHandler:
         keep_alive_max_attempt=keep_alive_max_attempt,
         bootstrap_addr=host,
         server=server,
+        reform_last_call=reform_last_call,
     )

@@ -148,6 +148,7 @@ class TCPStore(KVClient, Store):
     ) -> None:
         seconds = _seconds(timeout)
         self._server: Optional[ServerHandle] = None
+        self._token = token if token is not None else token_from_env()
         self._host = host_name
         self._world_size = world_size
         self._use_libuv = use_libuv
@@ -173,7 +174,7 @@ class TCPStore(KVClient, Store):
                 try:
                     KVClient.__init__(
                         self, sock.detach(), f"{host_name}:{port}", seconds, spin_us=spin_us(),
-                        token=(token if token is not None else token_from_env()) or b"",
+                        token=self._token or b"",
                     )
                     break
                 except HandshakeReset:
@@ -230,9 +231,9 @@ class TCPStore(KVClient, Store):
         return True
 
     def clone(self) -> "TCPStore":
-        """A new connection to the same server, with the same timeout."""
+        """A new connection to the same server, with the same timeout and token."""
         return TCPStore(self._host, self._port, timeout=self.timeout, wait_for_workers=False,
-                        use_libuv=self._use_libuv)
+                        use_libuv=self._use_libuv, token=self._token)
 
     @property
     def server(self):

@@ -1,0 +1,121 @@
+"""The workers' store of a round: which node hosts it, where, and who owns its socket.
+
+Each round's rank 0 hosts a fresh, empty store for its workers (``MASTER_ADDR`` and
+``MASTER_PORT``). Workers of a restarted group use the same key names as the dead attempt
+(gloo's ``default_pg/...`` addresses, for one): on a shared store they would read stale values
+and connect to dead peers, so every attempt starts clean, as torch's agent-store comment
+intends.
+
+A node that joins a round binds its listening socket first and puts its address in its
+record; the round's outcome carries rank 0's, so nobody waits for rank 0 after the round is
+decided (at thousands of nodes that wait cost seconds). Rank 0 then starts the server on that
+socket: a worker that connects sooner waits in the listen backlog, not in an error.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+from datetime import timedelta
+from typing import Any
+
+from fastelastic.errors import StoreError
+
+__all__ = ["WorkerStoreHost", "is_ip"]
+
+log = logging.getLogger("fastelastic.rendezvous.fast_rendezvous")
+
+
+def is_ip(addr: str) -> bool:
+    try:
+        ipaddress.ip_address(addr)
+    except ValueError:
+        return False
+    return True
+
+
+class WorkerStoreHost:
+    """This node's side of the workers' store: its listening socket and, as rank 0, the server.
+
+    One owner for each: the socket is this object's until :py:meth:`host` hands it to the
+    server (which keeps its own duplicate); the server is this object's until
+    :py:meth:`retire`.
+
+    Args:
+        local_addr: The address workers are given (``MASTER_ADDR``); default this host's FQDN.
+    """
+
+    def __init__(self, local_addr: str) -> None:
+        self._local_addr = local_addr
+        self._addr: str | None = None
+        self._sock: socket.socket | None = None
+        self.server: Any = None
+
+    @property
+    def addr(self) -> str:
+        if self._addr is None:
+            self._addr = self._local_addr or socket.getfqdn()
+        return self._addr
+
+    def address(self) -> bytes:
+        """``host:port`` the workers will use if this node is rank 0 (binds on first need).
+
+        torch's clients cannot authenticate, so the store is open: it listens only on the
+        address the workers are given when that is an address of this host (a name would
+        need a lookup and may stand for several; an address of a NAT is not ours), else on
+        every interface, as torch's does.
+        """
+        if self._sock is None:
+            self._sock = self._listen()
+        return f"{self.addr}:{self._sock.getsockname()[1]}".encode()
+
+    def _listen(self) -> socket.socket:
+        addr = self.addr
+        if is_ip(addr):
+            family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind((addr, 0))
+                sock.listen(4096)
+                return sock
+            except OSError as e:
+                sock.close()
+                log.info("workers' store: cannot listen on %s only (%s); listening on every "
+                         "interface", addr, e)
+        sock = socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True,
+                                    backlog=4096, reuse_port=False) \
+            if socket.has_dualstack_ipv6() else socket.create_server(("", 0), backlog=4096)
+        return sock
+
+    def host(self, timeout: timedelta) -> Any:
+        """Starts this round's server on the socket announced by :py:meth:`address`."""
+        from fastelastic.store import TCPStore
+
+        self.retire()
+        if self._sock is None:
+            self.address()
+        sock, self._sock = self._sock, None
+        assert sock is not None
+        try:
+            self.server = TCPStore("", 0, is_master=True, wait_for_workers=False,
+                                   timeout=timeout, master_listen_fd=sock.fileno())
+        finally:
+            sock.close()  # the server listens on its own duplicate
+        return self.server
+
+    def retire(self) -> None:
+        """Stops the last round's server (its workers were stopped before re-joining)."""
+        server, self.server = self.server, None
+        if server is not None:
+            try:
+                server.shutdown_server()
+            except StoreError as e:  # pragma: no cover - best effort on the way out
+                log.debug("workers' store: shutdown: %s", e)
+
+    def close(self) -> None:
+        self.retire()
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
