@@ -446,6 +446,9 @@ cdef class KVServer(KVProtocol):
         """Sends what the kernel takes of c's replies; re-arms epoll for the rest."""
         cdef ssize_t sent
         cdef Waiter w
+        if c.oom:   # a wake-up reply it could not be given (see KVCore._finish_wait)
+            self._close_conn(c, "out of memory writing a reply")
+            return
         if c.out.streaming() and not self._flush_streamed(c):
             return
         while not c.out.streaming() and c.out.pending_size() > 0:
