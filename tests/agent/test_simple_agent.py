@@ -23,6 +23,7 @@ from fastelastic.agent.server import (
     WorkerState,
 )
 from fastelastic.agent.server.api import Worker, WorkerGroup
+from fastelastic.errors import StoreConnectionError
 
 
 class PopenAgent(SimpleElasticAgent):
@@ -208,6 +209,40 @@ def test_failure_after_max_restarts(store_server):
     assert result.failures and set(result.failures) <= {0, 1}
     assert {f.exitcode for f in result.failures.values()} == {7}
     assert rdzv.rounds == 2 and agent.restart_count == 1
+
+
+class UncheckableRendezvous(StoreRendezvous):
+    """A rendezvous whose lost-member check fails (its store went away with a peer)."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.checks = 0
+
+    def get_backend(self) -> str:
+        return "static"   # no membership timer: the check runs only after a failure
+
+    def lost_members(self):
+        self.checks += 1
+        raise StoreConnectionError("connection to the store at 127.0.0.1:1 failed")
+
+
+@pytest.mark.usefixtures("no_identical_env")
+def test_a_failing_lost_member_check_loses_no_worker_failure(store_server, caplog):
+    """A group failed: a lost-member check that raises still ends in the restart, then the
+    failure report, that the workers' exit codes call for."""
+    rdzv = UncheckableRendezvous(store_server, 0, 1)
+    events = []
+    agent = PopenAgent(
+        make_spec(rdzv, "import sys; sys.exit(7)", max_restarts=1),
+        exit_barrier_timeout=5,
+    )
+    agent._record_worker_events = lambda result: events.append(result)
+    result = agent.run()
+    assert result.is_failed() and result.state == WorkerState.FAILED
+    assert {f.exitcode for f in result.failures.values()} == {7}
+    assert events == [result]                      # the worker events were recorded
+    assert rdzv.rounds == 2 and agent.restart_count == 1 and rdzv.checks == 2
+    assert "could not check for lost nodes" in caplog.text
 
 
 @pytest.mark.usefixtures("no_identical_env")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import socket
@@ -20,6 +21,7 @@ from fastelastic.errors import (
     StoreTimeoutError,
 )
 from fastelastic.store import PrefixStore, TCPStore
+from fastelastic.store.auth import TOKEN_FILE_ENV
 
 from .conftest import wait_until
 
@@ -197,6 +199,31 @@ def test_multi_tenant_shares_one_server():
     a.shutdown_server()
     assert b.get("shared") == b"1"          # still served: b holds a reference
     b.shutdown_server()
+
+
+def test_multi_tenant_store_shut_down_then_collected_releases_once():
+    """shutdown_server() releases the store's reference; collecting it must not release again."""
+    a = TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, timeout=5)
+    b = TCPStore("127.0.0.1", a.port, is_master=True, multi_tenant=True, timeout=5)
+    a.shutdown_server()
+    del a
+    gc.collect()
+    b.set("after", "1")                      # b's tenancy keeps the server up
+    assert b.get("after") == b"1"
+    b.shutdown_server()
+
+
+def test_multi_tenant_store_failing_its_handshake_releases_once(monkeypatch):
+    """A tenant whose constructor fails gives its reference back once, not again when collected."""
+    monkeypatch.delenv(TOKEN_FILE_ENV, raising=False)
+    token = b"multi-tenant-token-0123456789"
+    a = TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, timeout=5, token=token)
+    with pytest.raises(StoreConnectionError, match="requires a token"):
+        TCPStore("127.0.0.1", a.port, is_master=True, multi_tenant=True, timeout=5)
+    gc.collect()
+    a.set("after", "1")
+    assert a.get("after") == b"1"
+    a.shutdown_server()
 
 
 def test_port_in_use_is_a_clear_error(master):

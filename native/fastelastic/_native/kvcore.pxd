@@ -55,6 +55,7 @@ cdef cppclass Conn:          # 144 bytes: what an idle connection costs the serv
     cbool paused            # unsent replies over max_unsent: not reading until they drain
     cbool waiting           # a WAIT or BARRIER is pending
     cbool wait_get          # the pending wait is an EXT_WAIT_GET: answer with the value
+    cbool oom               # a wake-up reply could not be built: closed before more is sent
     uint64_t cid
     fe_inbuf *inb           # a request one recv could not complete, or NULL
     fe_outbuf out           # replies not yet accepted by the kernel
@@ -98,6 +99,7 @@ cdef class KVCore:
     cdef vector[Waiter] _resume       # un-paused connections with requests still buffered
     cdef string _token                # empty: no token required
     cdef const char *_last_why
+    cdef uint64_t _oom_countdown      # testing (fail_wakeup_reply): 0, or wake-ups until one fails
     # counters (read from Python without locking; they only ever grow)
     cdef readonly uint64_t ops
     cdef readonly uint64_t accepted
@@ -126,6 +128,7 @@ cdef class KVCore:
     cdef void _notify(self, const string &key) noexcept nogil
     cdef void _finish_wait(self, Conn *c, Waiter w) noexcept nogil
     cdef void _notify_one(self, const string &key) noexcept nogil
+    cdef bint _injected_oom(self) noexcept nogil
 
 
 cdef inline void put_value(Conn *c, fe_entry *e) noexcept nogil:

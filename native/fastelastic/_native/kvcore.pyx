@@ -16,6 +16,9 @@ Invariants:
 - Closing a connection drops its waits, frees what it holds, then runs its disconnect actions
   (which may wake others): nothing of a closed connection is left behind.
 - Connection state changes only in ``_set_state``: HANDSHAKE -> (AUTH ->) READY.
+- Out of memory is the error of the connection whose reply could not be built: that reply is
+  taken back whole and that connection closed; the writer that woke it and every other
+  connection are served on.
 """
 
 from cpython.mem cimport PyMem_RawFree
@@ -26,7 +29,9 @@ from libcpp.string cimport string
 from libcpp.vector cimport vector
 
 from fastelastic._native.includes.linux cimport FE_DEBUG, close, fe_peer_name
-from fastelastic._native.wire cimport REPLY_STOP_WAITING, REPLY_VALUE, put_u8, put_u64
+from fastelastic._native.wire cimport (
+    REPLY_STOP_WAITING, REPLY_VALUE, fe_take_oom, put_u8, put_u64,
+)
 
 import logging
 
@@ -281,8 +286,18 @@ cdef class KVCore:
                 self._finish_wait(c, ws[i])
 
     cdef void _finish_wait(self, Conn *c, Waiter w) noexcept nogil:
-        """Answers a satisfied wait, and queues c's reply to be sent this loop round."""
+        """Answers a satisfied wait, and queues c's reply to be sent this loop round.
+
+        Out of memory building it is c's own error, whoever's write woke c: what was appended
+        is taken back (c never gets a length without its value) and c is marked ``oom``, to be
+        closed before anything more of it is sent (``KVServer._flush``, ``_consume``). The
+        out-of-memory flag of a request running now (the writer's) is left as it was, and
+        this reply's is cleared here, so it never reaches another connection."""
         cdef string key
+        cdef fe_entry *e
+        cdef size_t before = c.out.bytes.size()
+        cdef bint outer = fe_take_oom()
+        cdef bint ok = True
         if c.wait_get:
             key = c.wait_keys[0].key
             self._drop_wait(c)
@@ -291,10 +306,15 @@ cdef class KVCore:
             if e == NULL:    # woken by a queue push of the same name
                 put_u64(c.out.bytes, 0)
             else:
-                put_value(c, e)
+                ok = c.out.put_value(e, STREAM_ABOVE)
         else:
             self._drop_wait(c)
             put_u8(c.out.bytes, REPLY_STOP_WAITING)
+        if fe_take_oom() or not ok or self._injected_oom():
+            c.out.truncate(before, self._kv)
+            c.oom = True
+        if outer:
+            fe_set_oom()
         if not c.dirty:
             c.dirty = True
             self._dirty.push_back(w)
@@ -314,3 +334,15 @@ cdef class KVCore:
         c.wait_left -= 1
         if c.wait_left <= 0:
             self._finish_wait(c, w)
+
+    cdef bint _injected_oom(self) noexcept nogil:
+        """True for the wake-up reply fail_wakeup_reply() picked (testing; else one compare)."""
+        if self._oom_countdown == 0:
+            return False
+        self._oom_countdown -= 1
+        return self._oom_countdown == 0
+
+    def fail_wakeup_reply(self, uint64_t after=0):
+        """Testing: the wake-up reply built after ``after`` more of them fails as if the server
+        ran out of memory building it (checked once its bytes are appended)."""
+        self._oom_countdown = after + 1

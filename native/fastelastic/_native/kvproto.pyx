@@ -253,6 +253,8 @@ cdef class KVProtocol(KVCore):
         cdef size_t off = 0, before
         cdef ssize_t m
         cdef uint8_t cmd
+        cdef int rc
+        cdef bint oom
         scan.need = 0
         while off < n:
             cmd = <uint8_t>p[off]
@@ -265,10 +267,12 @@ cdef class KVProtocol(KVCore):
                 self._close_conn(c, "malformed or over-limit request")
                 return -1
             before = c.out.bytes.size()
-            if self._execute(c, p + off) < 0:
+            rc = self._execute(c, p + off)
+            oom = fe_take_oom()   # taken on every exit: no flag outlives its request
+            if rc < 0:
                 return -1
             off += <size_t>m
-            if fe_take_oom():
+            if oom or c.oom:      # c.oom: the request woke c itself, and that reply failed
                 c.out.truncate(before, self._kv)  # no half reply: the client sees the close
                 self._close_conn(c, "out of memory writing a reply")
                 return -1

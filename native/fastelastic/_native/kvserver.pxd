@@ -24,6 +24,7 @@ cdef class KVServer(KVProtocol):
     cdef int _keepalive_s   # keep-alive window of connections with disconnect actions (0: off)
 
     cdef void _grow_fd_table(self)
+    cdef void _close_own_fds(self) noexcept
     cdef int _wait(self, epoll_event *events, bint may_spin) noexcept nogil
     cdef int _loop(self) except -1 nogil
     cdef int _timeout_ms(self) noexcept nogil

@@ -35,6 +35,7 @@ from fastelastic._native.spin cimport spin_again, spin_deadline
 
 import logging
 import os
+import warnings
 
 
 _log = logging.getLogger("fastelastic.store")
@@ -63,8 +64,14 @@ cdef int check_rc(int rc) except -1:
 cdef class KVServer(KVProtocol):
     """The store's server: an epoll loop over already-listening sockets.
 
+    Each fd it holds has one owner: the listening fds are the caller's until the constructor
+    returns (if it raises, the caller still has them and closes them), the server's from then
+    on; ``close()`` closes them, and a server collected unclosed closes them and warns
+    (ResourceWarning). A forked child never closes its parent's fds.
+
     Args:
-        listen_fds: listening TCP sockets (non-blocking); the server owns and closes them.
+        listen_fds: listening TCP sockets (non-blocking); once constructed, the server owns and
+            closes them.
         max_key: longest key accepted, in bytes (wire bytes, including the client's ``/``).
         max_value: longest value accepted, in bytes.
         max_keys: most keys in one CHECK, WAIT, MULTI_GET or MULTI_SET.
@@ -97,6 +104,7 @@ cdef class KVServer(KVProtocol):
         cdef epoll_event ev
         cdef int fd, one = 1
         cdef uint64_t i = 0
+        cdef vector[int] owned
         KVProtocol.__init__(self, max_key=max_key, max_value=max_value, max_keys=max_keys,
                             max_reply=max_reply, max_unsent=max_unsent,
                             buffer_budget=buffer_budget, handshake_ms=handshake_ms, token=token)
@@ -109,21 +117,26 @@ cdef class KVServer(KVProtocol):
         if self._rdbuf == NULL:
             raise MemoryError()
         self._rdbuf_cap = RDBUF_SIZE
-        self._epfd = check_rc(epoll_create1(EPOLL_CLOEXEC))
-        self._wakefd = check_rc(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK))
-        ev.events = EPOLLIN
-        ev.data.u64 = TAG_WAKE
-        check_rc(epoll_ctl(self._epfd, EPOLL_CTL_ADD, self._wakefd, &ev))
-        for fd in listen_fds:
-            # accepted sockets inherit TCP_NODELAY: no setsockopt per connection
-            check_rc(setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one)))
+        try:
+            self._epfd = check_rc(epoll_create1(EPOLL_CLOEXEC))
+            self._wakefd = check_rc(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK))
             ev.events = EPOLLIN
-            ev.data.u64 = TAG_LISTEN | i
-            check_rc(epoll_ctl(self._epfd, EPOLL_CTL_ADD, fd, &ev))
-            self._listen_fds.push_back(fd)
-            i += 1
-        # Held in reserve so that at EMFILE we can still accept and close, instead of spinning.
-        self._spare_fd = check_rc(open(b"/dev/null", O_RDONLY | O_CLOEXEC))
+            ev.data.u64 = TAG_WAKE
+            check_rc(epoll_ctl(self._epfd, EPOLL_CTL_ADD, self._wakefd, &ev))
+            for fd in listen_fds:
+                # accepted sockets inherit TCP_NODELAY: no setsockopt per connection
+                check_rc(setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one)))
+                ev.events = EPOLLIN
+                ev.data.u64 = TAG_LISTEN | i
+                check_rc(epoll_ctl(self._epfd, EPOLL_CTL_ADD, fd, &ev))
+                owned.push_back(fd)
+                i += 1
+            # Held in reserve so that at EMFILE we can accept and close, instead of spinning.
+            self._spare_fd = check_rc(open(b"/dev/null", O_RDONLY | O_CLOEXEC))
+        except BaseException:
+            self._close_own_fds()   # what it made; the listening fds are still the caller's
+            raise
+        self._listen_fds.swap(owned)   # the server's from here on
         self._grow_fd_table()
 
     cdef void _grow_fd_table(self):
@@ -173,14 +186,21 @@ cdef class KVServer(KVProtocol):
         for i in range(self._listen_fds.size()):
             close(self._listen_fds[i])
         self._listen_fds.clear()
+        self._close_own_fds()
+
+    cdef void _close_own_fds(self) noexcept:
+        """Closes the fds the server made itself (epoll, wake-up, spare)."""
         for fd in (self._epfd, self._wakefd, self._spare_fd):
             if fd >= 0:
                 close(fd)
         self._epfd = self._wakefd = self._spare_fd = -1
 
     def __dealloc__(self):
-        if self._epfd >= 0 and not self._running:
+        # (serve_forever holds a reference while it runs: a collected server is not serving)
+        if self._epfd >= 0 and self._owner_pid == getpid():
             self.close()
+            warnings.warn("unclosed KVServer: stop() it and close() it once serve_forever() "
+                          "returns", ResourceWarning, stacklevel=1)
         if self._rdbuf != NULL:
             PyMem_RawFree(self._rdbuf)
             self._rdbuf = NULL
@@ -446,6 +466,9 @@ cdef class KVServer(KVProtocol):
         """Sends what the kernel takes of c's replies; re-arms epoll for the rest."""
         cdef ssize_t sent
         cdef Waiter w
+        if c.oom:   # a wake-up reply it could not be given (see KVCore._finish_wait)
+            self._close_conn(c, "out of memory writing a reply")
+            return
         if c.out.streaming() and not self._flush_streamed(c):
             return
         while not c.out.streaming() and c.out.pending_size() > 0:

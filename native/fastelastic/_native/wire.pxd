@@ -71,7 +71,9 @@ cdef extern from *:
     """
     #include <string>
     /* Appends that never throw: out of memory sets fe_oom (per thread) and drops the bytes, so a
-       caller checks once per request instead of every append turning into a Python error. */
+       caller checks once per request instead of every append turning into a Python error.
+       static: each extension module has its own flag; whoever sets it takes it back before
+       the request (or wake-up reply) that set it is over. */
     static __thread bool fe_oom __attribute__((tls_model("initial-exec"))) = false;
     static inline void fe_append(std::string &s, const char *p, size_t n) noexcept {
         try { s.append(p, n); } catch (...) { fe_oom = true; }

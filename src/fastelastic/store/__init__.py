@@ -149,6 +149,9 @@ class TCPStore(KVClient, Store):
         seconds = _seconds(timeout)
         self._server: Optional[ServerHandle] = None
         self._token = token if token is not None else token_from_env()
+        # The one owner of this store's reference to the hosted server: a finalizer runs at
+        # most once, whether called (shutdown_server, a failed constructor) or on collection.
+        self._release_server: Optional[weakref.finalize] = None
         self._host = host_name
         self._world_size = world_size
         self._use_libuv = use_libuv
@@ -159,7 +162,7 @@ class TCPStore(KVClient, Store):
                 bind_host, port, multi_tenant=multi_tenant, listen_fd=master_listen_fd,
                 **(server_limits or {}), **({"token": token} if token else {}),
             )
-            weakref.finalize(self, self._server.release)
+            self._release_server = weakref.finalize(self, self._server.release)
             port = self._server.port
             connect_host = self._server.loopback
         else:
@@ -182,9 +185,7 @@ class TCPStore(KVClient, Store):
                         raise
                     time.sleep(min(0.01 * 2**attempt, max(0.0, deadline - time.monotonic())))
         except BaseException:
-            if self._server is not None:
-                self._server.release()
-                self._server = None
+            self._drop_server()
             raise
         if world_size is not None and wait_for_workers:
             self._add_unprefixed(b"init/", 1)
@@ -244,8 +245,14 @@ class TCPStore(KVClient, Store):
         """Stops the hosted server now (master only); every client is disconnected."""
         if self._server is not None:
             self.close()
-            self._server.release()
-            self._server = None
+            self._drop_server()
+
+    def _drop_server(self) -> None:
+        """Gives back this store's reference to the hosted server, once."""
+        self._server = None
+        if self._release_server is not None:
+            self._release_server()
+            self._release_server = None
 
 
 class PrefixStore(Store):

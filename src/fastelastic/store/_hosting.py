@@ -181,23 +181,35 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 
 class ServerHandle:
-    """One running :class:`KVServer` and its thread; shared by multi-tenant stores on a port."""
+    """One running :class:`KVServer` and its thread; shared by multi-tenant stores on a port.
+
+    The listening fd has one owner at a time: ``sock`` (the caller's) until the server is
+    built on it, then the server, which closes it; ``sock`` is detached at that moment. If the
+    constructor raises, ``sock`` still owns the fd and the caller closes it.
+    """
 
     def __init__(self, sock: socket.socket, **limits: Any) -> None:
         raise_fd_limit()
         sock.setblocking(False)
-        self.sock = sock
         self.family = sock.family
-        self.port: int = sock.getsockname()[1]
+        bound = sock.getsockname()
+        self._bound = str(bound[0])
+        self.port: int = bound[1]
         limits.setdefault("spin_us", spin_us())
         limits.setdefault("handshake_ms", handshake_ms())
         limits.setdefault("keepalive_s", keepalive_s())
         self.server = KVServer([sock.fileno()], **limits)
+        sock.detach()   # the server owns the fd now
         self._refs = 1
         self._thread: Optional[threading.Thread] = threading.Thread(
             target=self._serve, name=f"fastelastic-store:{self.port}", daemon=True
         )
-        self._thread.start()
+        try:
+            self._thread.start()
+        except BaseException:
+            self._thread = None
+            self.server.close()
+            raise
 
     def _serve(self) -> None:
         try:
@@ -208,9 +220,8 @@ class ServerHandle:
     @property
     def loopback(self) -> str:
         """An address of this host on which the server accepts: its own when bound to one."""
-        bound = str(self.sock.getsockname()[0])
-        if bound not in ("::", "0.0.0.0"):
-            return bound
+        if self._bound not in ("::", "0.0.0.0"):
+            return self._bound
         return "::1" if self.family == socket.AF_INET6 else "127.0.0.1"
 
     def acquire(self) -> "ServerHandle":
@@ -234,8 +245,7 @@ class ServerHandle:
         if self._thread is not threading.current_thread():
             self._thread.join()
         self._thread = None
-        self.server.close()
-        self.sock.detach()  # the server closed the fd
+        self.server.close()   # closes the listening fd too
 
 
 def host_server(
@@ -250,7 +260,11 @@ def host_server(
         sock = socket.socket(fileno=os.dup(listen_fd))
     else:
         sock = listen_socket(host, port)
-    handle = ServerHandle(sock, **limits)
+    try:
+        handle = ServerHandle(sock, **limits)
+    except BaseException:
+        sock.close()   # still sock's: the server was not built (or was closed) on it
+        raise
     if multi_tenant:
         with _lock:
             _tenants[handle.port] = handle

@@ -460,7 +460,7 @@ class SimpleElasticAgent(_AgentTelemetry, ElasticAgent):
                 self._exit_barrier()
                 return run_result
             if state in {WorkerState.UNHEALTHY, WorkerState.FAILED}:
-                if self._report_lost_members(wg):
+                if self._report_lost_members_after_failure(wg, state):
                     # a peer node was lost: our workers failed with it; not our retry
                     self._restart_workers(wg)
                     if interval is not None:
@@ -528,6 +528,21 @@ class SimpleElasticAgent(_AgentTelemetry, ElasticAgent):
             )
             self._record("NODE_LOST", EventSource.AGENT, raw_error=f"group_rank {rank}: {why}")
         return bool(lost)
+
+    def _report_lost_members_after_failure(self, wg: WorkerGroup, state: WorkerState) -> bool:
+        """``_report_lost_members`` for a group that failed. A check that cannot be made (the
+        store went away with a peer, say) is logged and the failure handled as this node's
+        own, so the workers' failures still reach the restart and the report."""
+        try:
+            return self._report_lost_members(wg)
+        except RendezvousGracefulExitError:
+            raise
+        except (StoreError, RendezvousError, OSError) as e:
+            logger.warning(
+                "[%s] worker group %s; could not check for lost nodes (%s): handling it as "
+                "this node's failure", wg.spec.role, state.name, e,
+            )
+            return False
 
     def _publish_failure(self) -> None:
         """Tells agents waiting in the exit barrier that this node failed, so they stop waiting."""
