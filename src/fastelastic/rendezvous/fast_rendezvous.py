@@ -516,13 +516,18 @@ class FastRendezvousHandler(RendezvousHandler):
         return True
 
     def _linger(self) -> None:
-        """As the store's host, keeps it up (bounded) until the other nodes have gone.
-
-        They are finishing too, and spares leave as soon as they read that the rendezvous
-        closed: were the store to go first, they would see a failure instead of the end.
+        """As the store's host, keeps it up (bounded) until the other nodes have gone, when
+        some wait for a next round (spares): they leave as soon as they read that the
+        rendezvous closed, and were the store to go first they would see a failure instead.
         """
         server = getattr(self._server, "server", None)
-        if server is None:
+        member = self._member
+        if server is None or member is None:
+            return
+        try:  # only nodes waiting for a next round need to read the end (a lost one never will)
+            if not int(self._store.add(f"{self._key}{member[0] + 1}/t", 0)):
+                return
+        except StoreError:
             return
         own = 1 + (self._side is not None and self._side is not self._store)
         until = time.monotonic() + min(_LINGER_S, self._timeout.close.total_seconds())
