@@ -30,6 +30,7 @@ cdef class KVClient:
     cdef void _acquire(self) noexcept
     cdef void _acquire_send(self) noexcept
     cdef int _post(self, string &req) except -1
+    cdef int _send_oneway(self, string &req) except -1
     cdef void _end(self) noexcept
     cdef int _begin(self, unsigned char cmd) except -1
     cdef int _fire(self, unsigned char cmd, object key, object value) except -1

@@ -583,23 +583,25 @@ cdef class KVClient:
             PyThread_release_lock(self._send_lock)
         return 0
 
-    cdef int _fire(self, unsigned char cmd, object key, object value) except -1:
-        """A fire-and-forget request of a key and a value (SET, APPEND, QUEUE_PUSH)."""
-        cdef string req
+    cdef int _send_oneway(self, string &req) except -1:
+        """Sends a whole fire-and-forget request: on the connection when it is free, else
+        after whatever request holds it (``_post``), never waiting for that one's reply."""
         if not PyThread_acquire_lock(self._lock, NOWAIT_LOCK):
-            put_u8(req, cmd)
-            _put_key_to(req, key)
-            _put_value_to(req, value)
             return self._post(req)
-        self._out.clear()
-        put_u8(self._out, cmd)
         try:
-            self._put_key(key)
-            self._put_value(value)
+            self._out.swap(req)
             self._transact(0, REPLY)
         finally:
             self._end()
         return 0
+
+    cdef int _fire(self, unsigned char cmd, object key, object value) except -1:
+        """A fire-and-forget request of a key and a value (SET, APPEND, QUEUE_PUSH)."""
+        cdef string req
+        put_u8(req, cmd)
+        _put_key_to(req, key)
+        _put_value_to(req, value)
+        return self._send_oneway(req)
 
     # --------------------------------------------------------------------------- operations
 
@@ -780,24 +782,12 @@ cdef class KVClient:
         if len(keys) != len(values):
             raise ValueError(f"multi_set got {len(keys)} keys but {len(values)} values")
         cdef string req
-        if not PyThread_acquire_lock(self._lock, NOWAIT_LOCK):
-            put_u8(req, CMD_MULTI_SET)
-            put_u64(req, <uint64_t>len(keys))
-            for k, v in zip(keys, values):
-                _put_key_to(req, k)
-                _put_value_to(req, v)
-            self._post(req)
-            return
-        self._out.clear()
-        put_u8(self._out, CMD_MULTI_SET)
-        try:
-            put_u64(self._out, <uint64_t>len(keys))
-            for k, v in zip(keys, values):
-                self._put_key(k)
-                self._put_value(v)
-            self._transact(0, REPLY)
-        finally:
-            self._end()
+        put_u8(req, CMD_MULTI_SET)
+        put_u64(req, <uint64_t>len(keys))
+        for k, v in zip(keys, values):
+            _put_key_to(req, k)
+            _put_value_to(req, v)
+        self._send_oneway(req)
 
     def list_keys(self):
         """Every user key (those torch's clients would see), without the wire prefix."""

@@ -296,8 +296,7 @@ class FastRendezvousHandler(RendezvousHandler):
         self._hooks = bool(getattr(store, "supports_extensions", False))
         self._key = f"fe.rdzv.{run_id}/"
         self._member: tuple[int, int, int] | None = None  # (round, rank, world)
-        self._last_seen: tuple[int, int, list[int]] | None = None  # see _last_complete
-        self._deadline = 0.0  # a spare's join deadline, from when its full round was over
+        self._last_seen: _Last | None = None  # see _last_complete
         self._reform_last_call = reform_last_call
         self._waited_as_spare = False  # this node waited behind a full, running round
         self._lock = threading.Lock()  # held by the thread inside next_rendezvous
@@ -494,11 +493,8 @@ class FastRendezvousHandler(RendezvousHandler):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise RendezvousTimeoutError(f"timed out waiting for {keys[:3]} of other members")
-            try:
-                store.wait(keys, timedelta(seconds=min(slice_s, remaining)))
+            if _wait(store, keys, min(slice_s, remaining)):
                 return
-            except StoreTimeoutError:
-                pass
             lost = self.lost_members()
             if lost:
                 raise RendezvousMemberLostError(lost)
@@ -727,18 +723,20 @@ class FastRendezvousHandler(RendezvousHandler):
     def _res_exists(self, r: int) -> bool:
         return bool(self._store.check([f"{self._key}{r}/res"]))
 
-    def _after_last_round(self, r: int, deadline: float) -> _Last | None | Literal[False]:
+    def _after_last_round(self, r: int,
+                          deadline: float) -> tuple[_Last | None, float] | Literal[False]:
         """Before a decider decides ``r``: waits until the last complete round is over.
 
         While it runs, everyone waiting for ``r`` is a spare, and a round of spares must not
         form beside it (two worlds); it is over once a member of it left or was lost
-        (``broken``). Returns the last complete round (round, world, tickets), None if there
-        is none, or False if ``r`` got decided meanwhile (closed or abandoned). A spare waits
-        without a deadline; the join timeout counts from the moment the round is over.
+        (``broken``). Returns the last complete round (round, world, tickets; None if there
+        is none) and the deadline to keep, or False if ``r`` got decided meanwhile (closed or
+        abandoned). A spare waits without a deadline; its join timeout counts from the moment
+        the round is over.
         """
         last = self._last_complete(r, deadline)
         if last is None:
-            return None
+            return None, deadline
         key = f"{self._key}{last[0]}/broken"
         waited = False
         while True:
@@ -757,8 +755,7 @@ class FastRendezvousHandler(RendezvousHandler):
                     bytes(self._store.get(f"{self._key}{last[0]}/gone"))).values():
                 raise self._closed_error(r)
             deadline = time.monotonic() + self._timeout.join.total_seconds()
-        self._deadline = deadline
-        return last
+        return last, deadline
 
     def _coordinate(self, r: int, deadline: float) -> None:
         """Ticket ``min_nodes``: drain, last call, seal, publish.
@@ -768,10 +765,10 @@ class FastRendezvousHandler(RendezvousHandler):
         joins the next round (``--rdzv-conf reform_last_call=1`` keeps torch's wait).
         """
         store = self._store
-        last = self._after_last_round(r, deadline)
-        if last is False:
+        gate = self._after_last_round(r, deadline)
+        if gate is False:
             return
-        deadline = max(deadline, self._deadline)
+        last, deadline = gate
         if last is not None and not self._drain(r, last, deadline):
             return
         if last is None or self._reform_last_call:
@@ -791,9 +788,10 @@ class FastRendezvousHandler(RendezvousHandler):
         # coming, so it waits for nobody once that round is over (a replacement node and the
         # survivors need not wait for a frozen member's window).
         if not gated:
-            if self._after_last_round(r, deadline) is False:
+            gate = self._after_last_round(r, deadline)
+            if gate is False:
                 return
-            deadline = max(deadline, self._deadline)
+            deadline = gate[1]
         tickets = list(range(1, count + 1))
         drop_at = min(deadline, time.monotonic() + self._window)
         while True:
@@ -831,7 +829,7 @@ class FastRendezvousHandler(RendezvousHandler):
         if bytes(store.compare_set(p + "res", "", blob)) == blob:
             store.set(self._key + "open", b"%d" % (r + 1))
 
-    def _last_complete(self, r: int, deadline: float) -> tuple[int, int, list[int]] | None:
+    def _last_complete(self, r: int, deadline: float) -> _Last | None:
         """Walks back from ``r - 1`` to the last complete round: (round, world, tickets)."""
         cached = self._last_seen
         if cached is not None and cached[0] < r and cached[0] >= r - 1:
@@ -845,7 +843,7 @@ class FastRendezvousHandler(RendezvousHandler):
                 raise RendezvousClosedError(f"The rendezvous '{self._run_id}' is closed.")
         return None
 
-    def _drain(self, r: int, last: tuple[int, int, list[int]], deadline: float) -> bool:
+    def _drain(self, r: int, last: _Last, deadline: float) -> bool:
         """Waits until every member of the last complete round left. False if ``r`` got decided.
 
         A member whose keep-alive counter stands still for the detection window is dropped
