@@ -868,3 +868,29 @@ cdef class KVClient:
             self._in_pos += 1
         finally:
             self._end()
+
+    def append_on_disconnect_many(self, keys, values):
+        """Registers several disconnect actions (as ``append_on_disconnect``) in one round trip:
+        the requests go out together and their acknowledgements are read together."""
+        cdef Py_ssize_t i, n
+        keys = list(keys)
+        values = list(values)
+        n = len(keys)
+        if n != len(values):
+            raise ValueError(f"append_on_disconnect_many got {n} keys but {len(values)} values")
+        if not self._ext:
+            raise StoreError(f"the store at {self._peer} does not support disconnect actions "
+                             "(it is not a fastelastic server)")
+        if n == 0:
+            return
+        self._begin(CMD_EXT_ON_DISCONNECT_APPEND)
+        try:
+            for i in range(n):
+                if i:
+                    put_u8(self._out, CMD_EXT_ON_DISCONNECT_APPEND)
+                self._put_key(keys[i])
+                self._put_value(values[i])
+            self._transact(<size_t>n, REPLY)
+            self._in_pos += <size_t>n
+        finally:
+            self._end()

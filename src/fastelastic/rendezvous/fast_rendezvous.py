@@ -9,17 +9,20 @@ Protocol (keys under ``fe.rdzv.<run_id>/``; round ``r`` keys under ``<r>/``):
   ``num_nodes_waiting`` of the members of ``r``). The last-call coordinator seals the round with
   ``add(t, SEAL)``: the returned value minus ``SEAL`` is the final count and every later ticket
   is above ``SEAL``.
-* ``<r>/n/<ticket>``: the node's record (preferred rank), set with one ``multi_set``.
+* ``<r>/n/<ticket>``: the node's record (``pref|addr|pid|workers' store address``), set
+  with one ``multi_set``, with ``<r>/rank/<ticket>`` = ``-1`` and ``<r>/hb/t<ticket>``.
 * ``<r>/res``: the round's outcome, decided by one ``compare_set`` from absent:
-  ``M<world>\\n<ticket of rank 0>,<ticket of rank 1>,...\\n`` (complete) — or, when a joined
+  ``M<world>\\n<rank 0's workers' store address>\\n`` (complete) — or, when a joined
   node's connection closes first, ``D;`` appended by the server (``append_on_disconnect``), or
   ``D;`` set by a node that found a deciding ticket's holder lost: the round is abandoned and
   everyone re-joins ``r + 1``. A ``C;`` appended by ``set_closed`` wakes waiters with
   :class:`RendezvousClosedError`. Text after the first newline is ignored, so late appends
   never corrupt a complete outcome.
-* ``<r>/rank/<ticket>``: the rank of each ticket: ``-1`` written by the node with its record,
-  overwritten by the publisher's one ``multi_set`` before it decides ``res``; a woken node reads
-  ``res`` and its rank with one ``multi_get``.
+* ``<r>/rank/<ticket>``: the node's seat, written by the publisher (one ``multi_set``)
+  before it decides ``res``: ``<rank>|<tickets of the peers it watches>``, or the node's own
+  ``-1`` when it was not admitted. ``<r>/who/<rank>``: ``<ticket>|<record>`` of each member.
+  A waiting node reads ``res`` with one request (a ``get`` that waits) and then its seat:
+  two requests and O(1) bytes whatever the world size.
 * ``<r>/left/<rank>``: set when a member of complete round ``r`` re-joins, or by the server
   when its connection closes. The next round completes only after every member of the last
   complete round left (torch's semantics: waiting nodes are admitted at re-rendezvous).
@@ -117,34 +120,29 @@ def assign_ranks(prefs: list[int], world_size: int) -> list[int]:
     return ranks
 
 
-def _members(raw: bytes) -> list[int]:
-    """The tickets by rank listed on the second line of a complete outcome."""
-    parts = raw.split(b"\n", 2)
-    if len(parts) < 3 or not parts[1]:
-        return []
+def _seat(raw: bytes) -> tuple[int, list[bytes]]:
+    """A node's ``rank/<ticket>``: (rank or -1, tickets of the peers it watches)."""
+    head, _, peers = raw.partition(b"|")
     try:
-        return list(map(int, parts[1].split(b",")))
+        return int(head), peers.split(b",") if peers else []
     except ValueError as e:
-        raise RendezvousStateError(f"corrupt rendezvous outcome {raw[:40]!r}") from e
+        raise RendezvousStateError(f"corrupt rank {raw[:40]!r}") from e
 
 
 class _Watch:
     """What a member of a complete round reads to notice a lost peer (see ``lost_members``)."""
 
-    def __init__(self, prefix: str, rank: int, tickets: list[int], window: float,
-                 slack: float) -> None:
-        world = len(tickets)
+    def __init__(self, prefix: str, rank: int, world: int, peer_tickets: list[bytes],
+                 window: float, slack: float) -> None:
         self.prefix = prefix
         self.rank = rank
-        self.tickets = tickets
-        count = min(world - 1, _MAX_WATCHED)
-        self.peers = [(rank + k) % world for k in range(1, count + 1)]
-        self.keys = [prefix + "gone"] + [f"{prefix}hb/t{tickets[p]}" for p in self.peers]
+        self.peers = [(rank + k) % world for k in range(1, len(peer_tickets) + 1)]
+        self.keys = [prefix + "gone"] + [f"{prefix}hb/t{t.decode()}" for t in peer_tickets]
         self.beats = Beats(window, slack)  # keyed by rank
         self.reported: set[int] = set()
 
 
-_Last = tuple[int, int, list[int]]  # the last complete round: (round, world, tickets by rank)
+_Last = tuple[int, int]  # the last complete round: (round, world)
 
 
 def _wait(store: Any, keys: list[str], seconds: float) -> bool:
@@ -202,10 +200,20 @@ class _Deciders:
         return bool(stalled)
 
 
+def _on_disconnect(store: Any, keys: list[str], values: list[bytes]) -> None:
+    """Registers disconnect actions in one round trip where the client can pipeline them."""
+    many = getattr(store, "append_on_disconnect_many", None)
+    if many is not None:
+        many(keys, values)
+        return
+    for k, v in zip(keys, values, strict=True):
+        store.append_on_disconnect(k, v)
+
+
 def _wstore_of(raw: bytes) -> bytes:
-    """Rank 0's workers' store address, on the third line of a complete outcome (or b"")."""
-    parts = raw.split(b"\n", 3)
-    return parts[2] if len(parts) > 3 else b""
+    """Rank 0's workers' store address, on the second line of a complete outcome (or b"")."""
+    parts = raw.split(b"\n", 2)
+    return parts[1] if len(parts) > 2 else b""
 
 
 def _outcome(raw: bytes) -> tuple[str, int]:
@@ -454,10 +462,10 @@ class FastRendezvousHandler(RendezvousHandler):
         if not fresh:
             return []
         w.reported.update(r for r, _ in fresh)
-        records = self._call(store.multi_get, [f"{w.prefix}n/{w.tickets[r]}" for r, _ in fresh])
+        records = self._call(store.multi_get, [f"{w.prefix}who/{r}" for r, _ in fresh])
         out = []
         for (rank, why), rec in zip(fresh, records, strict=True):
-            _, addr, pid = (bytes(rec).decode("utf-8", "replace").split("|") + ["", ""])[:3]
+            _, _, addr, pid = (bytes(rec).decode("utf-8", "replace").split("|") + ["", ""])[:4]
             stale = now - w.beats.since[rank][1] if rank in w.beats.since else 0.0
             if why == "closed":
                 text = (f"cut: no keep-alive for {stale:.1f}s, then its connection timed out"
@@ -558,15 +566,13 @@ class FastRendezvousHandler(RendezvousHandler):
                 break
             got = self._try_round(r, deadline)
             if got is not None:
-                rank, world, tickets, wstore = got
+                rank, world, peers, wstore = got
                 self._member = (r, rank, world)
                 p = f"{self._key}{r}/"
                 if self._hooks:  # our death: we left, the round is over, and why
-                    store.append_on_disconnect(p + "left/%d" % rank, b"1")
-                    store.append_on_disconnect(p + "broken", b"1")
-                    store.append_on_disconnect(p + "gone", b"%d:closed;" % rank)
-                self._watch = (_Watch(p, rank, tickets, self._window, self._ka_interval / 2)
-                               if len(tickets) == world else None)
+                    _on_disconnect(store, [p + "left/%d" % rank, p + "broken", p + "gone"],
+                                   [b"1", b"1", b"%d:closed;" % rank])
+                self._watch = _Watch(p, rank, world, peers, self._window, self._ka_interval / 2)
                 round_store, boot = self._round_store(r, rank, wstore)
                 return RendezvousInfo(round_store, rank, world, boot)
             r += 1
@@ -630,9 +636,9 @@ class FastRendezvousHandler(RendezvousHandler):
         self._store.multi_set([f"{p}left/{rank}", p + "broken"], [b"1", b"1"])
         self._store.append(p + "gone", b"%d:left;" % rank)
 
-    def _try_round(self, r: int, deadline: float) -> tuple[int, int, list[int], bytes] | None:
-        """Joins round ``r``; (rank, world, tickets by rank, workers' store address) or None
-        to move on to ``r + 1``."""
+    def _try_round(self, r: int, deadline: float) -> tuple[int, int, list[bytes], bytes] | None:
+        """Joins round ``r``; (rank, world, the watched peers' tickets, workers' store address)
+        or None to move on to ``r + 1``."""
         store = self._store
         p = f"{self._key}{r}/"
         t = int(store.add(p + "t", 1))
@@ -641,9 +647,8 @@ class FastRendezvousHandler(RendezvousHandler):
         if self._hooks:  # our death abandons the round while it forms
             store.append_on_disconnect(p + "res", b"D;")
         pref = self._member[1] if self._member is not None else self._node_rank
-        # The record; a placeholder for our rank, which the publisher overwrites (after it
-        # saw this write) before deciding res, so one multi_get of (res, rank) reads both; and
-        # the keep-alive counter, bumped from the ticket on.
+        # The record; a placeholder for our seat (rank), which the publisher overwrites before
+        # it decides res; and the keep-alive counter, bumped from the ticket on.
         store.multi_set(
             [f"{p}n/{t}", f"{p}rank/{t}", f"{p}hb/t{t}"],
             [b"%d|%s|%d|%s" % (pref, self._local_addr.encode(), os.getpid(),
@@ -654,16 +659,16 @@ class FastRendezvousHandler(RendezvousHandler):
             self._publish(r, self._max, deadline)
         elif t == self._min:
             self._coordinate(r, deadline)
-        kind, count, rank, raw = self._wait_outcome(r, deadline, rank_key=f"{p}rank/{t}",
-                                                    ticket=t)
+        kind, count, raw = self._wait_outcome(r, deadline, ticket=t)
         if kind == "C":
             raise self._closed_error(r)
         if kind == "D":
             log.info("rendezvous %s round %d abandoned (a node left); re-joining", self._run_id, r)
             return None
+        rank, peers = _seat(bytes(store.get(f"{p}rank/{t}")))
         if rank < 0:  # not admitted (round full, or our record came too late)
             return None
-        return rank, count, _members(raw), _wstore_of(raw)
+        return rank, count, peers, _wstore_of(raw)
 
     def _closed_error(self, r: int) -> RendezvousError:
         """Closed: a spare (waiting behind a full round) exits gracefully, as torch's does."""
@@ -681,8 +686,8 @@ class FastRendezvousHandler(RendezvousHandler):
                 and not self._store.check([f"{self._key}{last[0]}/broken"]))
 
     def _wait_outcome(self, r: int, deadline: float, mine: bool = True,
-                      rank_key: str | None = None, ticket: int = 0) -> tuple[str, int, int, bytes]:
-        """Round ``r``'s outcome: (kind, world, rank read from ``rank_key`` or -1, raw res).
+                      ticket: int = 0) -> tuple[str, int, bytes]:
+        """Round ``r``'s outcome: (kind, world, raw res).
 
         A node holding ``ticket`` checks every quarter window that the holders of the
         deciding tickets (``min_nodes``: last call; ``max_nodes``: publish) are alive, and
@@ -706,19 +711,13 @@ class FastRendezvousHandler(RendezvousHandler):
                     f"{self._timeout.join}."
                 )
             step = remaining if watch is None else min(remaining, self._window / 4)
-            if _wait(self._store, [key], step):
-                break
+            try:  # one round trip, whether res is there or comes later
+                raw = bytes(self._store.get(key, timedelta(seconds=max(step, 0.001))))
+                return (*_outcome(raw), raw)
+            except StoreTimeoutError:
+                pass
             if watch is not None and watch.stalled():
                 self._store.compare_set(key, "", b"D;")
-        if rank_key is None:
-            raw = bytes(self._store.get(key))
-            return (*_outcome(raw), -1, raw)
-        raw_res, raw_rank = self._store.multi_get([key, rank_key])
-        try:
-            rank = int(bytes(raw_rank))
-        except ValueError as e:
-            raise RendezvousStateError(f"corrupt rank {bytes(raw_rank)[:40]!r}") from e
-        return (*_outcome(bytes(raw_res)), rank, bytes(raw_res))
 
     def _res_exists(self, r: int) -> bool:
         return bool(self._store.check([f"{self._key}{r}/res"]))
@@ -729,8 +728,8 @@ class FastRendezvousHandler(RendezvousHandler):
 
         While it runs, everyone waiting for ``r`` is a spare, and a round of spares must not
         form beside it (two worlds); it is over once a member of it left or was lost
-        (``broken``). Returns the last complete round (round, world, tickets; None if there
-        is none) and the deadline to keep, or False if ``r`` got decided meanwhile (closed or
+        (``broken``). Returns the last complete round (round, world; None if there is none)
+        and the deadline to keep, or False if ``r`` got decided meanwhile (closed or
         abandoned). A spare waits without a deadline; its join timeout counts from the moment
         the round is over.
         """
@@ -821,23 +820,31 @@ class FastRendezvousHandler(RendezvousHandler):
         by_rank = [0] * world
         for ticket, rank in zip(tickets, ranks, strict=True):
             by_rank[rank] = ticket
-        store.multi_set([f"{p}rank/{i}" for i in tickets] + [p + "gone"],
-                        [b"%d" % x for x in ranks] + [b""])
-        first = records[tickets.index(by_rank[0])].split(b"|")
+        # O(1) for each node to read: its seat (rank and the tickets of the peers it watches)
+        # and, by rank, each member's ticket and record (for reports and the next drain).
+        record_of = dict(zip(tickets, records, strict=True))
+        watched = min(world - 1, _MAX_WATCHED)
+        keys, vals = [p + "gone"], [b""]
+        for rank, ticket in enumerate(by_rank):
+            peers = b",".join(b"%d" % by_rank[(rank + k) % world] for k in range(1, watched + 1))
+            keys += [f"{p}rank/{ticket}", f"{p}who/{rank}"]
+            vals += [b"%d|%s" % (rank, peers), b"%d|%s" % (ticket, record_of[ticket])]
+        store.multi_set(keys, vals)
+        first = record_of[by_rank[0]].split(b"|")
         wstore = first[3] if len(first) > 3 else b""
-        blob = b"M%d\n%s\n%s\n" % (world, b",".join(b"%d" % t for t in by_rank), wstore)
+        blob = b"M%d\n%s\n" % (world, wstore)
         if bytes(store.compare_set(p + "res", "", blob)) == blob:
             store.set(self._key + "open", b"%d" % (r + 1))
 
     def _last_complete(self, r: int, deadline: float) -> _Last | None:
-        """Walks back from ``r - 1`` to the last complete round: (round, world, tickets)."""
+        """Walks back from ``r - 1`` to the last complete round: (round, world)."""
         cached = self._last_seen
         if cached is not None and cached[0] < r and cached[0] >= r - 1:
             return cached
         for q in range(r - 1, max(-1, r - 1 - _MAX_WALK), -1):
-            kind, count, _, raw = self._wait_outcome(q, deadline, mine=False)
+            kind, count, raw = self._wait_outcome(q, deadline, mine=False)
             if kind == "M":
-                self._last_seen = (q, count, _members(raw))
+                self._last_seen = (q, count)
                 return self._last_seen
             if kind == "C":
                 raise RendezvousClosedError(f"The rendezvous '{self._run_id}' is closed.")
@@ -852,7 +859,7 @@ class FastRendezvousHandler(RendezvousHandler):
         ``multi_get`` (the round's ``gone`` and the missing members' counters), whatever the
         number of members.
         """
-        q, world, tickets = last
+        q, world = last
         pq = f"{self._key}{q}/"
         missing = list(range(world))
         beats = Beats(self._window, self._ka_interval / 2)
@@ -861,6 +868,7 @@ class FastRendezvousHandler(RendezvousHandler):
             for rank, (raw, since) in prev.beats.since.items():
                 beats.since[rank] = (raw, since)
         step = max(0.05, min(self._window / 4, self._ka_interval / 2))
+        tickets: list[str] | None = None
         while missing:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -869,8 +877,10 @@ class FastRendezvousHandler(RendezvousHandler):
                 return True
             if self._res_exists(r):
                 return False
-            hb = [f"{pq}hb/t{tickets[i]}" if i < len(tickets) else f"{pq}hb/{i}"
-                  for i in missing]
+            if tickets is None:  # once: the members' tickets, for their keep-alive counters
+                tickets = [bytes(v).split(b"|", 1)[0].decode()
+                           for v in self._store.multi_get([f"{pq}who/{i}" for i in range(world)])]
+            hb = [f"{pq}hb/t{tickets[i]}" for i in missing]
             vals = [bytes(v) for v in self._store.multi_get([pq + "gone"] + hb)]
             gone = _parse_gone(vals[0])
             counters = {i: v for i, v in zip(missing, vals[1:], strict=True) if i not in gone}

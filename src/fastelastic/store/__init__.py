@@ -286,8 +286,10 @@ class PrefixStore(Store):
     def set(self, key, value):
         self._store.set(self._k(key), value)
 
-    def get(self, key):
-        return self._store.get(self._k(key))
+    def get(self, key, timeout=None):
+        if timeout is None:
+            return self._store.get(self._k(key))
+        return self._store.get(self._k(key), timeout)
 
     def add(self, key, value):
         return self._store.add(self._k(key), value)
@@ -336,6 +338,9 @@ class PrefixStore(Store):
 
     def append_on_disconnect(self, key, value):
         self._store.append_on_disconnect(self._k(key), value)
+
+    def append_on_disconnect_many(self, keys, values):
+        self._store.append_on_disconnect_many(self._ks(keys), values)
 
     @property
     def supports_extensions(self) -> bool:
