@@ -29,11 +29,15 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests" / "rendezvous"))
 
 PROCS = 8
-NS = [8, 64, 128, 256, 512, 2048, 4096]
+NS = [8, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 TORCH_LIMIT_S = 60.0
 SMOKE_MAX_NODES = 512  # a --benchmark-disable smoke run stops here
 TORCH_NS = {8, 64, 128, 256, 512}  # larger N: torch already fails at 512 (see the table)
-ROUNDS = {8: 5, 64: 5, 128: 5, 256: 5, 512: 5, 2048: 5, 4096: 5}
+ROUNDS = {8: 5, 64: 5, 128: 5, 256: 5, 512: 5, 1024: 5, 2048: 5, 4096: 5, 8192: 3}
+# The scale guard's sizes, run in every smoke run (CI). At 2,048 the old O(N)-per-node outcome
+# measured only 1.4-2.1x here (best of 2) and passed; at 4,096 it collapsed (5-12 ms a node).
+GUARD = (256, 4096)
+GUARD_MAX_RATIO = 3.0  # per-node time at 4,096 over that at 256, best of 2 each
 _RESULTS: dict[tuple[str, int], dict] = {}
 _DETECT: dict[str, dict] = {}
 
@@ -238,6 +242,31 @@ def _write_table(request):
             "formation": [{"impl": impl, "n": n, **r} for (impl, n), r in sorted(_RESULTS.items())],
             "detect": _DETECT,
         })
+
+
+@pytest.mark.timeout(300)
+def test_scale_guard_per_node_time_stays_flat():
+    """Runs in the smoke run too (CI): 256 and 4,096 simulated nodes, best of two rounds
+    each, in the same run; fails when a node's share of the round at 4,096 is over 3x that at
+    256. A ratio, so a loaded machine moves both; an O(N) step per node (each node reading
+    the whole member list, say) makes it ~8x."""
+    _raise_nofile()
+    host = _host("fastelastic")
+    per_node = {}
+    try:
+        for n in GUARD:
+            rounds = [_one_round("fastelastic", n, host.port, f"guard-{n}-{k}") for k in range(2)]
+            errors = [e for r in rounds for e in r["errors"]]
+            assert not errors, f"{n} nodes: {sorted(set(errors))[:3]}"
+            per_node[n] = min(r["seconds"] for r in rounds) / n
+    finally:
+        host.shutdown_server()
+    ratio = per_node[GUARD[1]] / per_node[GUARD[0]]
+    print(f"scale guard: {GUARD[0]} nodes {per_node[GUARD[0]] * 1e3:.3f} ms/node, "
+          f"{GUARD[1]} nodes {per_node[GUARD[1]] * 1e3:.3f} ms/node, ratio {ratio:.2f}")
+    assert ratio <= GUARD_MAX_RATIO, (
+        f"per-node rendezvous time at {GUARD[1]} nodes is {ratio:.2f}x that at {GUARD[0]} "
+        f"(limit {GUARD_MAX_RATIO}x): {per_node}")
 
 
 _CASES = [("fastelastic", n) for n in NS] + [("torch", n) for n in sorted(TORCH_NS)]

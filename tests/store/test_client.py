@@ -294,6 +294,33 @@ def test_append_on_disconnect_runs_when_a_process_dies(master):
     assert c.get("dead") == b"node7;"
 
 
+
+def test_disconnect_actions_registered_in_one_round_trip_all_run(master):
+    """append_on_disconnect_many pipelines its registrations: every action runs, in order of
+    the keys, the connection stays in step, and a prefix applies to each key."""
+    c = client(master)
+    c.append_on_disconnect_many(["a", "b", "a"], [b"1;", b"x", b"2;"])
+    PrefixStore("p", c).append_on_disconnect_many(["k"], [b"v"])
+    c.append_on_disconnect_many([], [])
+    with pytest.raises(ValueError):
+        c.append_on_disconnect_many(["a"], [])
+    assert c.add("n", 1) == 1  # in step: the acknowledgements were all read
+    assert not c.check(["a"])
+    c.close()
+    other = client(master)
+    assert other.get("a") == b"1;2;" and other.get("b") == b"x" and other.get("p/k") == b"v"
+
+
+def test_get_with_a_timeout_returns_or_times_out_and_stays_usable(master):
+    c = client(master, timeout=30)
+    start = time.monotonic()
+    with pytest.raises(StoreTimeoutError):
+        c.get("late2", timedelta(milliseconds=100))
+    assert time.monotonic() - start < 10  # not the store timeout
+    threading.Timer(0.05, lambda: master.set("late2", "v")).start()
+    assert c.get("late2", timedelta(seconds=10)) == b"v"
+
+
 def test_ipv6_loopback():
     if not socket.has_ipv6:
         pytest.skip("!!! no IPv6 on this machine")
