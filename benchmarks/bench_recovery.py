@@ -23,7 +23,8 @@ may be left in any namespace.
 Launchers: ``fastrun``; ``fastrun-preload`` (fastrun with ``--preload torch,torch._dynamo``: a
 zygote per agent imports them once and forks every worker); ``torchrun`` with its defaults;
 ``torchrun-noshare`` (torchrun with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``). All with
-``--rdzv-backend c10d --rdzv-conf last_call_timeout=1`` and otherwise default flags.
+``--rdzv-backend c10d --rdzv-conf last_call_timeout=1`` (``--last-call 30``: torch's default)
+and otherwise default flags.
 
 Run (root, for namespaces)::
 
@@ -110,8 +111,10 @@ class Result:
 class Run:
     """One job: ``nodes`` agents (+1 spare namespace for a replacement)."""
 
-    def __init__(self, c: Cluster, launcher: str, nnodes: str, nproc: int, work: Path) -> None:
+    def __init__(self, c: Cluster, launcher: str, nnodes: str, nproc: int, work: Path,
+                 last_call: float = 1.0) -> None:
         self.c = c
+        self.last_call = last_call
         self.launcher = launcher
         self.nnodes = nnodes
         self.nproc = nproc
@@ -126,7 +129,7 @@ class Run:
 
     def start(self, i: int) -> None:
         cmd, extra = LAUNCHERS[self.launcher]
-        conf = f"last_call_timeout=1,is_host={1 if i == 0 else 0}"
+        conf = f"last_call_timeout={self.last_call:g},is_host={1 if i == 0 else 0}"
         argv = [*cmd, "--nnodes", self.nnodes, "--nproc-per-node", str(self.nproc),
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.c.addr(0)}:{PORT}",
                 "--rdzv-id", "bench", "--rdzv-conf", conf, "--local-addr", self.c.addr(i),
@@ -178,7 +181,8 @@ def _wait(cond: Any, timeout: float, step: float = 0.05) -> Any:
 
 
 def run_case(launcher: str, mode: str, scenario: str, nodes: int = 4, nproc: int = 2,
-             cap: float = 90.0, warm_steps: int = 5, keep: Path | None = None) -> Result:
+             cap: float = 90.0, warm_steps: int = 5, keep: Path | None = None,
+             last_call: float = 1.0) -> Result:
     """One run; raises NetnsUnavailable where namespaces cannot be made."""
     res = Result(launcher, mode, scenario, nodes, nproc, cap)
     lost = nodes - 1
@@ -187,7 +191,7 @@ def run_case(launcher: str, mode: str, scenario: str, nodes: int = 4, nproc: int
     new_world = nodes * nproc if scenario == "replace" else (nodes - 1) * nproc
     work = Path(tempfile.mkdtemp(prefix=f"fe-recovery-{launcher}-{mode}-{scenario}-"))
     with Cluster(nodes + 1, "b") as c:
-        job = Run(c, launcher, nnodes, nproc, work)
+        job = Run(c, launcher, nnodes, nproc, work, last_call)
         for i in range(nodes):
             job.start(i)
         world = nodes * nproc
@@ -329,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--cap", type=float, default=90.0)
+    ap.add_argument("--last-call", type=float, default=1.0,
+                    help="last_call_timeout of every launcher (torch's default: 30)")
     ap.add_argument("--out", default=None, help="append the markdown table here")
     ap.add_argument("--keep", default=None, help="keep each run's events and logs here")
     a = ap.parse_args(argv)
@@ -340,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
              for la in a.launchers.split(",")]
     with torch_cache_holder():
         for mode, scenario, launcher in cases:
-            r = run_case(launcher, mode, scenario, a.nodes, a.nproc, a.cap, keep=keep)
+            r = run_case(launcher, mode, scenario, a.nodes, a.nproc, a.cap, keep=keep,
+                         last_call=a.last_call)
             print(f"{mode:6} {scenario:7} {launcher:16} downtime {r.shown:>8} s  "
                   f"detected {r.cell(r.detected)}  round {r.cell(r.round_complete)}  "
                   f"spawned {r.cell(r.spawned)}  "
