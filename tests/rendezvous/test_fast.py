@@ -431,3 +431,76 @@ def test_c10d_create_backend_on_an_unresolvable_endpoint_like_torch():
         pytest.skip("!!! torch is not installed: not compared with torch's c10d backend")
     with pytest.raises(TorchConnectionError):
         torch_c10d.create_backend(TorchParams("c10d", "no-such-host.invalid:0", "u", 1, 1, **conf))
+
+
+def test_a_spare_takes_a_frozen_members_seat_before_the_full_window(server, nodes):
+    """A full round (min = max = 2) with a spare waiting behind it: the spare restarts
+    nobody (num_nodes_waiting is 0), and a member that freezes is suspected after the shorter
+    spare window (max(2 intervals, window / 2) = 1 s here, the window being 2 s); the
+    survivor and the spare then form the next round."""
+    a, b = (_handler(server.port, 2, 2, last_call=0.2, ka=0.2, ka_max=10) for _ in range(2))
+    nodes.start(0, lambda i: a.next_rendezvous())
+    nodes.start(1, lambda i: b.next_rendezvous())
+    nodes.join(20)
+    assert not nodes.errors and nodes.results[1].world_size == 2
+    spare = _handler(server.port, 2, 2, last_call=0.2, ka=0.2, ka_max=10)
+    later = type(nodes)()
+    later.start(0, lambda i: spare.next_rendezvous())
+    _wait_key(server, f"fe.rdzv.{RUN}/1/t")
+    assert b.num_nodes_waiting() == 0  # a spare restarts nobody
+    a._stop_heartbeats()  # a froze: connected, no keep-alives
+    frozen_at = time.monotonic()
+    lost: list = []
+    while not lost and time.monotonic() - frozen_at < 10:
+        b.num_nodes_waiting()  # the agent's membership check: spare count, then lost members
+        lost = b.lost_members()
+        time.sleep(0.05)
+    took = time.monotonic() - frozen_at
+    assert [r for r, _ in lost] == [nodes.results[0].rank], lost
+    assert "a spare is ready" in lost[0][1]
+    assert took < b._window, f"suspected after {took:.2f}s, the full window is {b._window}s"
+    later.start(1, lambda i: b.next_rendezvous())
+    later.join(20)
+    assert not later.errors, later.errors
+    assert sorted(later.results[i].rank for i in range(2)) == [0, 1]
+    assert {later.results[i].world_size for i in range(2)} == {2}
+    for h in (a, b, spare):
+        h.shutdown()
+
+
+class _SlowTicket:
+    """A store proxy whose ticket ``add`` in round 1 is slow (a node on a loaded host)."""
+
+    def __init__(self, inner, delay: float) -> None:
+        self._inner, self._delay = inner, delay
+
+    def add(self, key, value):
+        if key.endswith("/1/t") and value == 1:
+            time.sleep(self._delay)  # the slow host, not a synchronisation
+        return self._inner.add(key, value)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def test_a_re_forming_round_is_sealed_only_after_every_returning_member_has_a_ticket(server,
+                                                                                   nodes):
+    """No last call on re-forming: the coordinator seals once every member of the last round
+    is back. A member counts as back only once its ticket is taken, so one slow to take it is
+    still in the round, not left waiting for the next."""
+    a, b = (_handler(server.port, 2, 4, last_call=1.0) for _ in range(2))
+    nodes.start(0, lambda i: a.next_rendezvous())
+    nodes.start(1, lambda i: b.next_rendezvous())
+    nodes.join(20)
+    assert not nodes.errors
+    late = _handler(server.port, 2, 4, last_call=1.0, join=30)
+    nodes.start(2, lambda i: late.next_rendezvous())
+    _wait_key(server, f"fe.rdzv.{RUN}/1/n/1")
+    b._store = _SlowTicket(b._store, 0.5)
+    nodes.start(3, lambda i: a.next_rendezvous())
+    nodes.start(4, lambda i: b.next_rendezvous())
+    nodes.join(20)
+    assert not nodes.errors, nodes.errors
+    assert {nodes.results[i].world_size for i in (2, 3, 4)} == {3}
+    for h in (a, b, late):
+        h.shutdown()

@@ -138,3 +138,71 @@ def test_a_node_beyond_max_nodes_waits_as_a_spare_and_restarts_nobody(tmp_path):
     assert sorted(dumps) == [0, 1] and {d["env"]["WORLD_SIZE"] for d in dumps.values()} == {"2"}
     assert {d["env"]["TORCHELASTIC_RESTART_COUNT"] for d in dumps.values()} == {"0"}
     assert "waited as a spare" in outs[2][1], outs[2][1][-2000:]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.torch
+@pytest.mark.slow
+def test_a_third_node_joining_a_running_2_3_job_is_admitted_at_the_next_round(tmp_path,
+                                                                              need_torch):
+    """``--nnodes 2:3`` at the defaults: two nodes form a world of two after the last call;
+    a third node started while they train makes them restart, and the next round has all
+    three (no second last call for us: every member is back). As torchrun does. Through the
+    torchrun plugin too, whose torch client follows each round's workers' store."""
+    kinds = (("fastrun", "c10d"), ("torchrun", "fastelastic"), ("torchrun", "c10d"))
+    jobs = {}
+    for which, backend in kinds:
+        d = tmp_path / f"{which}-{backend}"
+        d.mkdir()
+        port = free_port()
+        args = ["--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-backend", backend,
+                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"grow-{port}",
+                str(DUMP)]
+        env = base_env(DUMP_DIR=str(d), DUMP_WAIT_FOR=str(d / "release"))
+        if (which, backend) == ("torchrun", "c10d"):
+            # torchrun's best configuration: with its default shared store, torch 2.13's
+            # agents time out reading role_info of the grown round (seen here)
+            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        jobs[(which, backend)] = (d, args, env, [
+            subprocess.Popen([*launcher_cmd(which), *args], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for _ in range(2)])
+
+    def worlds(d: Path) -> set[str]:
+        return {x["env"]["WORLD_SIZE"] for x in read_dumps(d).values()}
+
+    try:
+        deadline = time.monotonic() + LAST_CALL_S + 60
+        while not all(len(read_dumps(d)) == 2 for d, *_ in jobs.values()):
+            assert time.monotonic() < deadline, "the first round of two never formed"
+            time.sleep(0.1)
+        assert all(worlds(d) == {"2"} for d, *_ in jobs.values())
+        grown = {}
+        for key, (_d, args, env, procs) in jobs.items():
+            procs.append(subprocess.Popen([*launcher_cmd(key[0]), *args], env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          text=True))
+            grown[key] = time.monotonic()
+        took = {}
+        deadline = time.monotonic() + LAST_CALL_S + 60
+        while len(took) < len(jobs):
+            for key, (d, *_rest) in jobs.items():
+                if key not in took and len(read_dumps(d)) == 3 and worlds(d) == {"3"}:
+                    took[key] = time.monotonic() - grown[key]
+            assert time.monotonic() < deadline, f"no world of three: {took}"
+            time.sleep(0.1)
+        for d, *_ in jobs.values():
+            (d / "release").write_text("go")
+        for key, (_d, _a, _e, procs) in jobs.items():
+            for p in procs:
+                _, err = p.communicate(timeout=60)
+                assert p.returncode == 0, (key, err[-2000:])
+    finally:
+        for d, _a, _e, procs in jobs.values():
+            (d / "release").write_text("go")
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.communicate()
+    ref = took[("torchrun", "c10d")]
+    for key in kinds[:2]:
+        assert took[key] <= ref + SLACK_S, (key, took)

@@ -307,6 +307,9 @@ class FastRendezvousHandler(RendezvousHandler):
         self._last_seen: _Last | None = None  # see _last_complete
         self._reform_last_call = reform_last_call
         self._waited_as_spare = False  # this node waited behind a full, running round
+        self._leaving = False  # this node re-joins: tell its last round once it has a ticket
+        self._spare_ready = False  # a node waits behind this node's full round
+        self._spare_window = max(2 * self._ka_interval, self._window / 2)
         self._lock = threading.Lock()  # held by the thread inside next_rendezvous
         self._owner: int | None = None  # that thread's id
         self._side_lock = threading.Lock()
@@ -416,14 +419,20 @@ class FastRendezvousHandler(RendezvousHandler):
 
         A full round (``max_nodes`` members) has room for nobody: the nodes waiting behind it
         are spares (torch's redundancy list) and count as none, so they never restart it. A
-        member of it that re-joins is reported by :py:meth:`lost_members` instead.
+        member of it that re-joins is reported by :py:meth:`lost_members` instead, which,
+        while a spare is ready, calls a peer silent after ``max(2 intervals, window / 2)``
+        rather than the whole window: a false suspicion then costs a restart, not a seat.
         """
         member = self._member
-        if member is None or member[2] >= self._max:
+        if member is None:
             return 0
         with self._conn() as store:
             v = int(self._call(store.add, f"{self._key}{member[0] + 1}/t", 0))
-        return v - _SEAL if v >= _SEAL else v
+        v = v - _SEAL if v >= _SEAL else v
+        if member[2] >= self._max:
+            self._spare_ready = v > 0
+            return 0
+        return v
 
     def get_run_id(self) -> str:
         """See base class."""
@@ -450,6 +459,10 @@ class FastRendezvousHandler(RendezvousHandler):
         now = time.monotonic()
         gone = _parse_gone(vals[0])
         silent = w.beats.observe(dict(zip(w.peers, vals[1:], strict=True)), now)
+        if self._spare_ready:  # a spare can take a silent peer's seat: suspect it sooner
+            short = self._spare_window
+            silent.update((rank, now - since) for rank, (_, since) in w.beats.since.items()
+                          if rank not in silent and now - since >= short)
         for rank, still in silent.items():
             if rank not in gone:
                 log.warning("rendezvous %s: rank %d sent no keep-alive for %.1fs; dropping it",
@@ -472,6 +485,9 @@ class FastRendezvousHandler(RendezvousHandler):
                         if stale >= 2 * self._ka_interval else "dead: its connection closed")
             elif why == "left":
                 text = "left the round: it is re-joining (its workers restarted)"
+            elif self._spare_ready:
+                text = (f"silent: connected but no keep-alive for {self._spare_window:g}s "
+                        "(frozen or hung; a spare is ready)")
             else:
                 text = (f"silent: connected but no keep-alive for {self._window:g}s "
                         "(frozen or hung)")
@@ -552,13 +568,13 @@ class FastRendezvousHandler(RendezvousHandler):
         store = self._store
         deadline = time.monotonic() + self._timeout.join.total_seconds()
         self._stop_heartbeats()
-        self._waited_as_spare = False
+        self._waited_as_spare = self._spare_ready = False
         self._prev_watch, self._watch = self._watch, None
         if store.check([self._key + "closed"]):
             raise RendezvousClosedError(f"The rendezvous '{self._run_id}' is closed.")
         if self._member is not None:
             r = self._member[0] + 1
-            self._leave_last_round()
+            self._leaving = True
         else:
             r = int(store.add(self._key + "open", 0))
         for _ in range(_MAX_WALK):
@@ -629,8 +645,9 @@ class FastRendezvousHandler(RendezvousHandler):
         for), ``broken`` (the round is over: a next round may form) and ``<rank>:left;`` in
         ``gone`` (the other members restart their workers at their next membership check).
         """
-        if self._member is None:
+        if self._member is None or not self._leaving:
             return
+        self._leaving = False
         q, rank, _ = self._member
         p = f"{self._key}{q}/"
         self._store.multi_set([f"{p}left/{rank}", p + "broken"], [b"1", b"1"])
@@ -642,6 +659,9 @@ class FastRendezvousHandler(RendezvousHandler):
         store = self._store
         p = f"{self._key}{r}/"
         t = int(store.add(p + "t", 1))
+        # Only now that our ticket is counted: a coordinator that sees every member of the
+        # last round back seals at once, and must not seal before our ticket.
+        self._leave_last_round()
         if t > self._max:  # full or sealed: wait in the next round
             return None
         if self._hooks:  # our death abandons the round while it forms

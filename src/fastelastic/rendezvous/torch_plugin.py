@@ -32,6 +32,7 @@ def _make_handler_class() -> type:
         def __init__(self, inner: FastRendezvousHandler) -> None:
             self._inner = inner
             self._client: Any = None
+            self._client_at: tuple[str, int] | None = None
 
         def get_backend(self) -> str:
             return self._inner.get_backend()
@@ -44,11 +45,14 @@ def _make_handler_class() -> type:
             info = self._inner.next_rendezvous()
             boot = info.bootstrap_store_info
             assert boot is not None
-            if self._client is None:
+            # Each round has a fresh workers' store (its rank 0 hosts it): connect to this
+            # round's, not to the first one, which its host stopped when it re-joined.
+            if self._client is None or self._client_at != (boot.master_addr, boot.master_port):
                 self._client = dist.TCPStore(
                     boot.master_addr, boot.master_port, is_master=False,
                     timeout=self._inner.store.timeout, wait_for_workers=False,
                 )
+                self._client_at = (boot.master_addr, boot.master_port)
             store = dist.PrefixStore(str(self._inner.store_prefix), self._client)
             return torch_api.RendezvousInfo(
                 store, info.rank, info.world_size,
