@@ -14,6 +14,7 @@ socket: a worker that connects sooner waits in the listen backlog, not in an err
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import logging
 import socket
@@ -33,6 +34,13 @@ def is_ip(addr: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+@functools.cache
+def _fqdn() -> str:
+    """This host's name as torch publishes it for ``MASTER_ADDR``: looked up once a process
+    (every node announces its address when it joins, before ranks are known)."""
+    return socket.getfqdn()
 
 
 class WorkerStoreHost:
@@ -55,7 +63,7 @@ class WorkerStoreHost:
     @property
     def addr(self) -> str:
         if self._addr is None:
-            self._addr = self._local_addr or socket.getfqdn()
+            self._addr = self._local_addr or _fqdn()
         return self._addr
 
     def address(self) -> bytes:
