@@ -505,6 +505,22 @@ class FastRendezvousHandler(RendezvousHandler):
         if w is not None:  # fire-and-forget: never waits for the connection
             self._call(self._store.append, w.prefix + "gone", b"%d:done;" % w.rank)
 
+    def leave(self) -> None:
+        """Tells the members of this node's round that it is leaving for good (preempted:
+        SIGTERM/SIGINT), without closing the rendezvous for them.
+
+        Fire-and-forget writes, as a re-join announces itself (``left/<rank>``, ``broken``,
+        ``<rank>:left;`` in ``gone``): the others see it at their next membership check and
+        re-form at once, instead of waiting for this node's connection to close.
+        """
+        self._stop_heartbeats()
+        if self._member is not None:
+            self._leaving = True
+            try:
+                self._leave_last_round()
+            except (StoreError, ConnectionError) as e:
+                log.warning("rendezvous %s: could not announce leaving: %s", self._run_id, e)
+
     def wait_members(self, store: Any, keys: list[str], deadline: float) -> None:
         """Waits for ``keys`` (written by other members) unless a member is lost first.
 
