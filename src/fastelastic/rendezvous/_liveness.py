@@ -1,6 +1,6 @@
 """Liveness of the fast rendezvous's members: the keep-alive counters a member bumps
-(``KeepAlive``, one thread per process) and the rule by which the others call it silent
-(``Beats``)."""
+(``KeepAlive``, one thread per process), the rule by which the others call it silent
+(``Beats``), and what they read to apply it (``Watch``, ``Deciders``)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,16 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Callable, Generator
 from typing import Any
 
 from fastelastic.errors import StoreError
 
+from ._schema import SEAL, RoundKeys
+
 log = logging.getLogger("fastelastic.rendezvous.fast_rendezvous")
 
-__all__ = ["BEATER", "Beats", "KeepAlive"]
+__all__ = ["BEATER", "Beats", "Deciders", "KeepAlive", "Watch"]
 
 
 class Beats:
@@ -56,6 +59,57 @@ class Beats:
             elif now - last[1] >= self.window - gap:
                 silent[key] = now - last[1]
         return silent
+
+
+class Watch:
+    """What a member of a complete round reads to notice a lost peer (``lost_members``)."""
+
+    def __init__(self, k: RoundKeys, rank: int, world: int, peer_tickets: list[bytes],
+                 window: float, slack: float) -> None:
+        self.k = k
+        self.rank = rank
+        self.peers = [(rank + i) % world for i in range(1, len(peer_tickets) + 1)]
+        self.keys = [k.gone] + [k.beat(t) for t in peer_tickets]
+        self.beats = Beats(window, slack)  # keyed by rank
+        self.reported: set[int] = set()
+
+
+class Deciders:
+    """What a ticket holder waiting for an outcome checks each quarter window: the holders of
+    the deciding tickets (``min_nodes``: last call; ``max_nodes``: publish) have a record and
+    a moving keep-alive counter. One request per check once their records are seen."""
+
+    def __init__(self, cfg: Any, clock: Callable[[], float], k: RoundKeys, ticket: int) -> None:
+        self.run_id, self.clock, self.k = cfg.run_id, clock, k
+        self.roles = [x for x in sorted({cfg.min_nodes, cfg.max_nodes}) if x != ticket]
+        self.recorded: set[int] = set()
+        self.count = 0
+        self.seen = Beats(cfg.window, cfg.ka_interval / 2)
+
+    def stalled(self) -> Generator[tuple[Any, ...], Any, bool]:
+        k = self.k
+        if any(role > self.count for role in self.roles):
+            self.count = int((yield ("add", k.tickets, 0)))
+            if self.count >= SEAL:  # sealed: the coordinator is publishing
+                self.count -= SEAL
+        roles = [x for x in self.roles if x <= self.count]
+        states: dict[int, Any] = {}
+        for role in roles:
+            if role not in self.recorded:
+                if not (yield ("check", [k.record(role)])):
+                    states[role] = -1
+                    continue
+                self.recorded.add(role)
+        known = [x for x in roles if x in self.recorded]
+        if known:
+            vals = yield ("multi_get", [k.beat(x) for x in known])
+            states.update((x, bytes(v)) for x, v in zip(known, vals, strict=True))
+        stalled = self.seen.observe(states, self.clock())
+        for role, still in stalled.items():
+            why = "no record" if states[role] == -1 else "no keep-alive"
+            log.warning("rendezvous %s round %d: the node holding ticket %d (%s for %.1fs) is "
+                        "lost; abandoning the round", self.run_id, k.r, role, why, still)
+        return bool(stalled)
 
 
 class KeepAlive:

@@ -1,0 +1,599 @@
+"""The fast rendezvous as a transport-free state machine.
+
+A node's attempt at a round moves through the phases of :class:`Phase`; :func:`transition` is
+the one rule saying which phase follows which event. The work of each phase is a generator
+that yields store requests (``("add", key, 1)``, ``("get", key, timeout)``, ...) and gets their
+replies back, and reads time from an injected clock: :mod:`.fast_rendezvous` runs it on a real
+store, the tests on a simulated store and clock, with no sockets or threads. The keys and what
+they hold are in :mod:`._schema`.
+
+Roles come from the ticket, so nobody races: ticket ``max_nodes`` publishes at once (after the
+last complete round is over); ticket ``min_nodes`` coordinates: waits until the last complete
+round is over and every member of it left (drain), waits ``last_call`` for more nodes when the
+round is a new job's (or ``reform_last_call`` is set), seals the ticket counter and publishes;
+everyone else waits for the outcome while watching that the deciders are alive.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastelastic.errors import (
+    RendezvousClosedError,
+    RendezvousError,
+    RendezvousGracefulExitError,
+    RendezvousTimeoutError,
+)
+
+from . import _schema as sc
+from ._liveness import Beats, Deciders, Watch
+
+__all__ = ["Config", "Event", "Machine", "Phase", "Seat", "transition"]
+
+log = logging.getLogger("fastelastic.rendezvous.fast_rendezvous")
+
+T = TypeVar("T")
+Proto = Generator[tuple[Any, ...], Any, T]  # yields a store request, is sent its reply
+
+SLICE = 1.0  # seconds: how often a blocked decider re-checks whether the round was decided
+MAX_WALK = 10_000  # bound on rounds walked forward/back
+MAX_WATCHED = 8  # peers whose keep-alive counters a member reads per membership check
+
+
+class Phase(enum.Enum):
+    """Where a node's attempt at one round is."""
+
+    TICKET = "ticket"            # add(t, 1); announce leaving the last round
+    RECORD = "record"            # record, seat placeholder, keep-alive counter
+    PUBLISH_GATE = "full gate"   # ticket max: wait until the last complete round is over
+    COORD_GATE = "gate"          # ticket min: likewise
+    DRAIN = "drain"              # ticket min: wait until every member of that round left
+    LAST_CALL = "last call"      # ticket min: wait for more nodes (a new job's round only)
+    SEAL = "seal"                # ticket min: close the ticket counter
+    PUBLISH = "publish"          # a decider: wait for the records, assign ranks, decide res
+    AWAIT = "await"              # wait for res while watching the deciders
+    SEAT = "seat"                # read this node's seat
+    MEMBER = "member"            # final: a member of the round
+    NEXT = "next"                # final: try round r + 1
+    CLOSED = "closed"            # final: the rendezvous is closed
+
+
+class Event(enum.Enum):
+    """What a phase's work found."""
+
+    FULL = "full"                # ticket above max / sealed at max
+    TICKET = "ticket"
+    PUBLISHER = "publisher"      # ticket == max
+    COORDINATOR = "coordinator"  # ticket == min (< max)
+    WAITER = "waiter"
+    DECIDED = "decided"          # res appeared meanwhile (decided, abandoned or closed)
+    FIRST = "first"              # no complete round before: a new job
+    OVER = "over"                # the last complete round is over
+    DRAINED = "drained"
+    CALL_OVER = "call over"
+    SEALED = "sealed"            # sealed below max: this node publishes
+    DONE = "done"
+    COMPLETE = "complete"
+    ABANDONED = "abandoned"
+    CLOSED = "closed"
+    ADMITTED = "admitted"
+    NOT_ADMITTED = "not admitted"
+
+
+P, E = Phase, Event
+TRANSITIONS: dict[tuple[Phase, Event], Phase] = {
+    (P.TICKET, E.FULL): P.NEXT,
+    (P.TICKET, E.TICKET): P.RECORD,
+    (P.RECORD, E.PUBLISHER): P.PUBLISH_GATE,
+    (P.RECORD, E.COORDINATOR): P.COORD_GATE,
+    (P.RECORD, E.WAITER): P.AWAIT,
+    (P.PUBLISH_GATE, E.OVER): P.PUBLISH,
+    (P.PUBLISH_GATE, E.DECIDED): P.AWAIT,
+    (P.COORD_GATE, E.FIRST): P.LAST_CALL,
+    (P.COORD_GATE, E.OVER): P.DRAIN,
+    (P.COORD_GATE, E.DECIDED): P.AWAIT,
+    (P.DRAIN, E.DRAINED): P.LAST_CALL,
+    (P.DRAIN, E.DECIDED): P.AWAIT,
+    (P.LAST_CALL, E.CALL_OVER): P.SEAL,
+    (P.LAST_CALL, E.DECIDED): P.AWAIT,
+    (P.SEAL, E.SEALED): P.PUBLISH,
+    (P.SEAL, E.FULL): P.AWAIT,  # at max, the max-ticket holder publishes
+    (P.PUBLISH, E.DONE): P.AWAIT,
+    (P.AWAIT, E.COMPLETE): P.SEAT,
+    (P.AWAIT, E.ABANDONED): P.NEXT,
+    (P.AWAIT, E.CLOSED): P.CLOSED,
+    (P.SEAT, E.ADMITTED): P.MEMBER,
+    (P.SEAT, E.NOT_ADMITTED): P.NEXT,
+}
+FINAL = frozenset({P.MEMBER, P.NEXT, P.CLOSED})
+
+
+def transition(phase: Phase, event: Event) -> Phase:
+    """The phase that follows ``event`` in ``phase``; raises ``RendezvousError`` for a pair
+    the protocol has no rule for (a bug, never a peer's doing)."""
+    try:
+        return TRANSITIONS[(phase, event)]
+    except KeyError:
+        raise RendezvousError(f"no rendezvous transition from {phase} on {event}") from None
+
+
+@dataclass(frozen=True)
+class Config:
+    """What a node's machine needs to know (timeouts in seconds)."""
+
+    run_id: str
+    min_nodes: int
+    max_nodes: int
+    join: float = 600.0
+    last_call: float = 30.0
+    ka_interval: float = 1.0
+    ka_max: int = 5
+    reform_last_call: bool = False
+    hooks: bool = True  # the store runs disconnect actions (fastelastic's server, etcd leases)
+
+    @property
+    def window(self) -> float:
+        """Keep-alive counters standing still this long mean the node is lost."""
+        return self.ka_interval * self.ka_max
+
+    @property
+    def spare_window(self) -> float:
+        """The shorter window used while a spare is ready to take a silent member's seat."""
+        return max(2 * self.ka_interval, self.window / 2)
+
+
+@dataclass
+class Seat:
+    """A node's place in a complete round."""
+
+    round: int
+    rank: int
+    world: int
+    peers: list[bytes]  # tickets of the peers whose keep-alives it watches
+    wstore: bytes  # rank 0's workers' store address (b"" if not in the outcome)
+
+
+@dataclass
+class _Attempt:
+    """One node's attempt at round ``k.r``: what its phases found so far."""
+
+    k: sc.RoundKeys
+    deadline: float
+    ticket: int = 0
+    count: int = 0
+    last: tuple[int, int] | None = None  # the last complete round: (round, world)
+    kind: str = ""
+    world: int = 0
+    wstore: bytes = b""
+    seat: Seat | None = None
+
+
+# Store requests. Replies: add -> int; get -> bytes, or None once ``timeout`` s passed;
+# wait -> True once every key is set, False after ``timeout`` s; check -> bool;
+# multi_get -> list of bytes; compare_set -> the value now stored; the rest -> None.
+def _rq(*args: Any) -> tuple[Any, ...]:
+    return args
+
+
+class Machine:
+    """One node's side of the protocol: its state between rounds and the generators of each
+    operation (``join``, ``lost_members``, ``set_closed``, ...)."""
+
+    def __init__(self, cfg: Config, clock: Callable[[], float] = time.monotonic) -> None:
+        self.cfg = cfg
+        self.clock = clock
+        self.keys = sc.Keys(cfg.run_id)
+        self.member: tuple[int, int, int] | None = None  # (round, rank, world)
+        self.watch: Watch | None = None
+        self.prev_watch: Watch | None = None  # the last round's, for the drain
+        self.last_seen: tuple[int, int] | None = None  # see _last_complete
+        self.waited_as_spare = False  # this node waited behind a full, running round
+        self.leaving = False  # tell the last round it left, once the new ticket is counted
+        self.spare_ready = False  # a node waits behind this node's full round
+        self.path: list[Phase] = []  # the phases of the last attempt, for reports and tests
+        self._phases: dict[Phase, Callable[[_Attempt], Proto[Event]]] = {
+            P.TICKET: self._ticket, P.RECORD: self._record, P.PUBLISH_GATE: self._full_gate,
+            P.COORD_GATE: self._gate, P.DRAIN: self._drain, P.LAST_CALL: self._last_call,
+            P.SEAL: self._seal, P.PUBLISH: self._publish, P.AWAIT: self._await,
+            P.SEAT: self._seat,
+        }
+        self._identity = (-1, "", 0, b"")
+
+    # ------------------------------------------------------------------ joining
+
+    def join(self, node_rank: int, addr: str, pid: int, wstore: bytes) -> Proto[Seat]:
+        """Joins the next round this node can be a member of; its :class:`Seat`.
+
+        Raises:
+            RendezvousClosedError / RendezvousGracefulExitError: closed (the latter for a
+                node that waited as a spare).
+            RendezvousTimeoutError: the join timeout passed first.
+        """
+        deadline = self.clock() + self.cfg.join
+        yield _rq("stop_beats")
+        self.waited_as_spare = self.spare_ready = False
+        self.prev_watch, self.watch = self.watch, None
+        self._identity = (node_rank, addr, pid, wstore)
+        if (yield _rq("check", [self.keys.closed])):
+            raise RendezvousClosedError(f"The rendezvous '{self.cfg.run_id}' is closed.")
+        if self.member is not None:
+            r = self.member[0] + 1
+            self.leaving = True
+        else:
+            r = int((yield _rq("add", self.keys.open, 0)))
+        for _ in range(MAX_WALK):
+            if self.clock() > deadline:
+                break
+            a = _Attempt(self.keys.round(r), deadline)
+            seat = yield from self._attempt(a)
+            deadline = a.deadline  # a spare's join timeout starts when its round is over
+            if seat is not None:
+                self.member = (r, seat.rank, seat.world)
+                k = a.k
+                if self.cfg.hooks:  # our death: we left, the round is over, and why
+                    yield _rq("on_disconnect", [k.left(seat.rank), k.broken, k.gone],
+                              [b"1", b"1", b"%d:closed;" % seat.rank])
+                self.watch = Watch(k, seat.rank, seat.world, seat.peers, self.cfg.window,
+                                   self.cfg.ka_interval / 2)
+                return seat
+            r += 1
+        raise RendezvousTimeoutError(
+            f"The rendezvous '{self.cfg.run_id}' did not complete within "
+            f"{self.cfg.join:g} seconds.")
+
+    def _attempt(self, a: _Attempt) -> Proto[Seat | None]:
+        phase = P.TICKET
+        self.path = []
+        for _ in range(len(Phase)):  # each phase runs at most once per attempt
+            self.path.append(phase)
+            if phase in FINAL:
+                break
+            event = yield from self._phases[phase](a)
+            phase = transition(phase, event)
+        else:
+            raise RendezvousError(f"no final phase after {self.path}")
+        if phase is P.CLOSED:
+            raise (yield from self.closed_error(a.k.r))
+        if phase is P.MEMBER:
+            return a.seat
+        return None
+
+    def _ticket(self, a: _Attempt) -> Proto[Event]:
+        a.ticket = int((yield _rq("add", a.k.tickets, 1)))
+        # Only now that our ticket is counted: a coordinator that sees every member of the
+        # last round back seals at once, and must not seal before our ticket.
+        yield from self.leave()
+        return E.FULL if a.ticket > self.cfg.max_nodes else E.TICKET
+
+    def _record(self, a: _Attempt) -> Proto[Event]:
+        k, t, cfg = a.k, a.ticket, self.cfg
+        if cfg.hooks:  # our death abandons the round while it forms
+            yield _rq("append_on_disconnect", k.outcome, sc.ABANDONED)
+        node_rank, addr, pid, wstore = self._identity
+        pref = self.member[1] if self.member is not None else node_rank
+        # The record; a placeholder for our seat, which the publisher overwrites before it
+        # decides res; and the keep-alive counter, bumped from the ticket on.
+        yield _rq("multi_set", [k.record(t), k.seat(t), k.beat(t)],
+                  [sc.encode_record(pref, addr, pid, wstore), b"-1", b"0"])
+        yield _rq("beat", k.beat(t))
+        if t == cfg.max_nodes:
+            a.count = t
+            return E.PUBLISHER
+        return E.COORDINATOR if t == cfg.min_nodes else E.WAITER
+
+    def _full_gate(self, a: _Attempt) -> Proto[Event]:
+        # A full round has no room for the last round's members still coming, so it waits
+        # for nobody once that round is over.
+        return E.OVER if (yield from self._after_last_round(a)) else E.DECIDED
+
+    def _gate(self, a: _Attempt) -> Proto[Event]:
+        if not (yield from self._after_last_round(a)):
+            return E.DECIDED
+        return E.FIRST if a.last is None else E.OVER
+
+    def _last_call(self, a: _Attempt) -> Proto[Event]:
+        # A round that re-forms after a complete one needs no last call: every member of
+        # that round is back (or lost), and a node that comes later joins the next round.
+        if a.last is None or self.cfg.reform_last_call:
+            wait = min(self.cfg.last_call, a.deadline - self.clock())
+            if wait >= 0.001 and (yield _rq("wait", [a.k.outcome], wait)):
+                return E.DECIDED  # max reached, closed or abandoned meanwhile
+        return E.CALL_OVER
+
+    def _seal(self, a: _Attempt) -> Proto[Event]:
+        a.count = int((yield _rq("add", a.k.tickets, sc.SEAL))) - sc.SEAL
+        return E.SEALED if a.count < self.cfg.max_nodes else E.FULL
+
+    def _await(self, a: _Attempt) -> Proto[Event]:
+        kind, a.world, a.wstore, a.deadline = yield from self._wait_outcome(
+            a.k, a.deadline, mine=True, ticket=a.ticket)
+        if kind == "D":
+            log.info("rendezvous %s round %d abandoned (a node left); re-joining",
+                     self.cfg.run_id, a.k.r)
+            return E.ABANDONED
+        return E.COMPLETE if kind == "M" else E.CLOSED
+
+    def _seat(self, a: _Attempt) -> Proto[Event]:
+        rank, peers = sc.parse_seat(bytes((yield _rq("get", a.k.seat(a.ticket), None))))
+        if rank < 0:  # not admitted (round full, or our record came too late)
+            return E.NOT_ADMITTED
+        a.seat = Seat(a.k.r, rank, a.world, peers, a.wstore)
+        return E.ADMITTED
+
+    # ------------------------------------------------------------------ deciding
+
+    def _wait_outcome(self, k: sc.RoundKeys, deadline: float, mine: bool = True,
+                      ticket: int = 0) -> Proto[tuple[str, int, bytes, float]]:
+        """Round ``k.r``'s outcome: (kind, world, workers' store, deadline kept).
+
+        A node holding ``ticket`` checks every quarter window that the holders of the deciding
+        tickets are alive, and abandons the round when one is not. A spare's join timeout
+        starts only when the full round it waits behind is over.
+        """
+        cfg = self.cfg
+        watch = Deciders(cfg, self.clock, k, ticket) if ticket else None
+        while True:
+            remaining = deadline - self.clock()
+            if remaining <= 0:
+                if mine and (yield from self._spare(k.r)):
+                    self.waited_as_spare = True
+                    deadline = self.clock() + cfg.join
+                    continue
+                if mine:  # give up our ticket: nobody may count this node in any more
+                    yield _rq("append", k.outcome, sc.ABANDONED)
+                raise RendezvousTimeoutError(
+                    f"The rendezvous '{cfg.run_id}' did not complete within {cfg.join:g} "
+                    "seconds.")
+            step = remaining if watch is None else min(remaining, cfg.window / 4)
+            raw = yield _rq("get", k.outcome, max(step, 0.001))  # one round trip either way
+            if raw is not None:
+                kind, world, wstore = sc.parse_outcome(bytes(raw))
+                return kind, world, wstore, deadline
+            if watch is not None and (yield from watch.stalled()):
+                yield _rq("compare_set", k.outcome, "", sc.ABANDONED)
+
+    def _spare(self, r: int) -> Proto[bool]:
+        """True while the last round before ``r`` is complete, full and not over: a node
+        waiting for ``r`` is then a spare (torch's redundancy list), whom no join timeout
+        applies to."""
+        last = yield from self._last_complete(r, self.clock() + SLICE)
+        if last is None or last[1] < self.cfg.max_nodes:
+            return False
+        return not (yield _rq("check", [self.keys.round(last[0]).broken]))
+
+    def _last_complete(self, r: int, deadline: float) -> Proto[tuple[int, int] | None]:
+        """Walks back from ``r - 1`` to the last complete round: (round, world)."""
+        cached = self.last_seen
+        if cached is not None and r - 1 <= cached[0] < r:
+            return cached
+        for q in range(r - 1, max(-1, r - 1 - MAX_WALK), -1):
+            kind, world, _, _ = yield from self._wait_outcome(self.keys.round(q), deadline,
+                                                               mine=False)
+            if kind == "M":
+                self.last_seen = (q, world)
+                return self.last_seen
+            if kind == "C":
+                raise RendezvousClosedError(f"The rendezvous '{self.cfg.run_id}' is closed.")
+        return None
+
+    def _after_last_round(self, a: _Attempt) -> Proto[bool]:
+        """Before a decider decides: waits until the last complete round is over.
+
+        While it runs, everyone waiting for this round is a spare, and a round of spares must
+        not form beside it (two worlds); it is over once a member of it left or was lost
+        (``broken``). Sets ``a.last`` (None if there is none) and the deadline to keep; False
+        if the round got decided meanwhile. A spare's join timeout counts from the moment the
+        round it waited behind is over.
+        """
+        a.last = yield from self._last_complete(a.k.r, a.deadline)
+        if a.last is None:
+            return True
+        lk = self.keys.round(a.last[0])
+        waited = False
+        for _ in range(MAX_WALK * 1000):  # bounded in count; each pass is a SLICE
+            why = yield _rq("get", lk.broken, SLICE)  # wait, and read why (C: closed)
+            if why is not None:
+                break
+            waited = self.waited_as_spare = True
+            if (yield _rq("check", [a.k.outcome])):
+                return False
+        else:
+            raise RendezvousTimeoutError("waited too long behind a running round")
+        if waited:
+            # The job ended (closed, or a member finished its work): spares go home before
+            # the job's store does.
+            gone = sc.parse_gone(bytes((yield _rq("get", lk.gone, None))))
+            if b"C" in bytes(why) or "done" in gone.values():
+                raise (yield from self.closed_error(a.k.r))
+            a.deadline = self.clock() + self.cfg.join
+        return True
+
+    def _drain(self, a: _Attempt) -> Proto[Event]:
+        """Waits until every member of the last complete round left.
+
+        A member whose keep-alive counter stands still for the detection window is dropped
+        (frozen, hung or cut off); when this node watched it during that round, the window
+        counts from the last change it saw then. Each check is one ``multi_get`` (the round's
+        ``gone`` and the missing members' counters), whatever the number of members.
+        """
+        assert a.last is not None
+        cfg, (q, world) = self.cfg, a.last
+        lk = self.keys.round(q)
+        missing = list(range(world))
+        beats = Beats(cfg.window, cfg.ka_interval / 2)
+        prev = self.prev_watch
+        if prev is not None and prev.k.p == lk.p:
+            beats.since.update(prev.beats.since)
+        step = max(0.05, min(cfg.window / 4, cfg.ka_interval / 2))
+        tickets: list[str] | None = None
+        while missing:
+            remaining = a.deadline - self.clock()
+            if remaining <= 0:
+                return E.DECIDED  # the wait for the outcome reports the timeout
+            if (yield _rq("wait", [lk.left(i) for i in missing], min(step, remaining))):
+                break
+            if (yield _rq("check", [a.k.outcome])):
+                return E.DECIDED
+            if tickets is None:  # once: the members' tickets, for their keep-alive counters
+                who = yield _rq("multi_get", [lk.who(i) for i in range(world)])
+                tickets = [sc.who_parts(bytes(v))[0] for v in who]
+            vals = [bytes(v) for v in (yield _rq(
+                "multi_get", [lk.gone] + [lk.beat(tickets[i]) for i in missing]))]
+            gone = sc.parse_gone(vals[0])
+            counters = {i: v for i, v in zip(missing, vals[1:], strict=True) if i not in gone}
+            for rank, still in beats.observe(counters, self.clock()).items():
+                log.warning("rendezvous %s: member rank %d of round %d was lost (silent: no "
+                            "keep-alive for %.1fs); dropping it", cfg.run_id, rank, q, still)
+                yield _rq("multi_set", [lk.left(rank), lk.broken], [b"hung", b"1"])
+                gone[rank] = "silent"
+            missing = [i for i in missing if i not in gone]
+        return E.DRAINED
+
+    def _publish(self, a: _Attempt) -> Proto[Event]:
+        """Decides the round with ``a.count`` tickets: ranks, seats, then one compare_set."""
+        k, cfg = a.k, self.cfg
+        tickets = list(range(1, a.count + 1))
+        drop_at = min(a.deadline, self.clock() + cfg.window)
+        while True:
+            remaining = drop_at - self.clock()
+            if remaining <= 0:  # tickets without a record: lost after their add, or strays
+                have = []
+                for i in tickets:
+                    if (yield _rq("check", [k.record(i)])):
+                        have.append(i)
+                log.warning("rendezvous %s round %d: dropping tickets %s (no record within "
+                            "%gs)", cfg.run_id, k.r, sorted(set(tickets) - set(have)),
+                            cfg.window)
+                tickets = have
+                break
+            if (yield _rq("wait", [k.record(i) for i in tickets], min(SLICE, remaining))):
+                break
+            if (yield _rq("check", [k.outcome])):  # a joiner died before writing its record
+                return E.DONE
+        if len(tickets) < cfg.min_nodes:  # too few left: everyone re-joins r + 1
+            yield _rq("compare_set", k.outcome, "", sc.ABANDONED)
+            return E.DONE
+        records = [bytes(v) for v in (yield _rq("multi_get", [k.record(i) for i in tickets]))]
+        world = len(tickets)
+        ranks = sc.assign_ranks([sc.record_pref(raw) for raw in records], world)
+        by_rank = [0] * world
+        for ticket, rank in zip(tickets, ranks, strict=True):
+            by_rank[rank] = ticket
+        # O(1) for each node to read: its seat (rank and the tickets of the peers it watches)
+        # and, by rank, each member's ticket and record (for reports and the next drain).
+        record_of = dict(zip(tickets, records, strict=True))
+        watched = min(world - 1, MAX_WATCHED)
+        keys, vals = [k.gone], [b""]
+        for rank, ticket in enumerate(by_rank):
+            peers = [by_rank[(rank + i) % world] for i in range(1, watched + 1)]
+            keys += [k.seat(ticket), k.who(rank)]
+            vals += [sc.encode_seat(rank, peers), b"%d|%s" % (ticket, record_of[ticket])]
+        yield _rq("multi_set", keys, vals)
+        blob = sc.encode_outcome(world, sc.record_wstore(record_of[by_rank[0]]))
+        if bytes((yield _rq("compare_set", k.outcome, "", blob))) == blob:
+            yield _rq("set", self.keys.open, b"%d" % (k.r + 1))
+        return E.DONE
+
+    # ------------------------------------------------------------------ membership
+
+    def lost_members(self) -> Proto[list[tuple[int, str]]]:
+        """Members of this node's round lost since the last call: ``[(rank, why), ...]``
+        (see ``FastRendezvousHandler.lost_members``)."""
+        w, cfg = self.watch, self.cfg
+        if w is None:
+            return []
+        vals = [bytes(v) for v in (yield _rq("multi_get", w.keys))]
+        now = self.clock()
+        gone = sc.parse_gone(vals[0])
+        silent = w.beats.observe(dict(zip(w.peers, vals[1:], strict=True)), now)
+        if self.spare_ready:  # a spare can take a silent peer's seat: suspect it sooner
+            silent.update((rank, now - since) for rank, (_, since) in w.beats.since.items()
+                          if rank not in silent and now - since >= cfg.spare_window)
+        for rank, still in silent.items():
+            if rank not in gone:
+                log.warning("rendezvous %s: rank %d sent no keep-alive for %.1fs; dropping it",
+                            cfg.run_id, rank, still)
+                yield _rq("append", w.k.gone, b"%d:silent;" % rank)
+                yield _rq("multi_set", [w.k.left(rank), w.k.broken], [b"silent", b"1"])
+                gone[rank] = "silent"
+        fresh = [(r, why) for r, why in gone.items() if r not in w.reported and why != "done"]
+        if not fresh:
+            return []
+        w.reported.update(r for r, _ in fresh)
+        records = yield _rq("multi_get", [w.k.who(r) for r, _ in fresh])
+        out = []
+        for (rank, why), rec in zip(fresh, records, strict=True):
+            _, addr, pid = sc.who_parts(bytes(rec))
+            stale = now - w.beats.since[rank][1] if rank in w.beats.since else 0.0
+            if why == "closed":
+                text = (f"cut: no keep-alive for {stale:.1f}s, then its connection timed out"
+                        if stale >= 2 * cfg.ka_interval else "dead: its connection closed")
+            elif why == "left":
+                text = "left the round: it is re-joining or leaving (preempted)"
+            else:
+                text = (f"silent: connected but no keep-alive for "
+                        f"{cfg.spare_window if self.spare_ready else cfg.window:g}s (frozen "
+                        f"or hung{'; a spare is ready' if self.spare_ready else ''})")
+            who = "this node" if rank == w.rank else f"node {addr or '?'} (pid {pid or '?'})"
+            out.append((rank, f"{who} {text}"))
+        return out
+
+    def num_nodes_waiting(self) -> Proto[int]:
+        """Tickets taken in the round after this node's; 0 behind a full round (spares)."""
+        if self.member is None:
+            return 0
+        r, _, world = self.member
+        v = int((yield _rq("add", self.keys.round(r + 1).tickets, 0)))
+        v = v - sc.SEAL if v >= sc.SEAL else v
+        if world >= self.cfg.max_nodes:
+            self.spare_ready = v > 0
+            return 0
+        return v
+
+    def leave(self) -> Proto[None]:
+        """Tells the members of this node's last round that it left, if it is leaving:
+        ``left/<rank>`` (what the next round's coordinator waits for), ``broken`` (a next
+        round may form) and ``<rank>:left;`` in ``gone`` (the others restart at their next
+        membership check). Fire-and-forget writes."""
+        if self.member is None or not self.leaving:
+            return
+        self.leaving = False
+        q, rank, _ = self.member
+        k = self.keys.round(q)
+        yield _rq("multi_set", [k.left(rank), k.broken], [b"1", b"1"])
+        yield _rq("append", k.gone, b"%d:left;" % rank)
+
+    def mark_done(self) -> Proto[None]:
+        """Tells the others this node's workers finished: its later exit is no loss."""
+        if self.watch is not None:
+            yield _rq("append", self.watch.k.gone, b"%d:done;" % self.watch.rank)
+
+    def set_closed(self) -> Proto[None]:
+        """Sets ``closed`` and wakes every node waiting in a forming round or as a spare."""
+        yield _rq("set", self.keys.closed, b"1")
+        cur = int((yield _rq("add", self.keys.open, 0)))
+        rounds = {cur, cur + 1}
+        if self.member is not None:
+            rounds.add(self.member[0] + 1)
+        for r in sorted(rounds):
+            yield _rq("append", self.keys.round(r).outcome, sc.CLOSED)
+        if self.member is not None:  # wakes the spares waiting behind our round at once
+            yield _rq("append", self.keys.round(self.member[0]).broken, b"C")
+
+    def has_waiters(self) -> Proto[bool]:
+        """True when nodes wait for the round after this node's (spares, at shutdown)."""
+        if self.member is None:
+            return False
+        return bool(int((yield _rq("add", self.keys.round(self.member[0] + 1).tickets, 0))))
+
+    def closed_error(self, r: int) -> Proto[RendezvousError]:
+        """Closed: a spare (waiting behind a full round) exits gracefully, as torch's does."""
+        if self.waited_as_spare or (yield from self._spare(r)):
+            return RendezvousGracefulExitError(
+                f"The rendezvous '{self.cfg.run_id}' is closed; this node waited as a spare.")
+        return RendezvousClosedError(f"The rendezvous '{self.cfg.run_id}' is closed.")
