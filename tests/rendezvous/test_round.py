@@ -230,7 +230,30 @@ def test_store_requests_per_node_are_constant_in_the_number_of_nodes(n):
     sim.run(5)
     assert sim.worlds() == [n]
     per_node = [node.join_requests[0] for node in sim.nodes[:n]]
-    # a waiter: open, ticket, disconnect action, record, outcome, seat, disconnect actions
-    # (closed check first); a decider adds its gate and decision: whatever n is
-    assert statistics.median(per_node) == 8, statistics.median(per_node)
-    assert max(per_node) <= 13, max(per_node)
+    # a waiter: closed?, open, ticket, disconnect action, record, outcome, disconnect actions
+    # (its seat is its ticket: nothing to read); a decider adds its gate and decision
+    assert statistics.median(per_node) == 7, statistics.median(per_node)
+    assert max(per_node) <= 12, max(per_node)
+
+
+def test_when_ranks_follow_tickets_no_seat_is_written_or_read():
+    sim = Sim(3, 3)
+    for _ in range(3):
+        sim.start(0)
+    sim.run(5)
+    assert {v for k, v in sim.data.items() if "/rank/" in k} == {b"-1"}  # placeholders only
+    assert sorted(n.seats[0][1].rank for n in sim.nodes[:3]) == [0, 1, 2]
+    assert sim.data["fe.rdzv.sim/0/res"].endswith(b"\n=\n")
+
+
+def test_when_preferred_ranks_reorder_the_seats_every_node_reads_its_own():
+    sim = Sim(3, 3)
+    nodes = [sim.start(0, node_rank=2 - i) for i in range(3)]
+    sim.run(5)
+    assert [n.seats[0][1].rank for n in nodes] == [2, 1, 0]
+    assert b"-1" not in {v for k, v in sim.data.items() if "/rank/" in k}
+    assert not sim.data["fe.rdzv.sim/0/res"].endswith(b"\n=\n")
+    for n in nodes:  # each watches the next ranks' keep-alive counters
+        rank = n.seats[0][1].rank
+        peers = {nodes[j].seats[0][1].rank for j in range(3) if j != n.id}
+        assert {(rank + 1) % 3, (rank + 2) % 3} == peers

@@ -14,11 +14,11 @@ from typing import Any
 
 from fastelastic.errors import StoreError
 
-from ._schema import SEAL, RoundKeys
+from ._schema import SEAL, RoundKeys, parse_gone, who_parts
 
 log = logging.getLogger("fastelastic.rendezvous.fast_rendezvous")
 
-__all__ = ["BEATER", "Beats", "Deciders", "KeepAlive", "Watch"]
+__all__ = ["BEATER", "Beats", "Deciders", "KeepAlive", "Watch", "lost_members"]
 
 
 class Beats:
@@ -110,6 +110,47 @@ class Deciders:
             log.warning("rendezvous %s round %d: the node holding ticket %d (%s for %.1fs) is "
                         "lost; abandoning the round", self.run_id, k.r, role, why, still)
         return bool(stalled)
+
+
+def lost_members(w: Watch, cfg: Any, spare_ready: bool, clock: Callable[[], float]
+             ) -> Generator[tuple[Any, ...], Any, list[tuple[int, str]]]:
+    """Members of a round lost since the last call, as a member watching ``w`` reads them
+    (one ``multi_get``; see ``FastRendezvousHandler.lost_members``)."""
+    vals = [bytes(v) for v in (yield ("multi_get", w.keys))]
+    now = clock()
+    gone = parse_gone(vals[0])
+    silent = w.beats.observe(dict(zip(w.peers, vals[1:], strict=True)), now)
+    if spare_ready:  # a spare can take a silent peer's seat: suspect it sooner
+        silent.update((rank, now - since) for rank, (_, since) in w.beats.since.items()
+                      if rank not in silent and now - since >= cfg.spare_window)
+    for rank, still in silent.items():
+        if rank not in gone:
+            log.warning("rendezvous %s: rank %d sent no keep-alive for %.1fs; dropping it",
+                        cfg.run_id, rank, still)
+            yield ("append", w.k.gone, b"%d:silent;" % rank)
+            yield ("multi_set", [w.k.left(rank), w.k.broken], [b"silent", b"1"])
+            gone[rank] = "silent"
+    fresh = [(r, why) for r, why in gone.items() if r not in w.reported and why != "done"]
+    if not fresh:
+        return []
+    w.reported.update(r for r, _ in fresh)
+    records = yield ("multi_get", [w.k.who(r) for r, _ in fresh])
+    out = []
+    for (rank, why), rec in zip(fresh, records, strict=True):
+        _, addr, pid = who_parts(bytes(rec))
+        stale = now - w.beats.since[rank][1] if rank in w.beats.since else 0.0
+        if why == "closed":
+            text = (f"cut: no keep-alive for {stale:.1f}s, then its connection timed out"
+                    if stale >= 2 * cfg.ka_interval else "dead: its connection closed")
+        elif why == "left":
+            text = "left the round: it is re-joining or leaving (preempted)"
+        else:
+            text = (f"silent: connected but no keep-alive for "
+                    f"{cfg.spare_window if spare_ready else cfg.window:g}s (frozen "
+                    f"or hung{'; a spare is ready' if spare_ready else ''})")
+        who = "this node" if rank == w.rank else f"node {addr or '?'} (pid {pid or '?'})"
+        out.append((rank, f"{who} {text}"))
+    return out
 
 
 class KeepAlive:

@@ -1,11 +1,10 @@
 """The fast rendezvous as a transport-free state machine.
 
 A node's attempt at a round moves through the phases of :class:`Phase`; :func:`transition` is
-the one rule saying which phase follows which event. The work of each phase is a generator
-that yields store requests (``("add", key, 1)``, ``("get", key, timeout)``, ...) and gets their
-replies back, and reads time from an injected clock: :mod:`.fast_rendezvous` runs it on a real
-store, the tests on a simulated store and clock, with no sockets or threads. The keys and what
-they hold are in :mod:`._schema`.
+the one rule saying which phase follows which event. Each phase's work is a generator that
+yields store requests (``("add", key, 1)``, ...), is sent their replies and reads an injected
+clock: :mod:`.fast_rendezvous` runs it on a store, the tests on a simulated store and clock.
+Keys and what they hold: :mod:`._schema`.
 
 Roles come from the ticket, so nobody races: ticket ``max_nodes`` publishes at once (after the
 last complete round is over); ticket ``min_nodes`` coordinates: waits until the last complete
@@ -31,7 +30,7 @@ from fastelastic.errors import (
 )
 
 from . import _schema as sc
-from ._liveness import Beats, Deciders, Watch
+from ._liveness import Beats, Deciders, Watch, lost_members
 
 __all__ = ["Config", "Event", "Machine", "Phase", "Seat", "transition"]
 
@@ -167,10 +166,13 @@ class _Attempt:
     ticket: int = 0
     count: int = 0
     last: tuple[int, int] | None = None  # the last complete round: (round, world)
-    kind: str = ""
-    world: int = 0
-    wstore: bytes = b""
+    res: sc.Outcome = sc.Outcome("")
     seat: Seat | None = None
+
+
+def _watched(world: int) -> int:
+    """How many peers each member watches (the next ranks, round-robin)."""
+    return min(world - 1, MAX_WATCHED)
 
 
 # Store requests. Replies: add -> int; get -> bytes, or None once ``timeout`` s passed;
@@ -310,8 +312,9 @@ class Machine:
         return E.SEALED if a.count < self.cfg.max_nodes else E.FULL
 
     def _await(self, a: _Attempt) -> Proto[Event]:
-        kind, a.world, a.wstore, a.deadline = yield from self._wait_outcome(
-            a.k, a.deadline, mine=True, ticket=a.ticket)
+        a.res, a.deadline = yield from self._wait_outcome(a.k, a.deadline, mine=True,
+                                                          ticket=a.ticket)
+        kind = a.res.kind
         if kind == "D":
             log.info("rendezvous %s round %d abandoned (a node left); re-joining",
                      self.cfg.run_id, a.k.r)
@@ -319,17 +322,22 @@ class Machine:
         return E.COMPLETE if kind == "M" else E.CLOSED
 
     def _seat(self, a: _Attempt) -> Proto[Event]:
-        rank, peers = sc.parse_seat(bytes((yield _rq("get", a.k.seat(a.ticket), None))))
+        world = a.res.world
+        if a.res.identity:  # the fast path: no request
+            rank = a.ticket - 1 if a.ticket <= world else -1
+            peers = [b"%d" % ((rank + i) % world + 1) for i in range(1, _watched(world) + 1)]
+        else:
+            rank, peers = sc.parse_seat(bytes((yield _rq("get", a.k.seat(a.ticket), None))))
         if rank < 0:  # not admitted (round full, or our record came too late)
             return E.NOT_ADMITTED
-        a.seat = Seat(a.k.r, rank, a.world, peers, a.wstore)
+        a.seat = Seat(a.k.r, rank, world, peers, a.res.wstore)
         return E.ADMITTED
 
     # ------------------------------------------------------------------ deciding
 
     def _wait_outcome(self, k: sc.RoundKeys, deadline: float, mine: bool = True,
-                      ticket: int = 0) -> Proto[tuple[str, int, bytes, float]]:
-        """Round ``k.r``'s outcome: (kind, world, workers' store, deadline kept).
+                      ticket: int = 0) -> Proto[tuple[sc.Outcome, float]]:
+        """Round ``k.r``'s outcome, and the deadline kept.
 
         A node holding ``ticket`` checks every quarter window that the holders of the deciding
         tickets are alive, and abandons the round when one is not. A spare's join timeout
@@ -352,8 +360,7 @@ class Machine:
             step = remaining if watch is None else min(remaining, cfg.window / 4)
             raw = yield _rq("get", k.outcome, max(step, 0.001))  # one round trip either way
             if raw is not None:
-                kind, world, wstore = sc.parse_outcome(bytes(raw))
-                return kind, world, wstore, deadline
+                return sc.parse_outcome(bytes(raw)), deadline
             if watch is not None and (yield from watch.stalled()):
                 yield _rq("compare_set", k.outcome, "", sc.ABANDONED)
 
@@ -372,12 +379,11 @@ class Machine:
         if cached is not None and r - 1 <= cached[0] < r:
             return cached
         for q in range(r - 1, max(-1, r - 1 - MAX_WALK), -1):
-            kind, world, _, _ = yield from self._wait_outcome(self.keys.round(q), deadline,
-                                                               mine=False)
-            if kind == "M":
-                self.last_seen = (q, world)
+            res, _ = yield from self._wait_outcome(self.keys.round(q), deadline, mine=False)
+            if res.kind == "M":
+                self.last_seen = (q, res.world)
                 return self.last_seen
-            if kind == "C":
+            if res.kind == "C":
                 raise RendezvousClosedError(f"The rendezvous '{self.cfg.run_id}' is closed.")
         return None
 
@@ -484,17 +490,21 @@ class Machine:
         by_rank = [0] * world
         for ticket, rank in zip(tickets, ranks, strict=True):
             by_rank[rank] = ticket
-        # O(1) for each node to read: its seat (rank and the tickets of the peers it watches)
-        # and, by rank, each member's ticket and record (for reports and the next drain).
+        # O(1) for each node to read: its seat (rank and the tickets of the peers it watches;
+        # none when every rank is the ticket minus one) and, by rank, each member's ticket and
+        # record (for reports and the next drain).
+        identity = by_rank == list(range(1, world + 1))
         record_of = dict(zip(tickets, records, strict=True))
-        watched = min(world - 1, MAX_WATCHED)
         keys, vals = [k.gone], [b""]
         for rank, ticket in enumerate(by_rank):
-            peers = [by_rank[(rank + i) % world] for i in range(1, watched + 1)]
-            keys += [k.seat(ticket), k.who(rank)]
-            vals += [sc.encode_seat(rank, peers), b"%d|%s" % (ticket, record_of[ticket])]
+            keys.append(k.who(rank))
+            vals.append(b"%d|%s" % (ticket, record_of[ticket]))
+            if not identity:
+                keys.append(k.seat(ticket))
+                vals.append(sc.encode_seat(rank, [by_rank[(rank + i) % world]
+                                                  for i in range(1, _watched(world) + 1)]))
         yield _rq("multi_set", keys, vals)
-        blob = sc.encode_outcome(world, sc.record_wstore(record_of[by_rank[0]]))
+        blob = sc.encode_outcome(world, sc.record_wstore(record_of[by_rank[0]]), identity)
         if bytes((yield _rq("compare_set", k.outcome, "", blob))) == blob:
             yield _rq("set", self.keys.open, b"%d" % (k.r + 1))
         return E.DONE
@@ -504,44 +514,9 @@ class Machine:
     def lost_members(self) -> Proto[list[tuple[int, str]]]:
         """Members of this node's round lost since the last call: ``[(rank, why), ...]``
         (see ``FastRendezvousHandler.lost_members``)."""
-        w, cfg = self.watch, self.cfg
-        if w is None:
+        if self.watch is None:
             return []
-        vals = [bytes(v) for v in (yield _rq("multi_get", w.keys))]
-        now = self.clock()
-        gone = sc.parse_gone(vals[0])
-        silent = w.beats.observe(dict(zip(w.peers, vals[1:], strict=True)), now)
-        if self.spare_ready:  # a spare can take a silent peer's seat: suspect it sooner
-            silent.update((rank, now - since) for rank, (_, since) in w.beats.since.items()
-                          if rank not in silent and now - since >= cfg.spare_window)
-        for rank, still in silent.items():
-            if rank not in gone:
-                log.warning("rendezvous %s: rank %d sent no keep-alive for %.1fs; dropping it",
-                            cfg.run_id, rank, still)
-                yield _rq("append", w.k.gone, b"%d:silent;" % rank)
-                yield _rq("multi_set", [w.k.left(rank), w.k.broken], [b"silent", b"1"])
-                gone[rank] = "silent"
-        fresh = [(r, why) for r, why in gone.items() if r not in w.reported and why != "done"]
-        if not fresh:
-            return []
-        w.reported.update(r for r, _ in fresh)
-        records = yield _rq("multi_get", [w.k.who(r) for r, _ in fresh])
-        out = []
-        for (rank, why), rec in zip(fresh, records, strict=True):
-            _, addr, pid = sc.who_parts(bytes(rec))
-            stale = now - w.beats.since[rank][1] if rank in w.beats.since else 0.0
-            if why == "closed":
-                text = (f"cut: no keep-alive for {stale:.1f}s, then its connection timed out"
-                        if stale >= 2 * cfg.ka_interval else "dead: its connection closed")
-            elif why == "left":
-                text = "left the round: it is re-joining or leaving (preempted)"
-            else:
-                text = (f"silent: connected but no keep-alive for "
-                        f"{cfg.spare_window if self.spare_ready else cfg.window:g}s (frozen "
-                        f"or hung{'; a spare is ready' if self.spare_ready else ''})")
-            who = "this node" if rank == w.rank else f"node {addr or '?'} (pid {pid or '?'})"
-            out.append((rank, f"{who} {text}"))
-        return out
+        return (yield from lost_members(self.watch, self.cfg, self.spare_ready, self.clock))
 
     def num_nodes_waiting(self) -> Proto[int]:
         """Tickets taken in the round after this node's; 0 behind a full round (spares)."""

@@ -21,7 +21,8 @@ Round ``r``:
 * ``hb/t<ticket>`` (:py:meth:`RoundKeys.beat`): the node's keep-alive counter, bumped every
   keep-alive interval from the moment it took its ticket.
 * ``res`` (:py:attr:`RoundKeys.outcome`): the round's outcome, decided by one compare-and-set
-  from absent: ``M<world>\\n<rank 0's workers' store address>\\n`` (complete) or ``D;``
+  from absent: ``M<world>\\n<rank 0's workers' store address>\\n`` (complete; a third line
+  ``=`` when every rank is the ticket minus one, so nobody needs to read a seat) or ``D;``
   (abandoned: everyone re-joins ``r + 1``; also appended by the server when a joined node's
   connection closes). A ``C;`` appended by ``set_closed`` means closed. Text after the first
   newline is not part of the verdict, so late appends never corrupt a complete outcome.
@@ -37,6 +38,8 @@ Round ``r``:
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 from fastelastic.errors import RendezvousStateError
 
@@ -129,29 +132,36 @@ def parse_seat(raw: bytes) -> tuple[int, list[bytes]]:
         raise RendezvousStateError(f"corrupt rank {raw[:40]!r}") from e
 
 
-def encode_outcome(world: int, wstore: bytes) -> bytes:
-    return b"M%d\n%s\n" % (world, wstore)
+def encode_outcome(world: int, wstore: bytes, identity: bool) -> bytes:
+    return b"M%d\n%s\n%s" % (world, wstore, IDENTITY if identity else b"")
 
 
 ABANDONED = b"D;"
 CLOSED = b"C;"
+IDENTITY = b"=\n"  # third line of a complete outcome: rank = ticket - 1, no seats written
 
 
-def parse_outcome(raw: bytes) -> tuple[str, int, bytes]:
-    """``res``: ('M', world, rank 0's workers' store) complete, ('C', 0, b"") closed, ('D', 0,
-    b"") abandoned."""
+class Outcome(NamedTuple):
+    kind: str  # "M" complete, "C" closed, "D" abandoned
+    world: int = 0
+    wstore: bytes = b""  # rank 0's workers' store address
+    identity: bool = False  # every node's rank is its ticket - 1 (no seat to read)
+
+
+def parse_outcome(raw: bytes) -> Outcome:
+    """``res``: complete (world, workers' store, identity), closed or abandoned."""
     head, _, rest = raw.partition(b"\n")
     if head.startswith(b"M"):
         try:
             world = int(head[1:])
         except ValueError as e:
             raise RendezvousStateError(f"corrupt rendezvous outcome {raw[:40]!r}") from e
-        wstore, nl, _ = rest.partition(b"\n")
-        return "M", world, wstore if nl else b""
+        wstore, nl, rest = rest.partition(b"\n")
+        return Outcome("M", world, wstore if nl else b"", rest.startswith(IDENTITY))
     if b"C" in head:
-        return "C", 0, b""
+        return Outcome("C")
     if head.startswith(b"D"):
-        return "D", 0, b""
+        return Outcome("D")
     raise RendezvousStateError(f"corrupt rendezvous outcome {raw[:40]!r}")
 
 
