@@ -426,6 +426,11 @@ class SimpleElasticAgent(_AgentTelemetry, ElasticAgent):
     def run(self, role: str = DEFAULT_ROLE) -> RunResult | None:  # type: ignore[override]
         """Runs the workers until success, final failure or a signal (see ``ElasticAgent``).
 
+        On a death signal (``SignalException``) the agent first tells the rendezvous this
+        node leaves (``rdzv_handler.leave()``, when the handler has one), so the other nodes
+        re-form at once, then stops its workers (the signal, then SIGKILL after
+        ``shutdown_timeout``); it never closes the rendezvous for the others.
+
         Returns None, as torch, when the rendezvous was closed before this node joined a
         round (``RendezvousGracefulExitError``): the job ended without it.
         """
@@ -442,8 +447,11 @@ class SimpleElasticAgent(_AgentTelemetry, ElasticAgent):
             return None
         except SignalException as e:
             logger.warning("Received %s death signal, shutting down workers", e.sigval)
-            self._shutdown(e.sigval, timeout=self._shutdown_timeout)  # type: ignore[arg-type]
-            shutdown_called = True
+            try:
+                self._leave()
+            finally:
+                self._shutdown(e.sigval, timeout=self._shutdown_timeout)  # type: ignore[arg-type]
+                shutdown_called = True
             raise
         finally:
             if not self._agent_state.is_final:
@@ -451,6 +459,25 @@ class SimpleElasticAgent(_AgentTelemetry, ElasticAgent):
             if not shutdown_called:
                 self._shutdown(timeout=self._shutdown_timeout)
             self._total_execution_time = int(time.monotonic() - start)
+
+    def _leave(self) -> None:
+        """Tells the rendezvous this node leaves for good, before its workers stop, so the
+        survivors re-form without waiting for its connection to close. Not once it finished
+        (the exit barrier: the peers know it is done) or ended."""
+        if not self._agent_state.is_member:
+            return
+        self._set_state(AgentState.LEAVING)
+        handler = self._worker_group.spec.rdzv_handler
+        leave = getattr(handler, "leave", None)
+        if leave is None:
+            return
+        try:
+            leave()
+        except (StoreError, RendezvousError, OSError) as e:  # the store may be gone already
+            logger.warning("could not tell the rendezvous that this node leaves: %s", e)
+        else:
+            logger.info("[%s] told the rendezvous this node (group_rank=%s) leaves",
+                        self._worker_group.spec.role, self._worker_group.group_rank)
 
     def _invoke_run(self, role: str = DEFAULT_ROLE) -> RunResult:
         """The I/O around ``_runloop.decide``: wait, monitor, ask what it asks, act."""
