@@ -9,8 +9,12 @@ import socket
 import subprocess
 import sys
 import time
+import types
 
 import pytest
+
+from fastelastic.agent.server import SimpleElasticAgent, WorkerSpec
+from fastelastic.agent.server._runloop import AgentState
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -71,3 +75,38 @@ def test_a_handler_without_leave_is_stopped_as_before(tmp_path):
     assert lines == [], (lines, err[-3000:])
     for i in range(2):
         assert (tmp_path / f"sig{i}").read_text() == "SIGTERM", err[-3000:]
+
+
+class _Agent(SimpleElasticAgent):
+    def _start_workers(self, worker_group):  # pragma: no cover - never started here
+        raise AssertionError
+
+    def _stop_workers(self, worker_group):  # pragma: no cover
+        raise AssertionError
+
+    def _monitor_workers(self, worker_group):  # pragma: no cover
+        raise AssertionError
+
+    def _shutdown(self, death_sig=signal.SIGTERM, timeout=30):
+        pass
+
+
+@pytest.mark.parametrize("path,leaves", [
+    ([AgentState.RENDEZVOUS], True),
+    ([AgentState.RENDEZVOUS, AgentState.RUNNING], True),
+    ([AgentState.RENDEZVOUS, AgentState.RUNNING, AgentState.STOPPING], True),
+    # finished: its peers were told it is done; a leave would restart them for nothing
+    ([AgentState.RENDEZVOUS, AgentState.RUNNING, AgentState.EXIT_BARRIER], False),
+    ([AgentState.RENDEZVOUS, AgentState.RUNNING, AgentState.FAILED], False),
+    ([], False),  # never joined
+])
+def test_only_a_member_leaves(path, leaves):
+    calls = []
+    handler = types.SimpleNamespace(leave=lambda: calls.append("leave"))
+    agent = _Agent(WorkerSpec(role="r", local_world_size=1, rdzv_handler=handler,
+                              entrypoint="x"))
+    for state in path:
+        agent._set_state(state)
+    agent._leave()
+    assert calls == (["leave"] if leaves else [])
+    assert (agent._agent_state is AgentState.LEAVING) == leaves
