@@ -6,7 +6,9 @@ checkpoint every step). Once every rank trained a few steps, node 3 is lost:
 
 * ``kill``: SIGKILL of every process of the node (power loss);
 * ``freeze``: SIGSTOP of every process of the node (its kernel still ACKs);
-* ``cut``: its link goes down (packets vanish, no FIN, no RST).
+* ``cut``: its link goes down (packets vanish, no FIN, no RST);
+* ``sigterm``: SIGTERM to the node's agent only (pod deletion, spot reclaim): the agent stops
+  its workers and exits; fastrun's first tells the rendezvous it leaves.
 
 Scenarios: ``replace`` (``--nnodes 4:4``; a replacement node starts at the failure, as a
 restarted pod) and ``shrink`` (``--nnodes 3:4``; no replacement). Downtime = failure -> every
@@ -31,6 +33,7 @@ Run (root, for namespaces)::
     python benchmarks/bench_recovery.py --out benchmarks/results/recovery.md
     python benchmarks/bench_recovery.py --modes kill --scenarios shrink --launchers fastrun
     python benchmarks/bench_recovery.py --launchers fastrun,fastrun-preload,torchrun-noshare
+    python benchmarks/bench_recovery.py --modes sigterm --scenarios shrink
 
 Under pytest (``pytest benchmarks/bench_recovery.py``) a small case runs: 2 nodes x 1 worker,
 kill, shrink, for fastrun and fastrun-preload; with ``--benchmark-disable`` (CI smoke) the same
@@ -210,7 +213,10 @@ def run_case(launcher: str, mode: str, scenario: str, nodes: int = 4, nproc: int
         before = [e for e in job.read() if e["ev"] == "step"]
         res.last_step = max(e["step"] for e in before)
         t_fail = time.time()
-        {"kill": c.kill, "freeze": c.freeze, "cut": c.cut}[mode](lost)
+        if mode == "sigterm":  # `ip netns exec` execs: this is the launcher's own pid
+            job.agents[lost].send_signal(signal.SIGTERM)
+        else:
+            {"kill": c.kill, "freeze": c.freeze, "cut": c.cut}[mode](lost)
         if scenario == "replace":
             job.start(spare)
 
