@@ -2,8 +2,9 @@
 
 Appends JSON lines to ``$RECOVERY_OUT/events.jsonl``: ``start`` and ``step`` (with ``node``,
 ``pid``, ``t``, ``world``, ``restart``), and on SIGTERM ``term`` then, after
-``$NODE_LINGER_S`` seconds, ``term_end`` before exiting 0. In a world of ``$DONE_WORLD`` it
-exits 0 after ``$DONE_S`` seconds; otherwise it steps every 0.1 s for up to 600 s.
+``$NODE_LINGER_S`` seconds, ``term_end`` before exiting 0. In a world of ``$DONE_WORLD`` (and
+once ``$DONE_FILE`` exists, if set) it exits 0 after ``$DONE_S`` seconds; otherwise it steps
+every 0.1 s for up to 600 s.
 """
 
 import json
@@ -33,7 +34,10 @@ def on_term(signum: int, frame: object) -> None:
 
 signal.signal(signal.SIGTERM, on_term)
 log("start")
-run_s = float(os.environ["DONE_S"]) if WORLD == int(os.environ.get("DONE_WORLD", "0")) else 600
+DONE_FILE = os.environ.get("DONE_FILE")  # if set, a world finishes only once this file exists
+done = WORLD == int(os.environ.get("DONE_WORLD", "0")) and (
+    not DONE_FILE or os.path.exists(DONE_FILE))
+run_s = float(os.environ["DONE_S"]) if done else 600
 end = time.monotonic() + run_s
 step = 0
 while time.monotonic() < end:

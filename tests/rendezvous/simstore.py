@@ -74,10 +74,14 @@ class Sim:
     def at(self, t: float, fn: Callable[[], None]) -> None:
         heapq.heappush(self._events, (t, next(self._seq), fn))
 
-    def start(self, t: float = 0.0, node_rank: int = -1) -> Node:
+    def start(self, t: float = 0.0, node_rank: int = -1, moved_from: int = 0) -> Node:
         """A node whose agent starts at ``t``: joins, trains, re-joins when a member is
-        lost or a node waits, until the rendezvous closes."""
+        lost or a node waits, until the rendezvous closes. ``moved_from``: it was a member
+        of a world of that size on a store that was lost (this store is the successor)."""
         node = Node(len(self.nodes), Machine(self.cfg, self.clock), node_rank)
+        if moved_from:
+            node.m.member = (0, node_rank, moved_from)
+            node.m.moved()
         self.nodes.append(node)
         self.at(t, lambda: self._launch(node))
         return node

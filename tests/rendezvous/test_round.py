@@ -86,6 +86,8 @@ class Case:
     errors: dict[int, str] = field(default_factory=dict)  # node -> exception type
     restarts: dict[int, int] | None = None  # node -> restarts (None: not checked)
     members: list[set[int]] | None = None  # the nodes of each complete round
+    moved: int = 0  # the nodes were members of a world of this size on a lost store
+    fresh: list[int] = field(default_factory=list)  # ...except these (new nodes)
 
 
 CASES = [
@@ -135,13 +137,25 @@ CASES = [
          errors={0: "RendezvousTimeoutError", 1: "RendezvousTimeoutError"}),
     Case("a member that finished is no loss: the others are not restarted", "2:2", [0, 0],
          [(100, "done", 0)], rounds=[(2, 0, 0)], restarts={1: 0}),
+    # after the rendezvous store's host was lost, on the successor (``Machine.moved``)
+    Case("moved: every survivor of a world of 4 back, sealed at once (no last call)", "1:4",
+         [0, 0, 0.5], moved=4, rounds=[(3, 0.5, 0.5)]),
+    Case("moved: a majority (3 of 5) but one survivor missing: sealed after the last call",
+         "1:5", [0, 0, 0], moved=5, rounds=[(3, 30, 30)]),
+    Case("moved: a minority (2 of 4) never trains, whatever min_nodes allows", "1:4", [0, 0],
+         moved=4, until=700,
+         errors={0: "RendezvousTimeoutError", 1: "RendezvousTimeoutError"}),
+    Case("moved: a new node's record cannot lower the majority the others carry", "1:4",
+         [0, 0, 0], moved=4, fresh=[2], until=700,
+         errors={i: "RendezvousTimeoutError" for i in range(3)}),
 ]
 
 
 def _run(case: Case) -> Sim:
     lo, hi = (int(x) for x in case.nodes.split(":"))
     sim = Sim(lo, hi, **case.conf)
-    nodes = [sim.start(t) for t in case.starts]
+    nodes = [sim.start(t, node_rank=i, moved_from=0 if i in case.fresh else case.moved)
+             for i, t in enumerate(case.starts)]
     closer = sim.start(10**9)  # never launched: only closes
     for t, action, i in case.script:
         node = closer if i == CLOSER else nodes[i]

@@ -147,6 +147,11 @@ def test_a_node_beyond_max_nodes_waits_as_a_spare_and_restarts_nobody(tmp_path, 
                 p.kill()
                 p.communicate()
     codes = [p.returncode for p in procs]
+    if which == "torchrun" and codes[2] == 1:
+        # torch 2.13's launch_agent reads result.is_failed() of the None that agent.run()
+        # returns after a graceful exit (torchrun's own spares end the same way)
+        assert "'NoneType' object has no attribute 'is_failed'" in outs[2][1], outs[2][1][-2000:]
+        codes[2] = 0
     assert codes == [0, 0, 0], (codes, [e[-2000:] for _, e in outs])
     dumps = read_dumps(tmp_path)
     assert sorted(dumps) == [0, 1] and {d["env"]["WORLD_SIZE"] for d in dumps.values()} == {"2"}

@@ -6,11 +6,11 @@ yields store requests (``("add", key, 1)``, ...), is sent their replies and read
 clock: :mod:`.fast_rendezvous` runs it on a store, the tests on a simulated store and clock.
 Keys and what they hold: :mod:`._schema`.
 
-Roles come from the ticket, so nobody races: ticket ``max_nodes`` publishes at once (after the
-last complete round is over); ticket ``min_nodes`` coordinates: waits until the last complete
-round is over and every member of it left (drain), waits ``last_call`` for more nodes when the
-round is a new job's (or ``reform_last_call`` is set), seals the ticket counter and publishes;
-everyone else waits for the outcome while watching that the deciders are alive.
+Roles come from the ticket, so nobody races: ticket ``max_nodes`` publishes once the last
+complete round is over; ticket ``min_nodes`` coordinates: waits until that round is over and
+every member of it left (drain), waits ``last_call`` for more nodes in a new job's round (or
+with ``reform_last_call``), seals the ticket counter and publishes; everyone else waits for the
+outcome while watching that the deciders are alive.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from fastelastic.errors import (
 
 from . import _schema as sc
 from ._liveness import Beats, Deciders, Watch, lost_members
+from ._schema import Seat
 
 __all__ = ["Config", "Event", "Machine", "Phase", "Seat", "transition"]
 
@@ -147,17 +148,6 @@ class Config:
 
 
 @dataclass
-class Seat:
-    """A node's place in a complete round."""
-
-    round: int
-    rank: int
-    world: int
-    peers: list[bytes]  # tickets of the peers whose keep-alives it watches
-    wstore: bytes  # rank 0's workers' store address (b"" if not in the outcome)
-
-
-@dataclass
 class _Attempt:
     """One node's attempt at round ``k.r``: what its phases found so far."""
 
@@ -198,6 +188,8 @@ class Machine:
         self.leaving = False  # tell the last round it left, once the new ticket is counted
         self.spare_ready = False  # a node waits behind this node's full round
         self.path: list[Phase] = []  # the phases of the last attempt, for reports and tests
+        self.carried = 0  # the world this node had before the rendezvous moved (see moved)
+        self.no_quorum = False  # a round here failed the majority rule: no early seal now
         self._phases: dict[Phase, Callable[[_Attempt], Proto[Event]]] = {
             P.TICKET: self._ticket, P.RECORD: self._record, P.PUBLISH_GATE: self._full_gate,
             P.COORD_GATE: self._gate, P.DRAIN: self._drain, P.LAST_CALL: self._last_call,
@@ -205,6 +197,22 @@ class Machine:
             P.SEAT: self._seat,
         }
         self._identity = (-1, "", 0, b"")
+
+    def moved(self) -> None:
+        """The rendezvous moved to a successor store (its host was lost): the rounds start
+        over there. The world this node was a member of comes along: a round on the successor
+        forms only with a majority of it (so the two sides of a partition never both train),
+        and is sealed as soon as all of it but the lost host is back."""
+        if self.member is not None:
+            self.carried = self.member[2]
+            self._identity = (self.member[1], *self._identity[1:])
+        self.member = self.watch = self.prev_watch = self.last_seen = None
+        self.leaving = self.spare_ready = False
+
+    @property
+    def quorum(self) -> int:
+        """The fewest members this node accepts in a round: a majority of its moved world."""
+        return self.carried // 2 + 1 if self.carried else 0
 
     # ------------------------------------------------------------------ joining
 
@@ -220,6 +228,8 @@ class Machine:
         yield _rq("stop_beats")
         self.waited_as_spare = self.spare_ready = False
         self.prev_watch, self.watch = self.watch, None
+        if self.carried:  # moved: keep the rank it had
+            node_rank = self._identity[0]
         self._identity = (node_rank, addr, pid, wstore)
         if (yield _rq("check", [self.keys.closed])):
             raise RendezvousClosedError(f"The rendezvous '{self.cfg.run_id}' is closed.")
@@ -235,7 +245,8 @@ class Machine:
             seat = yield from self._attempt(a)
             deadline = a.deadline  # a spare's join timeout starts when its round is over
             if seat is not None:
-                self.member = (r, seat.rank, seat.world)
+                self.member, self.carried = (r, seat.rank, seat.world), 0
+                self.no_quorum = False
                 k = a.k
                 if self.cfg.hooks:  # our death: we left, the round is over, and why
                     yield _rq("on_disconnect", [k.left(seat.rank), k.broken, k.gone],
@@ -281,7 +292,7 @@ class Machine:
         # The record; a placeholder for our seat, which the publisher overwrites before it
         # decides res; and the keep-alive counter, bumped from the ticket on.
         yield _rq("multi_set", [k.record(t), k.seat(t), k.beat(t)],
-                  [sc.encode_record(pref, addr, pid, wstore), b"-1", b"0"])
+                  [sc.encode_record(pref, addr, pid, wstore, self.quorum), b"-1", b"0"])
         yield _rq("beat", k.beat(t))
         if t == cfg.max_nodes:
             a.count = t
@@ -301,8 +312,13 @@ class Machine:
     def _last_call(self, a: _Attempt) -> Proto[Event]:
         # A round that re-forms after a complete one needs no last call: every member of
         # that round is back (or lost), and a node that comes later joins the next round.
+        wait = min(self.cfg.last_call, a.deadline - self.clock())
+        if a.last is None and self.carried and not (self.cfg.reform_last_call or self.no_quorum):
+            # the first round on a successor: everyone of the last world but its lost host
+            if wait >= 0.001:
+                yield _rq("wait", [a.k.record(max(1, self.carried - 1))], wait)
+            return E.DECIDED if (yield _rq("check", [a.k.outcome])) else E.CALL_OVER
         if a.last is None or self.cfg.reform_last_call:
-            wait = min(self.cfg.last_call, a.deadline - self.clock())
             if wait >= 0.001 and (yield _rq("wait", [a.k.outcome], wait)):
                 return E.DECIDED  # max reached, closed or abandoned meanwhile
         return E.CALL_OVER
@@ -316,6 +332,7 @@ class Machine:
                                                           ticket=a.ticket)
         kind = a.res.kind
         if kind == "D":
+            self.no_quorum |= a.res.no_quorum
             log.info("rendezvous %s round %d abandoned (a node left); re-joining",
                      self.cfg.run_id, a.k.r)
             return E.ABANDONED
@@ -481,10 +498,14 @@ class Machine:
                 break
             if (yield _rq("check", [k.outcome])):  # a joiner died before writing its record
                 return E.DONE
-        if len(tickets) < cfg.min_nodes:  # too few left: everyone re-joins r + 1
-            yield _rq("compare_set", k.outcome, "", sc.ABANDONED)
-            return E.DONE
         records = [bytes(v) for v in (yield _rq("multi_get", [k.record(i) for i in tickets]))]
+        quorums = [q for q in map(sc.record_quorum, records) if q]  # members of a moved world
+        if len(tickets) < cfg.min_nodes or len(quorums) < max(quorums, default=0):
+            log.warning("rendezvous %s round %d: %d nodes (%d of a moved world needing %d); "
+                        "abandoning the round", cfg.run_id, k.r, len(tickets), len(quorums),
+                        max(quorums, default=0))
+            yield _rq("compare_set", k.outcome, "", sc.NO_QUORUM if quorums else sc.ABANDONED)
+            return E.DONE
         world = len(tickets)
         ranks = sc.assign_ranks([sc.record_pref(raw) for raw in records], world)
         by_rank = [0] * world

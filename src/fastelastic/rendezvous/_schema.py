@@ -6,6 +6,8 @@ Run-wide:
 
 * ``open``: the round new nodes should join (set by each round's publisher; a hint).
 * ``closed``: exists once the rendezvous is closed.
+* ``epoch``: how many times the rendezvous moved to a successor store (``--rdzv-endpoint``
+  with several candidates): the live store is the reachable one with the highest epoch.
 
 Round ``r``:
 
@@ -13,8 +15,9 @@ Round ``r``:
   a ticket above ``max_nodes`` means the round is full and the node waits in ``r + 1``. The
   coordinator seals the round with ``add(t, SEAL)``: the value it gets back minus ``SEAL`` is
   the final count, and every later ticket is above ``SEAL``.
-* ``n/<ticket>`` (:py:meth:`RoundKeys.record`): the node's record, ``pref|addr|pid|wstore``
-  (preferred rank, address, pid, its workers' store address).
+* ``n/<ticket>`` (:py:meth:`RoundKeys.record`): the node's record,
+  ``pref|addr|pid|wstore|quorum`` (preferred rank, address, pid, its workers' store address,
+  the fewest members it accepts: a majority of its last world after a move, else 0).
 * ``rank/<ticket>`` (:py:meth:`RoundKeys.seat`): the node's seat, ``<rank>|<tickets of the
   peers it watches>``; ``-1`` until the publisher writes it (and for a node not admitted).
 * ``who/<rank>`` (:py:meth:`RoundKeys.who`): ``<ticket>|<record>`` of each member, by rank.
@@ -39,6 +42,7 @@ Round ``r``:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from fastelastic.errors import RendezvousStateError
@@ -55,6 +59,7 @@ class Keys:
         self.base = f"fe.rdzv.{run_id}/"
         self.open = self.base + "open"
         self.closed = self.base + "closed"
+        self.epoch = self.base + "epoch"
 
     def round(self, r: int) -> RoundKeys:
         return RoundKeys(self.base, r)
@@ -95,8 +100,18 @@ class RoundKeys:
 # ---------------------------------------------------------------------- values
 
 
-def encode_record(pref: int, addr: str, pid: int, wstore: bytes) -> bytes:
-    return b"%d|%s|%d|%s" % (pref, addr.encode(), pid, wstore)
+def encode_record(pref: int, addr: str, pid: int, wstore: bytes, quorum: int = 0) -> bytes:
+    return b"%d|%s|%d|%s|%d" % (pref, addr.encode(), pid, wstore, quorum)
+
+
+def record_quorum(raw: bytes) -> int:
+    """The fewest members the node accepts in a round (0: no rule): a majority of the last
+    world it was a member of, once the rendezvous moved to a successor store."""
+    parts = raw.split(b"|")
+    try:
+        return int(parts[4]) if len(parts) > 4 else 0
+    except ValueError as e:
+        raise RendezvousStateError(f"corrupt node record {raw[:40]!r}") from e
 
 
 def record_pref(raw: bytes) -> int:
@@ -119,6 +134,17 @@ def who_parts(raw: bytes) -> tuple[str, str, str]:
     return ticket, addr, pid
 
 
+@dataclass
+class Seat:
+    """A node's place in a complete round."""
+
+    round: int
+    rank: int
+    world: int
+    peers: list[bytes]  # tickets of the peers whose keep-alives it watches
+    wstore: bytes  # rank 0's workers' store address (b"" if not in the outcome)
+
+
 def encode_seat(rank: int, peers: list[int]) -> bytes:
     return b"%d|%s" % (rank, b",".join(b"%d" % t for t in peers))
 
@@ -137,6 +163,7 @@ def encode_outcome(world: int, wstore: bytes, identity: bool) -> bytes:
 
 
 ABANDONED = b"D;"
+NO_QUORUM = b"DQ;"  # abandoned: no majority of a moved world (see _round.Machine.moved)
 CLOSED = b"C;"
 IDENTITY = b"=\n"  # third line of a complete outcome: rank = ticket - 1, no seats written
 
@@ -146,6 +173,7 @@ class Outcome(NamedTuple):
     world: int = 0
     wstore: bytes = b""  # rank 0's workers' store address
     identity: bool = False  # every node's rank is its ticket - 1 (no seat to read)
+    no_quorum: bool = False  # abandoned for want of a majority of a moved world
 
 
 def parse_outcome(raw: bytes) -> Outcome:
@@ -161,7 +189,7 @@ def parse_outcome(raw: bytes) -> Outcome:
     if b"C" in head:
         return Outcome("C")
     if head.startswith(b"D"):
-        return Outcome("D")
+        return Outcome("D", no_quorum=head.startswith(NO_QUORUM[:2]))
     raise RendezvousStateError(f"corrupt rendezvous outcome {raw[:40]!r}")
 
 

@@ -27,6 +27,7 @@ from fastelastic.errors import (
 )
 from fastelastic.events import NodeState, construct_and_record_rdzv_event
 
+from ._failover import Candidates, parse_candidates
 from ._liveness import BEATER
 from ._round import Config, Machine
 from ._schema import assign_ranks
@@ -102,6 +103,8 @@ class FastRendezvousHandler(RendezvousHandler):
         reform_last_call: Wait ``last_call`` also when a round re-forms after a complete one
             (torch's behaviour); by default such a round is sealed once every member of the
             last one is back or lost.
+        candidates: The rendezvous store's candidate endpoints (:mod:`._failover`), when
+            there are several: a lost store host is then survived by moving to the next.
 
     Raises:
         ValueError: Bad run id or node counts.
@@ -122,6 +125,7 @@ class FastRendezvousHandler(RendezvousHandler):
         bootstrap_addr: str | None = None,
         server: Any = None,
         reform_last_call: bool = False,
+        candidates: Any = None,
     ) -> None:
         if not run_id:
             raise ValueError("The run id must be a non-empty string.")
@@ -158,6 +162,8 @@ class FastRendezvousHandler(RendezvousHandler):
         self._side_lock = threading.Lock()
         self._side: Any = None
         self._wstore = WorkerStoreHost(self._local_addr)
+        self._candidates = candidates
+        self._index, self._epoch = -1, 0  # the live candidate and its epoch
 
     # ------------------------------------------------------------------ running the protocol
 
@@ -260,7 +266,7 @@ class FastRendezvousHandler(RendezvousHandler):
         with self._lock:
             self._owner = threading.get_ident()
             try:
-                info = self._next_rendezvous()
+                info = self._next_rendezvous_anywhere()
             except RendezvousConnectionError as e:
                 self._record(f"{type(e).__name__}: {e}", NodeState.FAILED)
                 raise
@@ -279,6 +285,38 @@ class FastRendezvousHandler(RendezvousHandler):
         self._record(f"joined round {member[0] if member else -1} as rank "
                      f"{info.rank} of {info.world_size}", NodeState.SUCCEEDED, info.rank)
         return info
+
+    def _next_rendezvous_anywhere(self) -> RendezvousInfo:
+        """``_next_rendezvous`` on the live store, moving to the next candidate when the
+        store's host is lost (bounded by the number of candidates)."""
+        tries = len(self._candidates.endpoints) if self._candidates is not None else 1
+        for left in range(tries - 1, -1, -1):
+            try:
+                return self._next_rendezvous()
+            except (RendezvousConnectionError, StoreTimeoutError) as e:
+                if not left:
+                    raise
+                self._move(e)
+        raise AssertionError("unreachable")
+
+    def _move(self, why: BaseException) -> None:
+        """The live store's host is lost: connect to the next live candidate, raise its epoch
+        past the lost one's, and start the rounds over there (see :mod:`._failover`)."""
+        assert self._candidates is not None
+        old, lost = self._store, self._candidates.name(self._index) if self._index >= 0 else "?"
+        self._stop_heartbeats()
+        client, self._index, self._epoch = self._candidates.connect(
+            exclude=self._index, at_least=self._epoch + 1)
+        with self._side_lock:
+            side, self._side = self._side, None
+        for c in (old, side):
+            if c is not None:
+                with contextlib.suppress(Exception):
+                    c.close()
+        self._store = client
+        self._m.moved()
+        log.warning("rendezvous %s: the store at %s was lost (%s); moved to %s (epoch %d)",
+                    self._run_id, lost, why, self._candidates.name(self._index), self._epoch)
 
     def _next_rendezvous(self) -> RendezvousInfo:
         wstore = self._wstore.address() if self.use_agent_store else b""
@@ -314,7 +352,12 @@ class FastRendezvousHandler(RendezvousHandler):
         """
         if self._m.member is None:
             return 0
-        return self._side_call(self._m.num_nodes_waiting())
+        try:
+            return self._side_call(self._m.num_nodes_waiting())
+        except (RendezvousConnectionError, StoreTimeoutError):
+            if self._candidates is None:
+                raise
+            return 0  # lost_members moves the rendezvous and reports it
 
     def get_run_id(self) -> str:
         """See base class."""
@@ -332,7 +375,23 @@ class FastRendezvousHandler(RendezvousHandler):
         """
         if self._m.watch is None:
             return []
-        return self._side_call(self._m.lost_members())
+        if self._candidates is None:
+            return self._side_call(self._m.lost_members())
+        # Several candidates: a store that does not answer within the detection window is
+        # as lost as one whose connection closed.
+        try:
+            with self._conn() as store:
+                store.set_timeout(timedelta(seconds=self._window))
+                try:
+                    return self._run(self._m.lost_members(), store)
+                finally:
+                    with contextlib.suppress(Exception):
+                        store.set_timeout(self._candidates.read_timeout)
+        except (RendezvousConnectionError, StoreTimeoutError) as e:
+            lost = self._candidates.name(self._index)
+            self._move(e)
+            return [(-1, f"the rendezvous store's host {lost} was lost ({e}); the "
+                         f"rendezvous moved to {self._candidates.name(self._index)}")]
 
     def mark_done(self) -> None:
         """Tells the other members that this node finished its work (its workers succeeded).
@@ -387,6 +446,8 @@ class FastRendezvousHandler(RendezvousHandler):
             log.warning("rendezvous %s: shutdown could not close: %s", self._run_id, e)
             return False
         self._linger()
+        if self._candidates is not None:
+            self._candidates.close()
         return True
 
     def _linger(self) -> None:
@@ -479,7 +540,12 @@ def create_fast_handler(params: RendezvousParameters) -> FastRendezvousHandler:
         ValueError: A malformed option.
         RendezvousConnectionError: The store cannot be hosted or reached.
     """
-    host, port = parse_rendezvous_endpoint(params.endpoint, DEFAULT_PORT)
+    candidates = None
+    if "," in (params.endpoint or ""):
+        endpoints = parse_candidates(params.endpoint, DEFAULT_PORT)
+        host, port = endpoints[0]
+    else:
+        host, port = parse_rendezvous_endpoint(params.endpoint, DEFAULT_PORT)
     timeout = timeout_from_params(params)
     read_timeout = timedelta(seconds=params.get_as_int("read_timeout", 60) or 60)
     if read_timeout <= timedelta(0):
@@ -496,9 +562,16 @@ def create_fast_handler(params: RendezvousParameters) -> FastRendezvousHandler:
         raise ValueError("keep_alive_max_attempt must not be None.")
     rank = params.get_as_int("rank", -1)
     reform_last_call = bool(params.get_as_bool("reform_last_call", False))
-    client, server = host_store(host, port, params.get_as_bool("is_host"), read_timeout,
-                                token_from(params))
-    return FastRendezvousHandler(
+    if "," in (params.endpoint or ""):
+        candidates = Candidates(params.run_id, endpoints, params.get_as_bool("is_host"),
+                                read_timeout, token_from(params))
+        client, index, epoch = candidates.connect()
+        server = candidates.standby
+        host = endpoints[index][0]
+    else:
+        client, server = host_store(host, port, params.get_as_bool("is_host"), read_timeout,
+                                    token_from(params))
+    handler = FastRendezvousHandler(
         params.run_id,
         client,
         params.backend,
@@ -512,4 +585,8 @@ def create_fast_handler(params: RendezvousParameters) -> FastRendezvousHandler:
         bootstrap_addr=host,
         server=server,
         reform_last_call=reform_last_call,
+        candidates=candidates,
     )
+    if candidates is not None:
+        handler._index, handler._epoch = index, epoch
+    return handler
