@@ -34,6 +34,7 @@ Run (root, for namespaces)::
     python benchmarks/bench_recovery.py --modes kill --scenarios shrink --launchers fastrun
     python benchmarks/bench_recovery.py --launchers fastrun,fastrun-preload,torchrun-noshare
     python benchmarks/bench_recovery.py --modes sigterm --scenarios shrink
+    python benchmarks/bench_recovery.py --lose host --modes kill,power,cut,freeze
 
 Under pytest (``pytest benchmarks/bench_recovery.py``) a small case runs: 2 nodes x 1 worker,
 kill, shrink, for fastrun and fastrun-preload; with ``--benchmark-disable`` (CI smoke) the same
@@ -115,8 +116,9 @@ class Run:
     """One job: ``nodes`` agents (+1 spare namespace for a replacement)."""
 
     def __init__(self, c: Cluster, launcher: str, nnodes: str, nproc: int, work: Path,
-                 last_call: float = 1.0) -> None:
+                 last_call: float = 1.0, candidates: int = 1) -> None:
         self.c = c
+        self.candidates = candidates
         self.last_call = last_call
         self.launcher = launcher
         self.nnodes = nnodes
@@ -133,8 +135,13 @@ class Run:
     def start(self, i: int) -> None:
         cmd, extra = LAUNCHERS[self.launcher]
         conf = f"last_call_timeout={self.last_call:g},is_host={1 if i == 0 else 0}"
+        endpoint = f"{self.c.addr(0)}:{PORT}"
+        if self.candidates > 1 and self.launcher.startswith("fastrun"):
+            # the rendezvous store's candidates: nodes 0.. host one each (their own address)
+            conf = f"last_call_timeout={self.last_call:g}"
+            endpoint = ",".join(f"{self.c.addr(k)}:{PORT}" for k in range(self.candidates))
         argv = [*cmd, "--nnodes", self.nnodes, "--nproc-per-node", str(self.nproc),
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.c.addr(0)}:{PORT}",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
                 "--rdzv-id", "bench", "--rdzv-conf", conf, "--local-addr", self.c.addr(i),
                 "--max-restarts", "3", str(TRAIN), str(self.work / "ckpt")]
         env = {k: v for k, v in os.environ.items()
@@ -185,16 +192,20 @@ def _wait(cond: Any, timeout: float, step: float = 0.05) -> Any:
 
 def run_case(launcher: str, mode: str, scenario: str, nodes: int = 4, nproc: int = 2,
              cap: float = 90.0, warm_steps: int = 5, keep: Path | None = None,
-             last_call: float = 1.0) -> Result:
-    """One run; raises NetnsUnavailable where namespaces cannot be made."""
-    res = Result(launcher, mode, scenario, nodes, nproc, cap)
-    lost = nodes - 1
+             last_call: float = 1.0, lose: str = "last") -> Result:
+    """One run; raises NetnsUnavailable where namespaces cannot be made. ``lose``: ``last``
+    (the last node) or ``host`` (node 0, the rendezvous store's host; fastrun then gets three
+    candidate endpoints, torchrun its one)."""
+    res = Result(launcher, mode if lose == "last" else f"{mode}@host", scenario, nodes, nproc,
+                 cap)
+    lost = nodes - 1 if lose == "last" else 0
     spare = nodes
     nnodes = f"{nodes}:{nodes}" if scenario == "replace" else f"{nodes - 1}:{nodes}"
     new_world = nodes * nproc if scenario == "replace" else (nodes - 1) * nproc
     work = Path(tempfile.mkdtemp(prefix=f"fe-recovery-{launcher}-{mode}-{scenario}-"))
     with Cluster(nodes + 1, "b") as c:
-        job = Run(c, launcher, nnodes, nproc, work, last_call)
+        job = Run(c, launcher, nnodes, nproc, work, last_call,
+                  candidates=1 if lose == "last" else min(3, nodes))
         for i in range(nodes):
             job.start(i)
         world = nodes * nproc
@@ -215,6 +226,9 @@ def run_case(launcher: str, mode: str, scenario: str, nodes: int = 4, nproc: int
         t_fail = time.time()
         if mode == "sigterm":  # `ip netns exec` execs: this is the launcher's own pid
             job.agents[lost].send_signal(signal.SIGTERM)
+        elif mode == "power":  # power loss: the link goes down, then every process dies
+            c.cut(lost)
+            c.kill(lost)
         else:
             {"kill": c.kill, "freeze": c.freeze, "cut": c.cut}[mode](lost)
         if scenario == "replace":
@@ -343,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="last_call_timeout of every launcher (torch's default: 30)")
     ap.add_argument("--out", default=None, help="append the markdown table here")
     ap.add_argument("--keep", default=None, help="keep each run's events and logs here")
+    ap.add_argument("--lose", default="last", choices=("last", "host"),
+                    help="the node lost: the last one, or node 0 (the rendezvous store's host)")
     a = ap.parse_args(argv)
     keep = Path(a.keep) if a.keep else None
     if keep:
@@ -353,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     with torch_cache_holder():
         for mode, scenario, launcher in cases:
             r = run_case(launcher, mode, scenario, a.nodes, a.nproc, a.cap, keep=keep,
-                         last_call=a.last_call)
+                         last_call=a.last_call, lose=a.lose)
             print(f"{mode:6} {scenario:7} {launcher:16} downtime {r.shown:>8} s  "
                   f"detected {r.cell(r.detected)}  round {r.cell(r.round_complete)}  "
                   f"spawned {r.cell(r.spawned)}  "

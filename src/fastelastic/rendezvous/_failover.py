@@ -12,13 +12,31 @@ the two sides of a partition from both training is the majority rule of ``_round
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import socket
+import time
 from datetime import timedelta
 from typing import Any
 
 from fastelastic.errors import RendezvousConnectionError, StoreError
 
 from .utils import _matches_machine_hostname, parse_rendezvous_endpoint
+
+
+def _is_mine(host: str) -> bool:
+    """Whether ``host`` is an address of this node (of its network namespace): a literal
+    address is tried with a bind, which no lookup can get wrong; a name is looked up."""
+    try:
+        addr = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return _matches_machine_hostname(host)
+    with socket.socket(socket.AF_INET6 if addr.version == 6 else socket.AF_INET) as s:
+        try:
+            s.bind((str(addr), 0))
+            return True
+        except OSError:
+            return False
 
 log = logging.getLogger("fastelastic.rendezvous.fast_rendezvous")
 
@@ -57,7 +75,7 @@ class Candidates:
         from fastelastic.store import TCPStore
 
         for i, (host, port) in enumerate(self.endpoints):
-            if not (is_host or _matches_machine_hostname(host)):
+            if not (is_host or _is_mine(host)):
                 continue
             try:
                 self.standby = TCPStore(host, port, is_master=True, multi_tenant=True,
@@ -76,9 +94,43 @@ class Candidates:
         """Connects to the live store: (client, candidate index, epoch). Its epoch is raised
         to ``at_least`` when lower (this node moves the rendezvous there).
 
+        At a node's start (``exclude`` -1) the first candidate is waited for up to the read
+        timeout, as a single endpoint is; a store that moved (epoch above 0) is taken at once.
+        Should the first never answer, the best other one is taken and its epoch raised to 1,
+        so that the first, coming up late and empty, is not mistaken for the live one.
+
         Raises:
-            RendezvousConnectionError: No candidate answered.
+            RendezvousConnectionError: No candidate answered within the read timeout.
         """
+        deadline = time.monotonic() + self.read_timeout.total_seconds()
+        for _ in range(100_000):  # bounded by the deadline; each pass probes every candidate
+            found, errors = self._probe(exclude)
+            patient = exclude < 0 and time.monotonic() < deadline
+            if found and not (patient and found[0][0] == 0 and found[0][1] != 0):
+                break
+            if found and patient:  # only an empty standby so far: the first may be coming
+                for _, _, c in found:
+                    c.close()
+            elif not found and time.monotonic() >= deadline:
+                raise RendezvousConnectionError(
+                    "No rendezvous store candidate could be reached: " + "; ".join(errors))
+            time.sleep(0.2)
+        else:
+            raise RendezvousConnectionError("No rendezvous store candidate could be reached")
+        if exclude < 0 and found[0][1] != 0:
+            at_least = max(at_least, 1)
+        neg, i, client = found[0]
+        for _, _, other in found[1:]:
+            other.close()
+        epoch = -neg
+        if epoch < at_least:
+            epoch = int(client.add(self.key, at_least - epoch))
+        client.set_timeout(self.read_timeout)
+        return client, i, epoch
+
+    def _probe(self, exclude: int) -> tuple[list[tuple[int, int, Any]], list[str]]:
+        """Every answering candidate but ``exclude``: ``(-epoch, index, client)``, best
+        first; and what the others said."""
         from fastelastic.store import TCPStore
 
         found: list[tuple[int, int, Any]] = []
@@ -96,18 +148,8 @@ class Candidates:
             except (StoreError, OSError) as e:
                 errors.append(f"{host}:{port}: {e}")
                 c.close()
-        if not found:
-            raise RendezvousConnectionError(
-                "No rendezvous store candidate could be reached: " + "; ".join(errors))
         found.sort(key=lambda f: (f[0], f[1]))
-        neg, i, client = found[0]
-        for _, _, other in found[1:]:
-            other.close()
-        epoch = -neg
-        if epoch < at_least:
-            epoch = int(client.add(self.key, at_least - epoch))
-        client.set_timeout(self.read_timeout)
-        return client, i, epoch
+        return found, errors
 
     def close(self) -> None:
         if self.standby is not None:

@@ -233,6 +233,18 @@ class FastRendezvousHandler(RendezvousHandler):
         with self._conn() as store:
             return self._run(gen, store)
 
+    def _watchful(self, gen: Generator[tuple[Any, ...], Any, T]) -> T:
+        """``_side_call`` for a membership check with several candidates: a store that does
+        not answer within the detection window is as lost as one whose connection closed."""
+        assert self._candidates is not None
+        with self._conn() as store:
+            store.set_timeout(timedelta(seconds=self._window))
+            try:
+                return self._run(gen, store)
+            finally:
+                with contextlib.suppress(Exception):
+                    store.set_timeout(self._candidates.read_timeout)
+
     # ------------------------------------------------------------------ RendezvousHandler
 
     def get_backend(self) -> str:
@@ -352,11 +364,11 @@ class FastRendezvousHandler(RendezvousHandler):
         """
         if self._m.member is None:
             return 0
-        try:
+        if self._candidates is None:
             return self._side_call(self._m.num_nodes_waiting())
+        try:
+            return self._watchful(self._m.num_nodes_waiting())
         except (RendezvousConnectionError, StoreTimeoutError):
-            if self._candidates is None:
-                raise
             return 0  # lost_members moves the rendezvous and reports it
 
     def get_run_id(self) -> str:
@@ -377,16 +389,8 @@ class FastRendezvousHandler(RendezvousHandler):
             return []
         if self._candidates is None:
             return self._side_call(self._m.lost_members())
-        # Several candidates: a store that does not answer within the detection window is
-        # as lost as one whose connection closed.
         try:
-            with self._conn() as store:
-                store.set_timeout(timedelta(seconds=self._window))
-                try:
-                    return self._run(self._m.lost_members(), store)
-                finally:
-                    with contextlib.suppress(Exception):
-                        store.set_timeout(self._candidates.read_timeout)
+            return self._watchful(self._m.lost_members())
         except (RendezvousConnectionError, StoreTimeoutError) as e:
             lost = self._candidates.name(self._index)
             self._move(e)
