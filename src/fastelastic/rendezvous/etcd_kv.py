@@ -297,6 +297,10 @@ class EtcdKV:
         """Read-modify-write ``key`` with ``fn(old or None) -> new`` under a revision guard,
         at most once: the transaction creates ``key/.op/<op>`` (default: a fresh id, under
         this client's lease) with the value written, and a retry that finds it returns it."""
+        return self._rmw_once(key, fn, op)[0]
+
+    def _rmw_once(self, key: str, fn: Any, op: str | None) -> tuple[bytes, bool]:
+        """``_rmw``; also says whether this call wrote (False: the operation was done)."""
         op_key = f"{key}{_OP}{op or os.urandom(8).hex()}"
         lease = None if op is not None else self._lease_id
         k, ok = _b64(self._k(key)), _b64(self._k(op_key))
@@ -318,10 +322,10 @@ class EtcdKV:
                 self._forget_lease(self._lease_id)
                 continue
             if resp.get("succeeded"):
-                return new
+                return new, True
             kvs = resp["responses"][0]["response_range"].get("kvs") or []
             if kvs:  # applied already: by our unanswered attempt, or (op) by another client
-                return _unb64(kvs[0].get("value", ""))
+                return _unb64(kvs[0].get("value", "")), False
             threading.Event().wait(random.uniform(0, 0.002))  # contention: tiny jitter
         raise StoreError(f"etcd compare-and-set on {key!r} kept losing")
 
@@ -476,6 +480,10 @@ class EtcdKV:
                 return False
             raise
 
+    def lease(self) -> int:
+        """This client's liveness lease, taken (with its keep-alive) on first need."""
+        return self._lease()
+
     def _forget_lease(self, lease: int | None) -> None:
         with self._lock:
             if lease is not None and self._lease_id == lease:
@@ -569,8 +577,9 @@ class EtcdKV:
         base, _, lease = short.partition(_MARK)
         value = _unb64((ev.get("prev_kv") or {}).get("value", ""))
         try:
-            self._rmw(base, lambda old: (old or b"") + value, op=f"dc-{lease}")
-            log.info("etcd lease %s ended; its disconnect action on %s is done", lease, base)
+            if self._rmw_once(base, lambda old: (old or b"") + value, f"dc-{lease}")[1]:
+                log.info("etcd lease %s ended; its disconnect action on %s is done",
+                         lease, base)
         except StoreError as e:
             log.warning("etcd: the disconnect action of lease %s on %s failed: %s",
                         lease, base, e)

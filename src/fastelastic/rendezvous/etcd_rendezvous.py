@@ -16,6 +16,7 @@ from fastelastic.errors import RendezvousConnectionError, StoreError
 
 from .api import RendezvousParameters, RendezvousStoreInfo
 from .etcd_kv import EtcdKV
+from .etcd_liveness import RoundLiveness
 from .fast_rendezvous import FastRendezvousHandler, _prefix_store
 from .timeouts import timeout_from_params
 from .utils import parse_rendezvous_endpoint
@@ -33,16 +34,24 @@ DEFAULT_PORT = 2379
 
 
 class EtcdFastRendezvousHandler(FastRendezvousHandler):
-    """Fast rendezvous whose coordination goes through etcd; workers get a TCPStore."""
+    """Fast rendezvous whose coordination goes through etcd; workers get a TCPStore.
+
+    Each round's members are linked through rank 0's workers' store, so that a member's
+    death is known at once rather than when its etcd lease expires (see
+    :mod:`.etcd_liveness`).
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._client: Any = None  # this round's connection to rank 0's worker store
+        self._liveness: RoundLiveness | None = None
 
     def _round_store(self, r: int, rank: int,
                      wstore: bytes = b"") -> tuple[Any, RendezvousStoreInfo]:
         from fastelastic.store import TCPStore
 
+        # The last round's link ends on purpose, before its hub retires its store (below).
+        self._stop_liveness()
         info = self._worker_store_info(r, rank, self._store, wstore)
         if self._client is not None and self._client is not self._worker_server:
             self._client.close()
@@ -51,10 +60,23 @@ class EtcdFastRendezvousHandler(FastRendezvousHandler):
         else:
             self._client = TCPStore(info.master_addr, info.master_port,
                                     timeout=self._store.timeout)
+        try:  # a connection of its own: the hub's store ties our disconnect action to it
+            link = TCPStore(info.master_addr, info.master_port, timeout=self._store.timeout)
+            self._liveness = RoundLiveness(self._store, link, rank == 0, f"{self._run_id}/{r}")
+        except (StoreError, OSError) as e:  # the lease stays: slower, not wrong
+            log.warning("rendezvous %s round %d: no fast liveness link to rank 0's store "
+                        "(%s); a lost node is noticed when its etcd lease expires",
+                        self._run_id, r, e)
         return _prefix_store(str(self.store_prefix), self._client), info
+
+    def _stop_liveness(self) -> None:
+        link, self._liveness = self._liveness, None
+        if link is not None:
+            link.stop()
 
     def shutdown(self) -> bool:
         """See base class; also revokes this node's etcd lease."""
+        self._stop_liveness()
         ok = super().shutdown()
         self._store.close()
         return ok
