@@ -136,6 +136,19 @@ def _session(ca_cert: str | None, cert: str | None, key: str | None) -> Any:
     return session
 
 
+def _keep_alive_interval(params: RendezvousParameters) -> float:
+    """Seconds between keep-alives (default 5: each is an etcd write); a fraction is fine, as
+    for the ``c10d`` handler."""
+    try:
+        value = float(params.get("keep_alive_interval", 5) or 5)
+    except (TypeError, ValueError) as e:
+        raise ValueError("The rendezvous configuration option 'keep_alive_interval' must be a "
+                         "number of seconds.") from e
+    if value <= 0:
+        raise ValueError("keep_alive_interval must be > 0.")
+    return value
+
+
 def create_rdzv_handler(params: RendezvousParameters) -> EtcdFastRendezvousHandler:
     """Creates the ``etcd`` handler.
 
@@ -162,6 +175,6 @@ def create_rdzv_handler(params: RendezvousParameters) -> EtcdFastRendezvousHandl
         params.run_id, kv, params.backend, params.min_nodes, params.max_nodes,
         timeout_from_params(params), local_addr=params.local_addr,
         node_rank=-1 if rank is None else rank,
-        keep_alive_interval=params.get_as_int("keep_alive_interval", 5) or 5,
+        keep_alive_interval=_keep_alive_interval(params),
         keep_alive_max_attempt=params.get_as_int("keep_alive_max_attempt", 3) or 3,
     )
