@@ -1,7 +1,8 @@
 """``--rdzv-backend etcd`` with a 3-member etcd cluster: real fastrun agents, one per simulated
 host (network namespace), and one etcd member per further host (etcd's default timings).
 
-* The etcd leader is SIGKILLed while the job trains: nothing restarts.
+* The etcd leader is SIGKILLed while the job trains: nothing restarts; while a round forms:
+  it completes.
 * The node whose agent hosts the workers' store (rank 0's) is lost, or another node: the
   survivors train again in a round hosted by one of them, every worker is given that host's
   live store (no stale ``MASTER_ADDR``/``MASTER_PORT``), and the loss is known through the
@@ -13,12 +14,13 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from netns import cluster_or_skip
+from netns import cluster_or_skip, wait_for
 from recovery_testlib import HERE, KA_ATTEMPTS, KA_INTERVAL, REPO, TCP_KEEPALIVE_S, Job
 
 sys.path.insert(0, str(HERE.parent / "rendezvous"))
@@ -97,6 +99,43 @@ def test_etcd_leader_sigkilled_while_training_restarts_nothing(tmp_path):
                 restarted = [s for s in job.starts() if s["t"] > t]
                 assert not restarted, f"workers restarted: {restarted}\n{job.tail()}"
                 time.sleep(0.2)
+            job.stop_all()
+        finally:
+            etcd.stop()
+    assert c.leftovers() == {}
+
+
+def _tickets(c, endpoints: str, run_id: str = "t", round_: int = 0) -> int:
+    """Tickets taken in ``round_``, read from etcd by a client run inside host 0."""
+    host, _, port = endpoints.split(",")[0].rpartition(":")
+    code = ("import etcd3gw; from fastelastic.rendezvous.etcd_kv import EtcdKV; "
+            f"kv = EtcdKV([etcd3gw.client(host={host!r}, port={port})], '/fastelastic/'); "
+            f"print(kv.add('fe.rdzv.{run_id}/{round_}/t', 0))")
+    p = c.spawn(0, [sys.executable, "-c", code], env={**os.environ,
+                "PYTHONPATH": str(REPO / "src")}, stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL)
+    out, _ = p.communicate(timeout=30)
+    return int(out or b"0")
+
+
+@pytest.mark.timeout(180)
+def test_etcd_leader_sigkilled_while_a_round_forms(tmp_path):
+    """Nodes 0 and 1 hold tickets of a round of 3 when the leader is SIGKILLed; node 2 comes
+    during the election: the round completes with all three."""
+    with cluster_or_skip(NODES + 3, "ef") as c:
+        etcd = _etcd(c, tmp_path)
+        job = EtcdJob(c, tmp_path, f"{NODES}:{NODES}", etcd.endpoints)
+        try:
+            job.start(0)
+            job.start(1)
+            wait_for(lambda: _tickets(c, etcd.endpoints) >= 2, 60, "nodes 0 and 1's tickets")
+            etcd.logged_leader().kill()
+            t = time.time()
+            job.start(2)
+            got = job.wait_world(set(range(NODES)), NODES, timeout=60)
+            took = max(s["t"] for s in got.values()) - t
+            assert took < 20, f"the round completed {took:.1f}s after the leader's loss"
+            assert all(s["restart"] == 0 for s in got.values()), got
             job.stop_all()
         finally:
             etcd.stop()
