@@ -28,18 +28,18 @@ from __future__ import annotations
 import base64
 import builtins
 import itertools
-import json
 import logging
 import os
 import queue
 import random
-import socket
 import threading
 import time
 from datetime import timedelta
 from typing import Any
 
 from fastelastic.errors import StoreConnectionError, StoreError, StoreTimeoutError
+
+from .etcd_stream import CONNECT_S, Unanswered, WatchStream, member_url
 
 __all__ = ["EtcdKV"]
 
@@ -51,7 +51,6 @@ _MAX_CAS = 10_000
 _RETRY_S = 30.0  # how long a request retries across endpoints / leader elections, at most
 _NOTE_EVERY_S = 5.0  # how often a retrying request says what it waits for
 _WATCH_CHECK_S = 5.0  # a quiet wait re-reads its keys this often (a stream that stalls silently)
-_CONNECT_S = 2.0  # connect timeout of every request
 _REQUEST_S = 5.0  # read timeout of a request's later tries
 _FIRST_TRY_S = 1.0  # read timeout of its first try
 _MAX_RESTREAMS = 100_000  # bound on the re-opened streams of one reaper
@@ -70,92 +69,6 @@ def _prefix_end(prefix: str) -> str:
     raw = bytearray(prefix.encode())
     raw[-1] += 1
     return _b64(bytes(raw))
-
-
-class _Unanswered(Exception):
-    """A request got no answer from its member (down, unreachable, or without a leader)."""
-
-
-def _url(client: Any, path: str) -> str:
-    """The member's URL of ``path`` (the first call asks the member its API version)."""
-    from etcd3gw import exceptions as etcd_exc
-
-    try:
-        return str(client.get_url(path))
-    except etcd_exc.Etcd3Exception as e:
-        raise _Unanswered(getattr(e, "detail_text", None) or str(e) or type(e).__name__) from e
-
-
-class _Stream:
-    """One etcd watch (the gateway's streamed ``POST /watch``), read by its own daemon thread.
-
-    ``on_event(event)`` runs in that thread for each event (keys and values still base64);
-    ``on_end()`` runs once when the stream ends, whatever the reason (member gone, stopped,
-    canceled). ``last_rev`` is the revision of the last event delivered.
-    """
-
-    def __init__(self, client: Any, body: dict, start_rev: int, on_event: Any, on_end: Any
-                 ) -> None:
-        import requests
-
-        self.client = client
-        self.last_rev = start_rev - 1
-        self.error: str | None = None
-        self._stopped = False
-        self._on_event = on_event
-        self._on_end = on_end
-        body = dict(body, start_revision=start_rev)
-        try:
-            self._resp = client.session.post(_url(client, "/watch"),
-                                             json={"create_request": body}, stream=True,
-                                             timeout=(_CONNECT_S, None))
-        except requests.exceptions.RequestException as e:
-            raise _Unanswered(str(e)) from e
-        if self._resp.status_code != 200:
-            text = self._resp.text[:200]
-            self._resp.close()
-            raise _Unanswered(f"watch: HTTP {self._resp.status_code}: {text}")
-        self._thread = threading.Thread(target=self._read, name="fe-etcd-watch", daemon=True)
-        self._thread.start()
-
-    def _read(self) -> None:
-        try:
-            for line in self._resp.iter_lines(chunk_size=None):
-                if not line.strip():
-                    continue
-                msg = json.loads(line)
-                res = msg.get("result")
-                if res is None:
-                    self.error = str(msg.get("error", msg))[:200]
-                    break
-                if res.get("canceled"):
-                    self.error = f"canceled: {res.get('cancel_reason', '')} " \
-                                 f"(compacted at {res.get('compact_revision', '?')})"
-                    break
-                for ev in res.get("events") or []:
-                    self._on_event(ev)
-                    self.last_rev = max(self.last_rev, int(ev["kv"].get("mod_revision", 0)))
-        except Exception as e:  # noqa: BLE001 - the stream's end is what matters, and why
-            if not self._stopped:
-                self.error = f"{type(e).__name__}: {e}"[:200]
-        finally:
-            self._on_end()
-
-    def stop(self) -> None:
-        """Ends the stream: its reader thread returns (it is not waited for)."""
-        self._stopped = True
-        raw = getattr(getattr(self._resp, "raw", None), "_fp", None)
-        try:  # a recv blocked in the reader thread returns only once the socket is shut down
-            fd = raw.fileno() if raw is not None else -1
-            if fd >= 0:
-                s = socket.socket(fileno=os.dup(fd))
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                finally:
-                    s.close()
-        except (OSError, ValueError, AttributeError):
-            pass
-        self._resp.close()
 
 
 class EtcdKV:
@@ -186,7 +99,7 @@ class EtcdKV:
         self._lease_stop = threading.Event()
         self._lease_thread: threading.Thread | None = None
         self._reaper: threading.Thread | None = None
-        self._reaper_stream: _Stream | None = None
+        self._reaper_stream: WatchStream | None = None
         self._closed = threading.Event()
         self._lock = threading.Lock()
         self._req_s = min(_REQUEST_S, max(1.0, float(getattr(clients[0], "timeout", None)
@@ -227,7 +140,7 @@ class EtcdKV:
             client = self._clients[cur]
             try:
                 return fn(client, attempt)
-            except _Unanswered as e:
+            except Unanswered as e:
                 detail = str(e)
                 now = time.monotonic()
                 if now >= deadline or "CERTIFICATE_VERIFY_FAILED" in detail:
@@ -260,13 +173,13 @@ class EtcdKV:
             # Retrying is safe: writes are idempotent or done once (see _rmw).
             read_s = min(self._req_s, _FIRST_TRY_S * 2 ** min(attempt - 1, 8))
             try:
-                resp = client.session.post(_url(client, path), json=body,
-                                           timeout=(_CONNECT_S, read_s))
+                resp = client.session.post(member_url(client, path), json=body,
+                                           timeout=(CONNECT_S, read_s))
             except requests.exceptions.RequestException as e:
-                raise _Unanswered(str(e)) from e
+                raise Unanswered(str(e)) from e
             if resp.status_code in (408, 500, 503, 504):
                 # 503: no leader, leader changed, member stopping; 500: transport closing
-                raise _Unanswered(resp.text[:300])
+                raise Unanswered(resp.text[:300])
             if resp.status_code != 200:
                 raise StoreError(f"etcd request {path} failed: {resp.text[:300]}")
             return dict(resp.json())
@@ -406,14 +319,14 @@ class EtcdKV:
                 common = common[:-1]
         body = {"key": _b64(common), "range_end": _prefix_end(common), "filters": ["NODELETE"]}
         events: queue.Queue[Any] = queue.Queue()
-        stream: _Stream | None = None
+        stream: WatchStream | None = None
         try:
             while missing:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise StoreTimeoutError(f"wait timeout after {limit:.3f}s, keys: {keys}")
                 if stream is None:
-                    stream = self._failover("/watch", lambda c, _a, r=rev + 1: _Stream(
+                    stream = self._failover("/watch", lambda c, _a, r=rev + 1: WatchStream(
                         c, body, r, events.put, lambda: events.put(None)),
                         retry_s=min(self.retry_s, remaining))
                 try:
@@ -498,8 +411,8 @@ class EtcdKV:
                     self._lease_thread = threading.Thread(
                         target=self._keep_lease, name="fe-etcd-lease", daemon=True)
                     self._lease_thread.start()
-                if self._reaper is None:
-                    self._start_reaper()
+            if self._reaper is None and not self._closed.is_set():
+                self._start_reaper()
             return self._lease_id
 
     def _keep_lease(self) -> None:
@@ -524,6 +437,11 @@ class EtcdKV:
                     break
         with self._lock:
             self._lease_thread = None
+            if self._lease_id is not None and not self._lease_stop.is_set():
+                # a new lease was taken while this thread was ending: it needs refreshing
+                self._lease_thread = threading.Thread(
+                    target=self._keep_lease, name="fe-etcd-lease", daemon=True)
+                self._lease_thread.start()
 
     # ------------------------------------------------------------------ disconnect actions
 
@@ -534,23 +452,28 @@ class EtcdKV:
 
     def _reap(self) -> None:
         """Watches this prefix for deletions (only: ``NOPUT``) from now on, re-opening the
-        stream on the next member from the last revision seen whenever it ends."""
+        stream on the next member from the last revision seen whenever it ends; while this
+        client holds a lease (the next one it takes starts a new watch)."""
         try:
-            rev = self._range("")[2] + 1
+            self._reap_while_leased()
         except StoreError as e:
-            log.warning("etcd: cannot watch for ended leases: %s", e)
-            self._reaper = None
-            return
+            log.warning("etcd: stopped watching for ended leases: %s", e)
+        finally:
+            with self._lock:
+                self._reaper = None  # the next disconnect action registered starts another
+
+    def _reap_while_leased(self) -> None:
+        rev = self._range("")[2] + 1
         body = {"key": _b64(self._prefix), "range_end": _prefix_end(self._prefix),
                 "filters": ["NOPUT"], "prev_kv": True}
         for _ in range(_MAX_RESTREAMS):
-            if self._closed.is_set():
+            if self._closed.is_set() or self._lease_id is None:
                 return
             ended = threading.Event()
             try:
-                stream = self._failover("/watch", lambda c, _a, r=rev, e=ended: _Stream(
+                stream = self._failover("/watch", lambda c, _a, r=rev, e=ended: WatchStream(
                     c, body, r, self._on_delete, e.set))
-            except StoreError as e:
+            except StoreConnectionError as e:
                 log.warning("etcd: cannot watch for ended leases: %s; retrying", e)
                 continue
             self._reaper_stream = stream
