@@ -3,7 +3,10 @@
 Rendezvous state lives in etcd (transactions for compare-and-set, a lease per node for
 liveness, watches for waiting; see :mod:`.etcd_kv`), outside any training node. The store
 handed to workers is still fastelastic's TCPStore: each round's rank 0 hosts a fresh one and
-publishes its address through etcd.
+its address travels in the round's outcome, so a round after rank 0's node was lost is hosted
+by a survivor and nobody is given the lost one's. A member's death is known through its
+connection to that store at once, and the others end its lease (:mod:`.etcd_liveness`); the
+lease expiring is the fallback.
 """
 
 from __future__ import annotations
@@ -153,8 +156,10 @@ def create_rdzv_handler(params: RendezvousParameters) -> EtcdFastRendezvousHandl
     """Creates the ``etcd`` handler.
 
     ``rdzv_conf`` keys: those of :func:`etcd_clients_from_params`, ``key_prefix`` (default
-    ``/fastelastic/``), ``lease_ttl`` (seconds, default 3: how fast a dead node is noticed),
-    and the timeouts of the ``c10d`` handler.
+    ``/fastelastic/``), ``lease_ttl`` (seconds, default 3: how fast a node is noticed dead
+    when its connection to rank 0's workers' store does not tell: frozen, cut off, lost while
+    a round forms), ``keep_alive_interval`` (default 5 s: each keep-alive is an etcd write),
+    ``keep_alive_max_attempt`` (default 3) and the timeouts of the ``c10d`` handler.
 
     Raises:
         ValueError: A malformed option.
