@@ -20,10 +20,11 @@ log these. A run that does not recover within the cap counts as the cap, reporte
 bound (``>=``). After each run the survivors are stopped with SIGTERM and no process of the job
 may be left in any namespace.
 
-Modes beyond those: ``kill0`` (SIGKILL of node 0: with c10d the rendezvous store's host, with
-etcd the agent hosting the workers' store, rank 0's) and ``leader`` (etcd only: SIGKILL of the
-etcd leader while training; nothing should restart: the row reports worker restarts and the
-longest gap between two steps of any rank instead of a downtime).
+Modes beyond those: ``kill0`` (SIGKILL of node 0: with c10d the rendezvous store's host),
+``killrank0`` (SIGKILL of the node whose agent hosts the workers' store: rank 0's, found from
+the workers' events once they train) and ``leader`` (etcd only: SIGKILL of the etcd leader
+while training; nothing should restart: the row reports worker restarts and the longest gap
+between two steps of any rank instead of a downtime).
 
 ``--backend etcd``: the fastrun launchers use ``--rdzv-backend etcd`` with a 3-member etcd
 cluster (Debian's ``/usr/bin/etcd``), one member per extra namespace, default etcd timings;
@@ -40,7 +41,7 @@ Run (root, for namespaces)::
     python benchmarks/bench_recovery.py --out benchmarks/results/recovery.md
     python benchmarks/bench_recovery.py --modes kill --scenarios shrink --launchers fastrun
     python benchmarks/bench_recovery.py --launchers fastrun,fastrun-preload,torchrun-noshare
-    python benchmarks/bench_recovery.py --backend etcd --modes kill,kill0,leader \
+    python benchmarks/bench_recovery.py --backend etcd --modes kill,killrank0,leader \
         --scenarios shrink --launchers fastrun-preload --repeat 3
 
 Under pytest (``pytest benchmarks/bench_recovery.py``) a small case runs: 2 nodes x 1 worker,
@@ -288,8 +289,8 @@ def run_case(launcher: str, mode: str, scenario: str, nodes: int = 4, nproc: int
         try:
             for i in range(nodes):
                 job.start(i)
-            _run_case(c, job, res, mode, scenario, nodes, nproc, lost, spare, new_world, cap,
-                      warm_steps)
+            lost = _run_case(c, job, res, mode, scenario, nodes, nproc, lost, spare, new_world,
+                             cap, warm_steps)
         finally:
             _teardown(c, job, res, lost, etcd)
     return _keep(res, work, keep)
@@ -297,7 +298,8 @@ def run_case(launcher: str, mode: str, scenario: str, nodes: int = 4, nproc: int
 
 def _run_case(c: Cluster, job: Run, res: Result, mode: str, scenario: str, nodes: int,
               nproc: int, lost: int, spare: int, new_world: int, cap: float,
-              warm_steps: int) -> None:
+              warm_steps: int) -> int:
+    """Warms the job up, applies ``mode`` and measures; returns the node lost (-1: none)."""
     world = nodes * nproc
 
     def warm() -> bool:
@@ -309,15 +311,21 @@ def _run_case(c: Cluster, job: Run, res: Result, mode: str, scenario: str, nodes
 
     if not _wait(warm, 240):
         res.notes.append("never trained before the failure")
-        return
+        return lost
     before = [e for e in job.read() if e["ev"] == "step"]
     res.last_step = max(e["step"] for e in before)
     t_fail = time.time()
     if mode == "leader":
         assert job.etcd is not None, "mode leader needs --backend etcd"
         _leader_case(job, res, t_fail, world)
-        return
-    {"kill": c.kill, "kill0": c.kill, "freeze": c.freeze, "cut": c.cut}[mode](lost)
+        return lost
+    if mode == "killrank0":
+        lost = next(int(e["node"]) for e in job.read() if e["ev"] == "init" and e["rank"] == 0
+                    and e["world"] == world)
+        res.notes.append(f"rank 0 on node {lost}")
+    mode_fn = {"kill": c.kill, "kill0": c.kill, "killrank0": c.kill, "freeze": c.freeze,
+               "cut": c.cut}
+    mode_fn[mode](lost)
     if scenario == "replace":
         job.start(spare)
 
@@ -347,6 +355,7 @@ def _run_case(c: Cluster, job: Run, res: Result, mode: str, scenario: str, nodes
     res.detected = min(hits) - t_fail if hits else None
     if res.downtime is not None and all(i in rounds for i in job.agents if i != lost):
         res.round_complete = max(rounds.values()) - t_fail
+    return lost
 
 
 def _leader_case(job: Run, res: Result, t_fail: float, world: int, watch_s: float = 10.0

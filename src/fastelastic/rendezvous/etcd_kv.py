@@ -282,11 +282,14 @@ class EtcdKV:
         return not self._missing(keys)[0]
 
     def get(self, key: str, timeout: timedelta | None = None) -> bytes:
-        value = self._range(key)[0]
+        """One read when the key exists; else a watch from that read's revision, whose event
+        carries the value (no read after it)."""
+        value, _, rev = self._range(key)
         if value is not None:
             return value
-        self.wait([key], timeout)
-        value = self._range(key)[0]
+        value = self._await({key}, rev, timeout, [key]).get(key)
+        if value is None:  # seen by a re-read after a stream ended, not by an event
+            value = self._range(key)[0]
         if value is None:
             raise StoreError(f"etcd key {key!r} vanished")
         return value
@@ -307,11 +310,16 @@ class EtcdKV:
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         """Blocks until every key exists: a watch from the revision the keys were read at,
         re-opened on the next member if its stream ends."""
+        missing, rev = self._missing(keys)
+        if missing:
+            self._await(missing, rev, timeout, keys)
+
+    def _await(self, missing: builtins.set[str], rev: int, timeout: timedelta | None,
+               keys: list[str]) -> dict[str, bytes]:
+        """Watches from ``rev + 1`` until every key of ``missing`` was put; returns the values
+        the events carried."""
         limit = (timeout or self.timeout).total_seconds()
         deadline = time.monotonic() + limit
-        missing, rev = self._missing(keys)
-        if not missing:
-            return
         full = [self._k(k) for k in missing]
         common = full[0]
         for f in full[1:]:
@@ -320,6 +328,7 @@ class EtcdKV:
         body = {"key": _b64(common), "range_end": _prefix_end(common), "filters": ["NODELETE"]}
         events: queue.Queue[Any] = queue.Queue()
         stream: WatchStream | None = None
+        seen: dict[str, bytes] = {}
         try:
             while missing:
                 remaining = deadline - time.monotonic()
@@ -334,8 +343,10 @@ class EtcdKV:
                 except queue.Empty:
                     ev = None
                 if ev is not None:
-                    key = _unb64(ev["kv"]["key"]).decode()
-                    missing.discard(key[len(self._prefix):])
+                    short = _unb64(ev["kv"]["key"]).decode()[len(self._prefix):]
+                    if short in missing:
+                        missing.discard(short)
+                        seen[short] = _unb64(ev["kv"].get("value", ""))
                     continue
                 # the stream ended (its member died) or stayed quiet: re-read, re-watch
                 stream.stop()
@@ -346,6 +357,7 @@ class EtcdKV:
         finally:
             if stream is not None:
                 stream.stop()
+        return seen
 
     def _missing(self, keys: list[str]) -> tuple[builtins.set[str], int]:
         resp = self._txn([], [{"request_range": {"key": _b64(self._k(k)), "count_only": True}}
