@@ -35,6 +35,7 @@ class Member:
     proc: subprocess.Popen | None = None
     log: list[str] = field(default_factory=list)
     host: str = "127.0.0.1"
+    cmd: list[str] = field(default_factory=list)
 
     @property
     def endpoint(self) -> str:
@@ -95,11 +96,21 @@ class Cluster:
                 ca, cert, key = self.tls
                 cmd += ["--cert-file", cert, "--key-file", key, "--trusted-ca-file", ca,
                         "--client-cert-auth"]
-            spawn = self._spawn or (lambda i, argv, **kw: subprocess.Popen(argv, **kw))
-            m.proc = spawn(i, cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            m.cmd = cmd
+            self._launch(i, m)
         for m in self.members:
             self._await_ready(m, timeout)
         return self
+
+    def _launch(self, i: int, m: Member) -> None:
+        spawn = self._spawn or (lambda i, argv, **kw: subprocess.Popen(argv, **kw))
+        m.proc = spawn(i, m.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    def restart(self, m: Member, timeout: float = 30.0) -> None:
+        """Starts a stopped member again on its data (it rejoins the cluster)."""
+        assert m.proc is not None and m.proc.poll() is not None
+        self._launch(self.members.index(m), m)
+        self._await_ready(m, timeout)
 
     def _await_ready(self, m: Member, timeout: float) -> None:
         """Reads the member's log (in a thread, so etcd never blocks on a full pipe) until it

@@ -164,3 +164,44 @@ def test_wait_outlives_its_member(three):
     t.join(30)
     assert got, "the wait did not return"
     assert got[0] - t0 < 1.5, got[0] - t0  # main re-read after 2 s of quiet
+
+
+@pytest.mark.timeout(120)
+def test_lease_outlives_a_long_election(three):
+    """Two of three members are SIGKILLed for longer than the lease's TTL, then one comes
+    back: the new leader extends every lease, and the client's keep-alives, which kept
+    trying, keep it: its disconnect action does not happen (main gave a lease up after one
+    TTL without an answer and stopped refreshing it, so etcd expired it after the election:
+    every node counted dead, a restart of the whole job)."""
+    members = three.members
+    leader = three.leader()
+    follower = next(m for m in members if m is not leader)
+    kv = _kv(members, lease_ttl=2)
+    kv.append_on_disconnect("left/0", b"1")
+    lease = kv.lease_id
+    leader.kill()
+    follower.kill()
+    time.sleep(8)  # the outage under test: four TTLs without a quorum
+    three.restart(follower)
+    raw = _raw(follower)
+
+    def ttl() -> int:
+        try:
+            return int(raw.post(raw.get_url("/lease/timetolive"), json={"ID": lease}).get(
+                "TTL", -1))
+        except Exception:  # noqa: BLE001 - no leader yet
+            return -2
+
+    deadline = time.monotonic() + 30
+    while ttl() == -2:  # until the two members elected a leader
+        assert time.monotonic() < deadline, "no leader after the restart"
+        time.sleep(0.05)
+    # The new leader extended the lease by its TTL (and an election timeout): watch it for
+    # three TTLs more; unrefreshed, it would expire meanwhile.
+    end = time.monotonic() + 3 * 2
+    while time.monotonic() < end:
+        assert ttl() >= 0, "the lease expired after the election"
+        time.sleep(0.1)
+    assert kv.lease_id == lease
+    assert not kv.check(["left/0"]), "the disconnect action happened: the lease ended"
+    kv.close()

@@ -53,6 +53,7 @@ _WATCH_CHECK_S = 5.0  # a quiet wait re-reads its keys this often (a stream that
 _REQUEST_S = 5.0  # read timeout of a request's later tries
 _FIRST_TRY_S = 1.0  # read timeout of its first try
 _MAX_RESTREAMS = 100_000  # bound on the re-opened streams of one reaper
+_MAX_KEEPALIVES = 1 << 40  # bound on a lease's keep-alives
 
 
 def _b64(data: str | bytes) -> str:
@@ -167,10 +168,12 @@ class EtcdKV:
 
         def once(client: Any, attempt: int) -> dict:
             # A member without a leader holds a write until its own timeout (7 s at etcd's
-            # defaults) although an election takes ~1 s: the first try gives up after 1 s and
-            # goes to the next member, later ones wait longer (a slow disk, a loaded host).
+            # defaults) although an election takes ~1-2 s: the first try on each member gives
+            # up after 1 s and goes to the next one, later rounds wait longer (a slow disk, a
+            # loaded host).
             # Retrying is safe: writes are idempotent or done once (see _rmw).
-            read_s = min(self._req_s, _FIRST_TRY_S * 2 ** min(attempt - 1, 8))
+            rounds = (attempt - 1) // len(self._clients)
+            read_s = min(self._req_s, _FIRST_TRY_S * 2 ** min(rounds, 8))
             try:
                 resp = client.session.post(member_url(client, path), json=body,
                                            timeout=(CONNECT_S, read_s))
@@ -427,25 +430,40 @@ class EtcdKV:
             return self._lease_id
 
     def _keep_lease(self) -> None:
-        """Refreshes the lease every TTL/3; once it could not for a whole TTL the lease is
-        gone (etcd expired it), so the thread ends and the next hook takes a new lease."""
+        """Refreshes the lease every TTL/3. Only etcd says a lease is gone (a keep-alive
+        answered with TTL 0: it expired or was revoked); while no member answers (an
+        election: the new leader extends every lease by its TTL) it keeps trying at once."""
         interval = self._ttl / 3.0
-        last_ok = time.monotonic()
-        while not self._lease_stop.wait(interval):
+        delay = interval
+        last_ok = last_note = time.monotonic()
+        for _ in range(_MAX_KEEPALIVES):
+            if self._lease_stop.wait(delay):
+                break
             lease = self._lease_id
             if lease is None:
                 break
             try:
-                # a lease not refreshed for its TTL is gone: retrying longer is pointless
-                resp = self._post("/lease/keepalive", {"ID": lease}, retry_s=float(self._ttl))
-                if int((resp.get("result") or resp).get("TTL", 0)) <= 0:
-                    raise StoreError(f"lease {lease} not found")  # expired or revoked
-                last_ok = time.monotonic()
-            except StoreError as e:
-                if time.monotonic() - last_ok > self._ttl or "not found" in str(e):
-                    log.warning("etcd lease %d lost: %s", lease, e)
-                    self._forget_lease(lease)
-                    break
+                resp = self._post("/lease/keepalive", {"ID": lease}, retry_s=interval)
+                ttl = int((resp.get("result") or resp).get("TTL", 0))
+            except StoreConnectionError as e:
+                now = time.monotonic()
+                if now - last_note >= self._ttl:
+                    log.warning("etcd lease %d: no keep-alive got through for %.1f s (%s); "
+                                "still trying", lease, now - last_ok, e)
+                    last_note = now
+                delay = 0.0
+                continue
+            except StoreError as e:  # an answer, and an error: the lease is unknown
+                log.warning("etcd lease %d: %s", lease, e)
+                ttl = 0
+            if ttl <= 0:
+                log.warning("etcd lease %d ended (expired or revoked): this node's disconnect "
+                            "actions took effect; the next one registered takes a new lease",
+                            lease)
+                self._forget_lease(lease)
+                break
+            last_ok = last_note = time.monotonic()
+            delay = interval
         with self._lock:
             self._lease_thread = None
             if self._lease_id is not None and not self._lease_stop.is_set():
