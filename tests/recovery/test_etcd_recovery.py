@@ -38,13 +38,15 @@ NODES = 3
 class EtcdJob(Job):
     """fastrun agents with ``--rdzv-backend etcd`` (nodes 0..2) against ``endpoints``."""
 
-    def __init__(self, cluster, out: Path, nnodes: str, endpoints: str, lease_ttl: int = 3):
+    def __init__(self, cluster, out: Path, nnodes: str, endpoints: str, lease_ttl: int = 3,
+                 ka_attempts: int = KA_ATTEMPTS):
         super().__init__(cluster, out, nnodes)
         self.endpoints = endpoints
         self.lease_ttl = lease_ttl
+        self.ka_attempts = ka_attempts
 
     def start(self, i: int, run_s: float = 600, exit_barrier_timeout: float = 300) -> None:
-        conf = (f"keep_alive_interval={KA_INTERVAL},keep_alive_max_attempt={KA_ATTEMPTS},"
+        conf = (f"keep_alive_interval={KA_INTERVAL},keep_alive_max_attempt={self.ka_attempts},"
                 f"last_call_timeout={self.last_call},join_timeout=120,"
                 f"lease_ttl={self.lease_ttl}")
         argv = [sys.executable, "-m", "fastelastic.run", "--nnodes", self.nnodes,
@@ -80,7 +82,9 @@ def _etcd(c, tmp_path: Path) -> Cluster:
 def test_etcd_leader_sigkilled_while_training_restarts_nothing(tmp_path):
     with cluster_or_skip(NODES + 3, "el") as c:
         etcd = _etcd(c, tmp_path)
-        job = EtcdJob(c, tmp_path, f"{NODES}:{NODES}", etcd.endpoints)
+        # A silent window of 5 s (0.5 s x 10): an election takes 1-2.5 s at etcd's defaults,
+        # and main's keep-alives stood still for 6-7 s through it.
+        job = EtcdJob(c, tmp_path, f"{NODES}:{NODES}", etcd.endpoints, ka_attempts=10)
         try:
             for i in range(NODES):
                 job.start(i)
@@ -91,7 +95,7 @@ def test_etcd_leader_sigkilled_while_training_restarts_nothing(tmp_path):
             new = etcd.logged_leader()
             assert new is not leader
             # Observe for longer than everything that could count a node lost: the lease
-            # (3 s), the silent window (3 s) and an etcd request's longest retry (2 x 5 s).
+            # (3 s), the silent window (5 s) and an etcd request's longest retry (2 x 5 s).
             end = time.monotonic() + 15
             while time.monotonic() < end:
                 ended = {i: p.poll() for i, p in job.agents.items() if p.poll() is not None}
