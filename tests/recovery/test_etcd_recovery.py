@@ -103,6 +103,8 @@ def test_etcd_leader_sigkilled_while_training_restarts_nothing(tmp_path):
                 restarted = [s for s in job.starts() if s["t"] > t]
                 assert not restarted, f"workers restarted: {restarted}\n{job.tail()}"
                 time.sleep(0.2)
+            log = "".join(job.log(i) for i in range(NODES))
+            assert "ended (expired or revoked)" not in log, job.tail()
             job.stop_all()
         finally:
             etcd.stop()
@@ -178,6 +180,9 @@ def test_etcd_node_lost_round_hosted_by_a_survivor(tmp_path, lost):
             assert all(s["store_ok"] for s in got.values()), f"{got}\n{job.tail()}"
             log = "".join(job.log(i) for i in survivors)
             assert "etcd liveness" in log and "ending its etcd lease" in log, job.tail()
+            # Nobody ended a survivor's lease (their links to the last round's store closed
+            # on purpose when the next round formed: no death to relay).
+            assert "ended (expired or revoked)" not in log, job.tail()
             job.stop_all()
         finally:
             etcd.stop()
