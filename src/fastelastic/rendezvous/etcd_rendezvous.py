@@ -63,10 +63,13 @@ class EtcdFastRendezvousHandler(FastRendezvousHandler):
         else:
             self._client = TCPStore(info.master_addr, info.master_port,
                                     timeout=self._store.timeout)
+        link = None
         try:  # a connection of its own: the hub's store ties our disconnect action to it
             link = TCPStore(info.master_addr, info.master_port, timeout=self._store.timeout)
             self._liveness = RoundLiveness(self._store, link, rank == 0, f"{self._run_id}/{r}")
         except (StoreError, OSError) as e:  # the lease stays: slower, not wrong
+            if link is not None:
+                link.close()
             log.warning("rendezvous %s round %d: no fast liveness link to rank 0's store "
                         "(%s); a lost node is noticed when its etcd lease expires",
                         self._run_id, r, e)
