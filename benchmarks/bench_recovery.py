@@ -6,7 +6,19 @@ checkpoint every step). Once every rank trained a few steps, node 3 is lost:
 
 * ``kill``: SIGKILL of every process of the node (power loss);
 * ``freeze``: SIGSTOP of every process of the node (its kernel still ACKs);
-* ``cut``: its link goes down (packets vanish, no FIN, no RST).
+* ``cut``: its link goes down (packets vanish, no FIN, no RST);
+* ``sigterm``: SIGTERM to the node's agent only (pod deletion, spot reclaim): the agent stops
+  its workers and exits; fastrun's first tells the rendezvous it leaves.
+
+Modes beyond those: ``kill0`` (SIGKILL of node 0: with c10d the rendezvous store's host),
+``killrank0`` (SIGKILL of the node whose agent hosts the workers' store: rank 0's, found from
+the workers' events once they train) and ``leader`` (etcd only: SIGKILL of the etcd leader
+while training; nothing should restart: the row reports worker restarts and the longest gap
+between two steps of any rank instead of a downtime).
+
+``--backend etcd``: the fastrun launchers use ``--rdzv-backend etcd`` with a 3-member etcd
+cluster (Debian's ``/usr/bin/etcd``), one member per extra namespace, default etcd timings;
+torchrun launchers are skipped (torch's etcd backend needs the v2 API).
 
 Scenarios: ``replace`` (``--nnodes 4:4``; a replacement node starts at the failure, as a
 restarted pod) and ``shrink`` (``--nnodes 3:4``; no replacement). Downtime = failure -> every
@@ -20,16 +32,6 @@ log these. A run that does not recover within the cap counts as the cap, reporte
 bound (``>=``). After each run the survivors are stopped with SIGTERM and no process of the job
 may be left in any namespace.
 
-Modes beyond those: ``kill0`` (SIGKILL of node 0: with c10d the rendezvous store's host),
-``killrank0`` (SIGKILL of the node whose agent hosts the workers' store: rank 0's, found from
-the workers' events once they train) and ``leader`` (etcd only: SIGKILL of the etcd leader
-while training; nothing should restart: the row reports worker restarts and the longest gap
-between two steps of any rank instead of a downtime).
-
-``--backend etcd``: the fastrun launchers use ``--rdzv-backend etcd`` with a 3-member etcd
-cluster (Debian's ``/usr/bin/etcd``), one member per extra namespace, default etcd timings;
-torchrun launchers are skipped (torch's etcd backend needs the v2 API).
-
 Launchers: ``fastrun``; ``fastrun-preload`` (fastrun with ``--preload torch,torch._dynamo``: a
 zygote per agent imports them once and forks every worker); ``torchrun`` with its defaults;
 ``torchrun-noshare`` (torchrun with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``). All with
@@ -41,6 +43,8 @@ Run (root, for namespaces)::
     python benchmarks/bench_recovery.py --out benchmarks/results/recovery.md
     python benchmarks/bench_recovery.py --modes kill --scenarios shrink --launchers fastrun
     python benchmarks/bench_recovery.py --launchers fastrun,fastrun-preload,torchrun-noshare
+    python benchmarks/bench_recovery.py --modes sigterm --scenarios shrink
+    python benchmarks/bench_recovery.py --lose host --modes kill,power,cut,freeze
     python benchmarks/bench_recovery.py --backend etcd --modes kill,killrank0,leader \
         --scenarios shrink --launchers fastrun-preload --repeat 3
 
@@ -126,8 +130,10 @@ class Run:
     """One job: ``nodes`` agents (+1 spare namespace for a replacement)."""
 
     def __init__(self, c: Cluster, launcher: str, nnodes: str, nproc: int, work: Path,
-                 last_call: float = 1.0, etcd: EtcdMembers | None = None) -> None:
+                 last_call: float = 1.0, candidates: int = 1, etcd: EtcdMembers | None = None
+                 ) -> None:
         self.c = c
+        self.candidates = candidates
         self.etcd = etcd
         self.last_call = last_call
         self.launcher = launcher
@@ -145,7 +151,12 @@ class Run:
     def start(self, i: int) -> None:
         cmd, extra = LAUNCHERS[self.launcher]
         conf = f"last_call_timeout={self.last_call:g},is_host={1 if i == 0 else 0}"
-        backend, endpoint = "c10d", f"{self.c.addr(0)}:{PORT}"
+        endpoint = f"{self.c.addr(0)}:{PORT}"
+        if self.candidates > 1 and self.launcher.startswith("fastrun"):
+            # the rendezvous store's candidates: nodes 0.. host one each (their own address)
+            conf = f"last_call_timeout={self.last_call:g}"
+            endpoint = ",".join(f"{self.c.addr(k)}:{PORT}" for k in range(self.candidates))
+        backend = "c10d"
         if self.etcd is not None:
             conf = f"last_call_timeout={self.last_call:g}"
             backend, endpoint = "etcd", self.etcd.endpoints
@@ -270,10 +281,13 @@ def _wait(cond: Any, timeout: float, step: float = 0.05) -> Any:
 
 def run_case(launcher: str, mode: str, scenario: str, nodes: int = 4, nproc: int = 2,
              cap: float = 90.0, warm_steps: int = 5, keep: Path | None = None,
-             last_call: float = 1.0, backend: str = "c10d") -> Result:
-    """One run; raises NetnsUnavailable where namespaces cannot be made."""
-    res = Result(launcher, mode, scenario, nodes, nproc, cap, backend=backend)
-    lost = 0 if mode == "kill0" else nodes - 1
+             last_call: float = 1.0, lose: str = "last", backend: str = "c10d") -> Result:
+    """One run; raises NetnsUnavailable where namespaces cannot be made. ``lose``: ``last``
+    (the last node) or ``host`` (node 0, the rendezvous store's host; fastrun then gets three
+    candidate endpoints, torchrun its one)."""
+    res = Result(launcher, mode if lose == "last" else f"{mode}@host", scenario, nodes, nproc,
+                 cap, backend=backend)
+    lost = nodes - 1 if lose == "last" and mode != "kill0" else 0
     spare = nodes
     if mode == "leader":
         scenario = res.scenario = "-"
@@ -285,7 +299,8 @@ def run_case(launcher: str, mode: str, scenario: str, nodes: int = 4, nproc: int
     etcd_n = 3 if backend == "etcd" else 0
     with Cluster(nodes + 1 + etcd_n, "b") as c:
         etcd = EtcdMembers(c, nodes + 1, work) if etcd_n else None
-        job = Run(c, launcher, nnodes, nproc, work, last_call, etcd)
+        job = Run(c, launcher, nnodes, nproc, work, last_call,
+                  candidates=1 if lose == "last" else min(3, nodes), etcd=etcd)
         try:
             for i in range(nodes):
                 job.start(i)
@@ -323,9 +338,14 @@ def _run_case(c: Cluster, job: Run, res: Result, mode: str, scenario: str, nodes
         lost = next(int(e["node"]) for e in job.read() if e["ev"] == "init" and e["rank"] == 0
                     and e["world"] == world)
         res.notes.append(f"rank 0 on node {lost}")
-    mode_fn = {"kill": c.kill, "kill0": c.kill, "killrank0": c.kill, "freeze": c.freeze,
-               "cut": c.cut}
-    mode_fn[mode](lost)
+    if mode == "sigterm":  # `ip netns exec` execs: this is the launcher's own pid
+        job.agents[lost].send_signal(signal.SIGTERM)
+    elif mode == "power":  # power loss: the link goes down, then every process dies
+        c.cut(lost)
+        c.kill(lost)
+    else:
+        {"kill": c.kill, "kill0": c.kill, "killrank0": c.kill, "freeze": c.freeze,
+         "cut": c.cut}[mode](lost)
     if scenario == "replace":
         job.start(spare)
 
@@ -485,6 +505,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=1, help="runs of each case")
     ap.add_argument("--out", default=None, help="append the markdown table here")
     ap.add_argument("--keep", default=None, help="keep each run's events and logs here")
+    ap.add_argument("--lose", default="last", choices=("last", "host"),
+                    help="the node lost: the last one, or node 0 (the rendezvous store's host)")
     a = ap.parse_args(argv)
     keep = Path(a.keep) if a.keep else None
     if keep:
@@ -498,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
     with torch_cache_holder():
         for mode, scenario, launcher in cases:
             r = run_case(launcher, mode, scenario, a.nodes, a.nproc, a.cap, keep=keep,
-                         last_call=a.last_call, backend=a.backend)
+                         last_call=a.last_call, lose=a.lose, backend=a.backend)
             if r.restarts is not None:
                 r.notes.append(f"{r.restarts} worker restarts")
             print(f"{mode:6} {scenario:7} {launcher:16} downtime {r.shown:>8} s  "

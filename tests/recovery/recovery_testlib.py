@@ -30,8 +30,9 @@ class Job:
     """fastrun agents, one per simulated node, writing into ``out``."""
 
     def __init__(self, cluster: Cluster, out: Path, nnodes: str, run_id: str = "t",
-                 last_call: int = 1, max_restarts: int = 3) -> None:
+                 last_call: int = 1, max_restarts: int = 3, candidates: int = 1) -> None:
         self.c = cluster
+        self.candidates = candidates  # > 1: nodes 0.. each host a candidate rendezvous store
         self.out = out
         self.nnodes = nnodes
         self.run_id = run_id
@@ -42,12 +43,15 @@ class Job:
         (out / "starts.jsonl").touch()
 
     def start(self, i: int, run_s: float = 600, exit_barrier_timeout: float = 300) -> None:
-        conf = (f"is_host={1 if i == 0 else 0},keep_alive_interval={KA_INTERVAL},"
+        conf = (f"keep_alive_interval={KA_INTERVAL},"
                 f"keep_alive_max_attempt={KA_ATTEMPTS},last_call_timeout={self.last_call},"
                 "join_timeout=120")
+        endpoint = ",".join(f"{self.c.addr(k)}:{PORT}" for k in range(self.candidates))
+        if self.candidates == 1:
+            conf += f",is_host={1 if i == 0 else 0}"
         argv = [sys.executable, "-m", "fastelastic.run", "--nnodes", self.nnodes,
                 "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", f"{self.c.addr(0)}:{PORT}", "--rdzv-id", self.run_id,
+                "--rdzv-endpoint", endpoint, "--rdzv-id", self.run_id,
                 "--rdzv-conf", conf, "--local-addr", self.c.addr(i),
                 "--max-restarts", str(self.max_restarts), "--monitor-interval", "0.1",
                 "--exit-barrier-timeout", str(exit_barrier_timeout), str(WORKER)]

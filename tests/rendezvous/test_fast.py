@@ -344,7 +344,7 @@ def test_fast_protocol_runs_on_torchs_tcpstore_server(nodes):
     host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                          multi_tenant=True)
     handlers = [_handler(host.port, 3, 3) for _ in range(3)]
-    assert not handlers[0]._hooks  # our client reports no extensions on torch's server
+    assert not handlers[0]._m.cfg.hooks  # our client reports no extensions on torch's server
     for i, h in enumerate(handlers):
         nodes.start(i, lambda i, h=h: h.next_rendezvous())
     nodes.join(20)

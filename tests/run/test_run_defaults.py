@@ -28,8 +28,11 @@ class _Job:
         self.dir = root / self.name
         self.dir.mkdir()
         port = free_port()
-        args = ["--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-backend", backend,
-                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", self.name, str(DUMP)]
+        if nnodes == "standalone":  # torch's --standalone: its own c10d store on a free port
+            args = ["--standalone", "--nproc-per-node", "1", str(DUMP)]
+        else:
+            args = ["--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-backend", backend,
+                    "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", self.name, str(DUMP)]
         env = base_env(DUMP_DIR=str(self.dir))
         self.start = time.time()
         self.procs = [subprocess.Popen([*launcher_cmd(which), *args], env=env,
@@ -55,7 +58,15 @@ class _Job:
 
 
 # (nnodes, nodes started, expected world)
-_CASES = [("2:3", 2, 2), ("1:2", 1, 1), ("2", 2, 2)]
+_CASES = [("2:3", 2, 2), ("1:2", 1, 1), ("2", 2, 2), ("standalone", 1, 1)]
+
+
+def _kinds(nnodes: str) -> tuple[tuple[str, str], ...]:
+    """fastrun, the plugin and torchrun; ``--standalone`` has no plugin path (torchrun then
+    picks its own c10d backend whatever ``--rdzv-backend`` says)."""
+    if nnodes == "standalone":
+        return (("fastrun", "c10d"), ("torchrun", "c10d"))
+    return (("fastrun", "c10d"), ("torchrun", "fastelastic"), ("torchrun", "c10d"))
 
 
 @pytest.mark.timeout(240)
@@ -64,14 +75,13 @@ _CASES = [("2:3", 2, 2), ("1:2", 1, 1), ("2", 2, 2)]
 def test_launches_at_torchs_default_timeouts_form_like_torchruns(tmp_path, need_torch):
     jobs = {}
     for nnodes, nodes, _ in _CASES:
-        for which, backend in (("fastrun", "c10d"), ("torchrun", "fastelastic"),
-                               ("torchrun", "c10d")):
+        for which, backend in _kinds(nnodes):
             jobs[(nnodes, which, backend)] = _Job(which, backend, nnodes, nodes, tmp_path)
     results = {key: job.finish(timeout=LAST_CALL_S + 120) for key, job in jobs.items()}
     report = {f"{w}/{b} --nnodes {n}": round(results[(n, w, b)][1], 1) for n, w, b in results}
     for nnodes, _nodes, world in _CASES:
         ref = results[(nnodes, "torchrun", "c10d")]
-        for which, backend in (("fastrun", "c10d"), ("torchrun", "fastelastic")):
+        for which, backend in _kinds(nnodes)[:-1]:
             _, took, dumps = results[(nnodes, which, backend)]
             sizes = {d["env"]["WORLD_SIZE"] for d in dumps.values()}
             assert sizes == {str(world)} and len(dumps) == world, (which, backend, nnodes, sizes)
@@ -86,22 +96,26 @@ def test_launches_at_torchs_default_timeouts_form_like_torchruns(tmp_path, need_
 
 @pytest.mark.timeout(240)
 @pytest.mark.slow
-def test_a_node_beyond_max_nodes_waits_as_a_spare_and_restarts_nobody(tmp_path):
+@pytest.mark.parametrize("which,backend", [("fastrun", "c10d"), ("torchrun", "fastelastic")])
+def test_a_node_beyond_max_nodes_waits_as_a_spare_and_restarts_nobody(tmp_path, which, backend):
     """``--nnodes 1:2`` and three launchers at the defaults: the first two form a world of two
     at once (ticket ``max_nodes``), the third waits as a spare while they train, without
-    restarting them, and exits cleanly when the job ends (torch's redundancy list)."""
+    restarting them, and exits cleanly when the job ends (torch's redundancy list). Through
+    fastrun and through torchrun's plugin path."""
     from fastelastic.store import TCPStore
 
+    if which == "torchrun":
+        pytest.importorskip("torch", reason="!!! torch not installed: no torchrun to test")
     port = free_port()
     gate = tmp_path / "release"
     run_id = "job1"
-    args = ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+    args = ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", backend,
             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id, "--monitor-interval",
             "0.1", str(DUMP)]
     env = base_env(DUMP_DIR=str(tmp_path), DUMP_WAIT_FOR=str(gate), LOGLEVEL="INFO")
 
     def launch() -> subprocess.Popen[str]:
-        return subprocess.Popen([*launcher_cmd("fastrun"), *args], env=env,
+        return subprocess.Popen([*launcher_cmd(which), *args], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     procs = [launch(), launch()]
@@ -133,6 +147,11 @@ def test_a_node_beyond_max_nodes_waits_as_a_spare_and_restarts_nobody(tmp_path):
                 p.kill()
                 p.communicate()
     codes = [p.returncode for p in procs]
+    if which == "torchrun" and codes[2] == 1:
+        # torch 2.13's launch_agent reads result.is_failed() of the None that agent.run()
+        # returns after a graceful exit (torchrun's own spares end the same way)
+        assert "'NoneType' object has no attribute 'is_failed'" in outs[2][1], outs[2][1][-2000:]
+        codes[2] = 0
     assert codes == [0, 0, 0], (codes, [e[-2000:] for _, e in outs])
     dumps = read_dumps(tmp_path)
     assert sorted(dumps) == [0, 1] and {d["env"]["WORLD_SIZE"] for d in dumps.values()} == {"2"}

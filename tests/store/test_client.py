@@ -311,6 +311,36 @@ def test_disconnect_actions_registered_in_one_round_trip_all_run(master):
     assert other.get("a") == b"1;2;" and other.get("b") == b"x" and other.get("p/k") == b"v"
 
 
+def test_disconnect_actions_are_acknowledged_with_the_next_reply(master):
+    """A registration does not wait for its acknowledgement: the next request reads it first.
+    Thousands owed (more than a socket buffer of acks), then a wait, a timed-out get and a
+    multi_get: each reply is its own; and a process that dies right after registering, with
+    no request after it, still has its actions run."""
+    c = client(master)
+    for i in range(3000):
+        c.append_on_disconnect(f"d{i % 7}", b"x")
+    c.append_on_disconnect_many([f"m{i}" for i in range(3000)], [b"y"] * 3000)
+    with pytest.raises(StoreTimeoutError):
+        c.get("absent", timedelta(milliseconds=50))
+    master.set("there", b"v")
+    assert c.get("there", timedelta(seconds=5)) == b"v"
+    c.append_on_disconnect("d0", b"z")
+    assert c.multi_get(["there", "there"]) == [b"v", b"v"]
+    c.close()
+    other = client(master)
+    assert other.get("d0") == b"x" * 429 + b"z" and other.get("m2999") == b"y"
+    code = (
+        "import os\n"
+        "from fastelastic.store import TCPStore\n"
+        f"s = TCPStore('127.0.0.1', {master.port}, timeout=10)\n"
+        "s.append_on_disconnect_many(['gone1', 'gone2'], ['a', 'b'])\n"
+        "os.kill(os.getpid(), 9)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], timeout=30)
+    assert proc.returncode == -9
+    assert other.get("gone1") == b"a" and other.get("gone2") == b"b"
+
+
 def test_get_with_a_timeout_returns_or_times_out_and_stays_usable(master):
     c = client(master, timeout=30)
     start = time.monotonic()

@@ -24,6 +24,7 @@ cdef class KVClient:
     cdef Spinner _spin
     cdef cbool _ext
     cdef cbool _broken
+    cdef size_t _owed         # acknowledgements of disconnect actions not read yet
     cdef cbool _handshaking   # a reset now raises HandshakeReset (retryable)
     cdef object _peer         # "host:port", for error messages
 

@@ -171,6 +171,7 @@ cdef class KVClient:
         self._peer = peer
         self._broken = False
         self._in_pos = self._in_len = 0
+        self._owed = 0
         self._timeout_ms = <int64_t>(timeout * 1000.0)
         self._spin.budget_ns = spin_us * 1000 if spin_us > 0 else 0
         fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK)
@@ -393,12 +394,18 @@ cdef class KVClient:
         try:
             while True:
                 with nogil:
+                    rc = IO_OK
                     if sending:
                         rc = self._send_all(deadline)
                         if rc == IO_OK:
                             sending = False
                             PyThread_release_lock(self._send_lock)
-                    if not sending and n > 0:
+                    if not sending and self._owed > 0:  # acks owed by earlier requests
+                        rc = self._need(self._owed, REPLY)
+                        if rc == IO_OK:
+                            self._in_pos += self._owed
+                            self._owed = 0
+                    if rc == IO_OK and not sending and n > 0:
                         rc = self._need(n, deadline)
                 if rc != IO_INTR:
                     break
@@ -864,14 +871,14 @@ cdef class KVClient:
         try:
             self._put_key(key)
             self._put_value(value)
-            self._transact(1, REPLY)
-            self._in_pos += 1
+            self._transact(0, REPLY)
+            self._owed += 1  # read by the next request: the server runs them in order
         finally:
             self._end()
 
     def append_on_disconnect_many(self, keys, values):
-        """Registers several disconnect actions (as ``append_on_disconnect``) in one round trip:
-        the requests go out together and their acknowledgements are read together."""
+        """Registers several disconnect actions (as ``append_on_disconnect``): the requests go
+        out together, and their acknowledgements are read with the next request's reply."""
         cdef Py_ssize_t i, n
         keys = list(keys)
         values = list(values)
@@ -890,7 +897,7 @@ cdef class KVClient:
                     put_u8(self._out, CMD_EXT_ON_DISCONNECT_APPEND)
                 self._put_key(keys[i])
                 self._put_value(values[i])
-            self._transact(<size_t>n, REPLY)
-            self._in_pos += <size_t>n
+            self._transact(0, REPLY)
+            self._owed += <size_t>n
         finally:
             self._end()

@@ -1,6 +1,6 @@
 """Liveness of the fast rendezvous's members: the keep-alive counters a member bumps
-(``KeepAlive``, one thread per process) and the rule by which the others call it silent
-(``Beats``)."""
+(``KeepAlive``, one thread per process), the rule by which the others call it silent
+(``Beats``), and what they read to apply it (``Watch``, ``Deciders``)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,16 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Callable, Generator
 from typing import Any
 
 from fastelastic.errors import StoreError
 
+from ._schema import SEAL, RoundKeys, parse_gone, who_parts
+
 log = logging.getLogger("fastelastic.rendezvous.fast_rendezvous")
 
-__all__ = ["BEATER", "Beats", "KeepAlive"]
+__all__ = ["BEATER", "Beats", "Deciders", "KeepAlive", "Watch", "lost_members"]
 
 
 class Beats:
@@ -56,6 +59,98 @@ class Beats:
             elif now - last[1] >= self.window - gap:
                 silent[key] = now - last[1]
         return silent
+
+
+class Watch:
+    """What a member of a complete round reads to notice a lost peer (``lost_members``)."""
+
+    def __init__(self, k: RoundKeys, rank: int, world: int, peer_tickets: list[bytes],
+                 window: float, slack: float) -> None:
+        self.k = k
+        self.rank = rank
+        self.peers = [(rank + i) % world for i in range(1, len(peer_tickets) + 1)]
+        self.keys = [k.gone] + [k.beat(t) for t in peer_tickets]
+        self.beats = Beats(window, slack)  # keyed by rank
+        self.reported: set[int] = set()
+
+
+class Deciders:
+    """What a ticket holder waiting for an outcome checks each quarter window: the holders of
+    the deciding tickets (``min_nodes``: last call; ``max_nodes``: publish) have a record and
+    a moving keep-alive counter. One request per check once their records are seen."""
+
+    def __init__(self, cfg: Any, clock: Callable[[], float], k: RoundKeys, ticket: int) -> None:
+        self.run_id, self.clock, self.k = cfg.run_id, clock, k
+        self.roles = [x for x in sorted({cfg.min_nodes, cfg.max_nodes}) if x != ticket]
+        self.recorded: set[int] = set()
+        self.count = 0
+        self.seen = Beats(cfg.window, cfg.ka_interval / 2)
+
+    def stalled(self) -> Generator[tuple[Any, ...], Any, bool]:
+        k = self.k
+        if any(role > self.count for role in self.roles):
+            self.count = int((yield ("add", k.tickets, 0)))
+            if self.count >= SEAL:  # sealed: the coordinator is publishing
+                self.count -= SEAL
+        roles = [x for x in self.roles if x <= self.count]
+        states: dict[int, Any] = {}
+        for role in roles:
+            if role not in self.recorded:
+                if not (yield ("check", [k.record(role)])):
+                    states[role] = -1
+                    continue
+                self.recorded.add(role)
+        known = [x for x in roles if x in self.recorded]
+        if known:
+            vals = yield ("multi_get", [k.beat(x) for x in known])
+            states.update((x, bytes(v)) for x, v in zip(known, vals, strict=True))
+        stalled = self.seen.observe(states, self.clock())
+        for role, still in stalled.items():
+            why = "no record" if states[role] == -1 else "no keep-alive"
+            log.warning("rendezvous %s round %d: the node holding ticket %d (%s for %.1fs) is "
+                        "lost; abandoning the round", self.run_id, k.r, role, why, still)
+        return bool(stalled)
+
+
+def lost_members(w: Watch, cfg: Any, spare_ready: bool, clock: Callable[[], float]
+             ) -> Generator[tuple[Any, ...], Any, list[tuple[int, str]]]:
+    """Members of a round lost since the last call, as a member watching ``w`` reads them
+    (one ``multi_get``; see ``FastRendezvousHandler.lost_members``)."""
+    vals = [bytes(v) for v in (yield ("multi_get", w.keys))]
+    now = clock()
+    gone = parse_gone(vals[0])
+    silent = w.beats.observe(dict(zip(w.peers, vals[1:], strict=True)), now)
+    if spare_ready:  # a spare can take a silent peer's seat: suspect it sooner
+        silent.update((rank, now - since) for rank, (_, since) in w.beats.since.items()
+                      if rank not in silent and now - since >= cfg.spare_window)
+    for rank, still in silent.items():
+        if rank not in gone:
+            log.warning("rendezvous %s: rank %d sent no keep-alive for %.1fs; dropping it",
+                        cfg.run_id, rank, still)
+            yield ("append", w.k.gone, b"%d:silent;" % rank)
+            yield ("multi_set", [w.k.left(rank), w.k.broken], [b"silent", b"1"])
+            gone[rank] = "silent"
+    fresh = [(r, why) for r, why in gone.items() if r not in w.reported and why != "done"]
+    if not fresh:
+        return []
+    w.reported.update(r for r, _ in fresh)
+    records = yield ("multi_get", [w.k.who(r) for r, _ in fresh])
+    out = []
+    for (rank, why), rec in zip(fresh, records, strict=True):
+        _, addr, pid = who_parts(bytes(rec))
+        stale = now - w.beats.since[rank][1] if rank in w.beats.since else 0.0
+        if why == "closed":
+            text = (f"cut: no keep-alive for {stale:.1f}s, then its connection timed out"
+                    if stale >= 2 * cfg.ka_interval else "dead: its connection closed")
+        elif why == "left":
+            text = "left the round: it is re-joining or leaving (preempted)"
+        else:
+            text = (f"silent: connected but no keep-alive for "
+                    f"{cfg.spare_window if spare_ready else cfg.window:g}s (frozen "
+                    f"or hung{'; a spare is ready' if spare_ready else ''})")
+        who = "this node" if rank == w.rank else f"node {addr or '?'} (pid {pid or '?'})"
+        out.append((rank, f"{who} {text}"))
+    return out
 
 
 class KeepAlive:

@@ -19,6 +19,8 @@ def _make_handler_class() -> type:
     import torch.distributed as dist
     from torch.distributed.elastic.rendezvous import api as torch_api
 
+    from fastelastic.errors import RendezvousError
+
     from .api import RendezvousParameters
     from .fast_rendezvous import FastRendezvousHandler, create_fast_handler
 
@@ -42,7 +44,12 @@ def _make_handler_class() -> type:
             return self._inner.use_agent_store
 
         def next_rendezvous(self) -> Any:
-            info = self._inner.next_rendezvous()
+            try:
+                info = self._inner.next_rendezvous()
+            except RendezvousError as e:
+                # torch's agent catches its own classes (a spare's graceful exit, closed, ...)
+                kind = getattr(torch_api, type(e).__name__, torch_api.RendezvousError)
+                raise kind(str(e)) from e
             boot = info.bootstrap_store_info
             assert boot is not None
             # Each round has a fresh workers' store (its rank 0 hosts it): connect to this

@@ -14,6 +14,8 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from fastelastic.agent.server import _coord
+from fastelastic.agent.server._peers import _AgentPeers
+from fastelastic.agent.server._runloop import AgentAction, AgentState, decide, transition
 from fastelastic.agent.server._telemetry import _AgentTelemetry
 from fastelastic.errors import (
     RendezvousError,
@@ -246,7 +248,7 @@ class ElasticAgent(abc.ABC):
         """Returns the (mutable) ``WorkerGroup`` of ``role``."""
 
 
-class SimpleElasticAgent(_AgentTelemetry, ElasticAgent):
+class SimpleElasticAgent(_AgentPeers, _AgentTelemetry, ElasticAgent):
     """An ``ElasticAgent`` managing the ``WorkerGroup`` of a single ``WorkerSpec``.
 
     Subclasses provide ``_start_workers``, ``_stop_workers``, ``_monitor_workers`` and
@@ -264,6 +266,16 @@ class SimpleElasticAgent(_AgentTelemetry, ElasticAgent):
         self._shutdown_timeout = shutdown_timeout
         self._total_execution_time = 0
         self._in_exit_barrier = False
+        self._agent_state = AgentState.INIT
+
+    def _set_state(self, state: AgentState) -> None:
+        """The one place the run loop's state changes (``_runloop.TRANSITIONS``).
+
+        Raises:
+            AssertionError: an illegal transition (a bug in the agent).
+        """
+        self._agent_state = transition(self._agent_state, state)
+        logger.debug("[%s] agent state -> %s", self._worker_group.spec.role, state.name)
 
     def get_worker_group(self, role: str = DEFAULT_ROLE) -> WorkerGroup:
         return self._worker_group
@@ -390,10 +402,12 @@ class SimpleElasticAgent(_AgentTelemetry, ElasticAgent):
     def _initialize_workers(self, worker_group: WorkerGroup) -> None:
         """Rendezvous, then start a fresh set of workers (optimistically HEALTHY)."""
         role = worker_group.spec.role
+        self._set_state(AgentState.RENDEZVOUS)
         logger.info("[%s] Rendezvous'ing worker group", role)
         self._rendezvous(worker_group)
         logger.info("[%s] Starting worker group", role)
         worker_ids = self._start_workers(worker_group)
+        self._set_state(AgentState.RUNNING)
         for local_rank, w_id in worker_ids.items():
             worker = worker_group.workers[local_rank]
             worker.id = w_id
@@ -404,6 +418,7 @@ class SimpleElasticAgent(_AgentTelemetry, ElasticAgent):
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         """Stops all local workers, then rendezvous and starts them again."""
         logger.info("[%s] Stopping worker group", worker_group.spec.role)
+        self._set_state(AgentState.STOPPING)
         self._stop_workers(worker_group)
         worker_group.state = WorkerState.STOPPED
         self._initialize_workers(worker_group)
@@ -411,6 +426,11 @@ class SimpleElasticAgent(_AgentTelemetry, ElasticAgent):
     @prof
     def run(self, role: str = DEFAULT_ROLE) -> RunResult | None:  # type: ignore[override]
         """Runs the workers until success, final failure or a signal (see ``ElasticAgent``).
+
+        On a death signal (``SignalException``) the agent first tells the rendezvous this
+        node leaves (``rdzv_handler.leave()``, when the handler has one), so the other nodes
+        re-form at once, then stops its workers (the signal, then SIGKILL after
+        ``shutdown_timeout``); it never closes the rendezvous for the others.
 
         Returns None, as torch, when the rendezvous was closed before this node joined a
         round (``RendezvousGracefulExitError``): the job ended without it.
@@ -428,15 +448,21 @@ class SimpleElasticAgent(_AgentTelemetry, ElasticAgent):
             return None
         except SignalException as e:
             logger.warning("Received %s death signal, shutting down workers", e.sigval)
-            self._shutdown(e.sigval, timeout=self._shutdown_timeout)  # type: ignore[arg-type]
-            shutdown_called = True
+            try:
+                self._leave()
+            finally:
+                self._shutdown(e.sigval, timeout=self._shutdown_timeout)  # type: ignore[arg-type]
+                shutdown_called = True
             raise
         finally:
+            if not self._agent_state.is_final:
+                self._set_state(AgentState.ENDED)
             if not shutdown_called:
                 self._shutdown(timeout=self._shutdown_timeout)
             self._total_execution_time = int(time.monotonic() - start)
 
     def _invoke_run(self, role: str = DEFAULT_ROLE) -> RunResult:
+        """The I/O around ``_runloop.decide``: wait, monitor, ask what it asks, act."""
         wg = self._worker_group
         spec = wg.spec
         role = spec.role
@@ -454,138 +480,64 @@ class SimpleElasticAgent(_AgentTelemetry, ElasticAgent):
             wg.state = state
             put_metric(f"workers.{role}.remaining_restarts", self._remaining_restarts)
             put_metric(f"workers.{role}.{state.name.lower()}", 1)
-            if state == WorkerState.SUCCEEDED:
+            check_due = False
+            if state == WorkerState.HEALTHY and interval is not None and next_check is not None:
+                now = time.monotonic()
+                if now >= next_check:
+                    check_due = True
+                    next_check = now + interval  # membership changes do not count as retries
+            action = self._decide(wg, state, check_due)
+            if action is AgentAction.CONTINUE:
+                continue
+            if action is AgentAction.SUCCEED:
                 logger.info("[%s] worker group successfully finished", role)
+                self._set_state(AgentState.EXIT_BARRIER)
                 self._mark_done(spec)
                 self._exit_barrier()
+                self._set_state(AgentState.SUCCEEDED)
                 return run_result
-            if state in {WorkerState.UNHEALTHY, WorkerState.FAILED}:
-                if self._report_lost_members_after_failure(wg, state):
-                    # a peer node was lost: our workers failed with it; not our retry
-                    self._restart_workers(wg)
-                    if interval is not None:
-                        next_check = time.monotonic() + interval
-                    continue
-                if self._remaining_restarts > 0:
-                    logger.info(
-                        "[%s] Worker group %s. %s/%s attempts left; will restart worker group",
-                        role,
-                        state.name,
-                        self._remaining_restarts,
-                        spec.max_restarts,
-                    )
-                    self._remaining_restarts -= 1
-                    self._restart_workers(wg)
-                    if interval is not None:
-                        next_check = time.monotonic() + interval
-                    continue
+            if action is AgentAction.FAIL:
                 self._stop_workers(wg)
                 wg.state = WorkerState.FAILED
+                self._set_state(AgentState.FAILED)
                 self._publish_failure()
                 return run_result
-            if state != WorkerState.HEALTHY:
+            if action is AgentAction.ABORT:
                 raise RuntimeError(f"[{role}] Worker group in {state.name} state")
-            now = time.monotonic()
-            if interval is not None and next_check is not None and now >= next_check:
-                next_check = now + interval
-                # membership changes do not count as retries
-                num_nodes_waiting = spec.rdzv_handler.num_nodes_waiting()
-                if num_nodes_waiting > 0:
+            if action is AgentAction.RETRY:
+                logger.info(
+                    "[%s] Worker group %s. %s/%s attempts left; will restart worker group",
+                    role,
+                    state.name,
+                    self._remaining_restarts,
+                    spec.max_restarts,
+                )
+                self._remaining_restarts -= 1
+            self._restart_workers(wg)  # RESTART (a peer lost or waiting) or RETRY
+            if interval is not None:
+                next_check = time.monotonic() + interval
+
+    def _decide(self, wg: WorkerGroup, state: WorkerState, check_due: bool) -> AgentAction:
+        """``decide``, asking the rendezvous what it asks for (at most once each)."""
+        waiting: int | None = None
+        lost: int | None = None
+        for _ in range(3):  # waiting nodes, lost members, then a verdict
+            action = decide(state, self._remaining_restarts, check_due, waiting, lost)
+            if action is AgentAction.ASK_WAITING:
+                waiting = wg.spec.rdzv_handler.num_nodes_waiting()
+                if waiting > 0:
                     logger.info(
                         "[%s] Detected %s new nodes from group_rank=%s; will restart worker group",
-                        role,
-                        num_nodes_waiting,
+                        wg.spec.role,
+                        waiting,
                         wg.group_rank,
                     )
-                    self._restart_workers(wg)
-                    next_check = time.monotonic() + interval
-                elif self._report_lost_members(wg):
-                    self._restart_workers(wg)
-                    next_check = time.monotonic() + interval
-
-    def _mark_done(self, spec: WorkerSpec) -> None:
-        """Tells the peers this node finished, so its exit is not taken for a lost node."""
-        mark = getattr(spec.rdzv_handler, "mark_done", None)
-        if mark is None:
-            return
-        try:
-            mark()
-        except (StoreError, RendezvousError, OSError) as e:
-            logger.warning("could not tell the other nodes that this one finished: %s", e)
-
-    def _lost_members(self, spec: WorkerSpec) -> list[tuple[int, str]]:
-        """Members of the running round lost since the last check (rendezvous permitting)."""
-        check = getattr(spec.rdzv_handler, "lost_members", None)
-        return list(check()) if check is not None else []
-
-    def _report_lost_members(self, wg: WorkerGroup) -> bool:
-        """Logs (and records as an event) every lost peer; True if the group must restart."""
-        lost = self._lost_members(wg.spec)
-        for rank, why in lost:
-            logger.error(
-                "[%s] node group_rank=%s of the running round was lost: %s; restarting the "
-                "worker group (group_rank=%s)", wg.spec.role, rank, why, wg.group_rank,
-            )
-            self._record("NODE_LOST", EventSource.AGENT, raw_error=f"group_rank {rank}: {why}")
-        return bool(lost)
-
-    def _report_lost_members_after_failure(self, wg: WorkerGroup, state: WorkerState) -> bool:
-        """``_report_lost_members`` for a group that failed. A check that cannot be made (the
-        store went away with a peer, say) is logged and the failure handled as this node's
-        own, so the workers' failures still reach the restart and the report."""
-        try:
-            return self._report_lost_members(wg)
-        except RendezvousGracefulExitError:
-            raise
-        except (StoreError, RendezvousError, OSError) as e:
-            logger.warning(
-                "[%s] worker group %s; could not check for lost nodes (%s): handling it as "
-                "this node's failure", wg.spec.role, state.name, e,
-            )
-            return False
-
-    def _publish_failure(self) -> None:
-        """Tells agents waiting in the exit barrier that this node failed, so they stop waiting."""
-        if self._store is None:
-            return
-        try:
-            _coord.publish_failure(self._store, self._worker_group.group_rank)
-        except (StoreError, RendezvousError, OSError) as e:  # the store may be gone already
-            logger.warning("could not publish the group failure to the store: %s", e)
-
-    def _exit_barrier(self) -> None:
-        """Keeps this agent alive until every agent finished, one failed, or the timeout.
-
-        Waits at most ``exit_barrier_timeout`` seconds; a node whose group failed for good
-        releases the barrier at once, so healthy nodes do not sit out the timeout.
-        """
-        wg = self._worker_group
-        logger.info(
-            "Local worker group finished (%s). Waiting up to %s seconds for other agents",
-            wg.state,
-            self._exit_barrier_timeout,
-        )
-        start = time.monotonic()
-        self._in_exit_barrier = True
-        try:
-            spec = wg.spec
-            early = _coord.exit_barrier(
-                self._store, wg.group_world_size or 1, self._exit_barrier_timeout,
-                lost=lambda: self._lost_members(spec),
-                check_every=max(spec.monitor_interval, 0.5),
-            )
-            if early is None:
-                logger.info(
-                    "Done waiting for other agents. Elapsed: %.3f s", _coord.elapsed_since(start)
-                )
+            elif action is AgentAction.ASK_LOST:
+                if state == WorkerState.HEALTHY:
+                    lost = int(self._report_lost_members(wg))
+                else:  # a peer lost with the workers: restart without using a retry
+                    lost = int(self._report_lost_members_after_failure(wg, state))
             else:
-                logger.warning("Leaving the exit barrier early: %s", early)
-        except SignalException as e:
-            logger.warning("Got termination signal: %s", e.sigval)
-            raise
-        except (StoreError, RendezvousError, OSError):
-            logger.exception(
-                "Error waiting on exit barrier. Elapsed: %.3f s", _coord.elapsed_since(start)
-            )
-        finally:
-            self._in_exit_barrier = False
+                return action
+        raise AssertionError(f"decide kept asking: {action.name} after waiting={waiting} "
+                             f"lost={lost}")

@@ -1,0 +1,157 @@
+"""A rendezvous store that outlives its host: the candidate endpoints of ``--rdzv-endpoint
+h1:p1,h2:p2,...``, a standby store on this node's candidate, and the choice of the live one.
+
+Every node that owns a candidate (its host is this machine; at most one candidate per node)
+hosts a store on it from the start, empty. All nodes meet on the live store: the reachable
+candidate with the highest ``epoch`` key, the first in the list among equals. When the live
+store's host is lost, the survivors move to the next one, raise its ``epoch`` past the old
+one's, and join there afresh (the rendezvous state is soft: the members re-create it). A node
+started later probes the candidates the same way and finds where the others went. What keeps
+the two sides of a partition from both training is the majority rule of ``_round.Machine.moved``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+import time
+from datetime import timedelta
+from typing import Any
+
+from fastelastic.errors import RendezvousConnectionError, StoreError
+
+from .utils import _matches_machine_hostname, parse_rendezvous_endpoint
+
+
+def _is_mine(host: str) -> bool:
+    """Whether ``host`` is an address of this node (of its network namespace): a literal
+    address is tried with a bind, which no lookup can get wrong; a name is looked up."""
+    try:
+        addr = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return _matches_machine_hostname(host)
+    with socket.socket(socket.AF_INET6 if addr.version == 6 else socket.AF_INET) as s:
+        try:
+            s.bind((str(addr), 0))
+            return True
+        except OSError:
+            return False
+
+log = logging.getLogger("fastelastic.rendezvous.fast_rendezvous")
+
+PROBE_S = 2.0  # seconds a candidate has to accept and answer a probe
+
+
+def parse_candidates(endpoint: str, default_port: int) -> list[tuple[str, int]]:
+    """``h1:p1,h2:p2,...`` as ``[(host, port), ...]``; at least two, no duplicates.
+
+    Raises:
+        ValueError: A malformed or repeated candidate.
+    """
+    out = [parse_rendezvous_endpoint(e, default_port) for e in endpoint.split(",")]
+    if any(not e.strip() for e in endpoint.split(",")):
+        raise ValueError(f"The rendezvous endpoint list {endpoint!r} has an empty entry.")
+    if len(set(out)) != len(out):
+        raise ValueError(f"The rendezvous endpoint list {endpoint!r} repeats a candidate.")
+    return out
+
+
+class Candidates:
+    """The candidates, this node's standby store and the connection to the live one."""
+
+    def __init__(self, run_id: str, endpoints: list[tuple[str, int]], is_host: bool | None,
+                 read_timeout: timedelta, token: bytes | None = None) -> None:
+        self.key = f"fe.rdzv.{run_id}/epoch"
+        self.endpoints = endpoints
+        self.read_timeout = read_timeout
+        self.token = token
+        self.standby: Any = None  # the store this node hosts, if it owns a candidate
+        self.standby_index = -1
+        if is_host is not False:
+            self._host(is_host)
+
+    def _host(self, is_host: bool | None) -> None:
+        from fastelastic.store import TCPStore
+
+        for i, (host, port) in enumerate(self.endpoints):
+            if not (is_host or _is_mine(host)):
+                continue
+            try:
+                self.standby = TCPStore(host, port, is_master=True, multi_tenant=True,
+                                        wait_for_workers=False, timeout=self.read_timeout,
+                                        token=self.token)
+                self.standby_index = i
+                return
+            except (StoreError, OSError) as e:  # hosted by another node of this machine
+                log.debug("candidate %s:%d already hosted (%s)", host, port, e)
+
+    def name(self, i: int) -> str:
+        host, port = self.endpoints[i]
+        return f"{host}:{port}"
+
+    def connect(self, exclude: int = -1, at_least: int = 0) -> tuple[Any, int, int]:
+        """Connects to the live store: (client, candidate index, epoch). Its epoch is raised
+        to ``at_least`` when lower (this node moves the rendezvous there).
+
+        At a node's start (``exclude`` -1) the first candidate is waited for up to the read
+        timeout, as a single endpoint is; a store that moved (epoch above 0) is taken at once.
+        Should the first never answer, the best other one is taken and its epoch raised to 1,
+        so that the first, coming up late and empty, is not mistaken for the live one.
+
+        Raises:
+            RendezvousConnectionError: No candidate answered within the read timeout.
+        """
+        deadline = time.monotonic() + self.read_timeout.total_seconds()
+        for _ in range(100_000):  # bounded by the deadline; each pass probes every candidate
+            found, errors = self._probe(exclude)
+            patient = exclude < 0 and time.monotonic() < deadline
+            if found and not (patient and found[0][0] == 0 and found[0][1] != 0):
+                break
+            if found and patient:  # only an empty standby so far: the first may be coming
+                for _, _, c in found:
+                    c.close()
+            elif not found and time.monotonic() >= deadline:
+                raise RendezvousConnectionError(
+                    "No rendezvous store candidate could be reached: " + "; ".join(errors))
+            time.sleep(0.2)
+        else:
+            raise RendezvousConnectionError("No rendezvous store candidate could be reached")
+        if exclude < 0 and found[0][1] != 0:
+            at_least = max(at_least, 1)
+        neg, i, client = found[0]
+        for _, _, other in found[1:]:
+            other.close()
+        epoch = -neg
+        if epoch < at_least:
+            epoch = int(client.add(self.key, at_least - epoch))
+        client.set_timeout(self.read_timeout)
+        return client, i, epoch
+
+    def _probe(self, exclude: int) -> tuple[list[tuple[int, int, Any]], list[str]]:
+        """Every answering candidate but ``exclude``: ``(-epoch, index, client)``, best
+        first; and what the others said."""
+        from fastelastic.store import TCPStore
+
+        found: list[tuple[int, int, Any]] = []
+        errors = []
+        for i, (host, port) in enumerate(self.endpoints):
+            if i == exclude:
+                continue
+            try:
+                c = TCPStore(host, port, timeout=timedelta(seconds=PROBE_S), token=self.token)
+            except (StoreError, OSError) as e:
+                errors.append(f"{host}:{port}: {e}")
+                continue
+            try:
+                found.append((-int(c.add(self.key, 0)), i, c))
+            except (StoreError, OSError) as e:
+                errors.append(f"{host}:{port}: {e}")
+                c.close()
+        found.sort(key=lambda f: (f[0], f[1]))
+        return found, errors
+
+    def close(self) -> None:
+        if self.standby is not None:
+            standby, self.standby = self.standby, None
+            standby.close()

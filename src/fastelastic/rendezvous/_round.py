@@ -1,0 +1,595 @@
+"""The fast rendezvous as a transport-free state machine.
+
+A node's attempt at a round moves through the phases of :class:`Phase`; :func:`transition` is
+the one rule saying which phase follows which event. Each phase's work is a generator that
+yields store requests (``("add", key, 1)``, ...), is sent their replies and reads an injected
+clock: :mod:`.fast_rendezvous` runs it on a store, the tests on a simulated store and clock.
+Keys and what they hold: :mod:`._schema`.
+
+Roles come from the ticket, so nobody races: ticket ``max_nodes`` publishes once the last
+complete round is over; ticket ``min_nodes`` coordinates: waits until that round is over and
+every member of it left (drain), waits ``last_call`` for more nodes in a new job's round (or
+with ``reform_last_call``), seals the ticket counter and publishes; everyone else waits for the
+outcome while watching that the deciders are alive.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastelastic.errors import (
+    RendezvousClosedError,
+    RendezvousError,
+    RendezvousGracefulExitError,
+    RendezvousTimeoutError,
+)
+
+from . import _schema as sc
+from ._liveness import Beats, Deciders, Watch, lost_members
+from ._schema import Seat
+
+__all__ = ["Config", "Event", "Machine", "Phase", "Seat", "transition"]
+
+log = logging.getLogger("fastelastic.rendezvous.fast_rendezvous")
+
+T = TypeVar("T")
+Proto = Generator[tuple[Any, ...], Any, T]  # yields a store request, is sent its reply
+
+SLICE = 1.0  # seconds: how often a blocked decider re-checks whether the round was decided
+MAX_WALK = 10_000  # bound on rounds walked forward/back
+MAX_WATCHED = 8  # peers whose keep-alive counters a member reads per membership check
+
+
+class Phase(enum.Enum):
+    """Where a node's attempt at one round is."""
+
+    TICKET = "ticket"            # add(t, 1); announce leaving the last round
+    RECORD = "record"            # record, seat placeholder, keep-alive counter
+    PUBLISH_GATE = "full gate"   # ticket max: wait until the last complete round is over
+    COORD_GATE = "gate"          # ticket min: likewise
+    DRAIN = "drain"              # ticket min: wait until every member of that round left
+    LAST_CALL = "last call"      # ticket min: wait for more nodes (a new job's round only)
+    SEAL = "seal"                # ticket min: close the ticket counter
+    PUBLISH = "publish"          # a decider: wait for the records, assign ranks, decide res
+    AWAIT = "await"              # wait for res while watching the deciders
+    SEAT = "seat"                # read this node's seat
+    MEMBER = "member"            # final: a member of the round
+    NEXT = "next"                # final: try round r + 1
+    CLOSED = "closed"            # final: the rendezvous is closed
+
+
+class Event(enum.Enum):
+    """What a phase's work found."""
+
+    FULL = "full"                # ticket above max / sealed at max
+    TICKET = "ticket"
+    PUBLISHER = "publisher"      # ticket == max
+    COORDINATOR = "coordinator"  # ticket == min (< max)
+    WAITER = "waiter"
+    DECIDED = "decided"          # res appeared meanwhile (decided, abandoned or closed)
+    FIRST = "first"              # no complete round before: a new job
+    OVER = "over"                # the last complete round is over
+    DRAINED = "drained"
+    CALL_OVER = "call over"
+    SEALED = "sealed"            # sealed below max: this node publishes
+    DONE = "done"
+    COMPLETE = "complete"
+    ABANDONED = "abandoned"
+    CLOSED = "closed"
+    ADMITTED = "admitted"
+    NOT_ADMITTED = "not admitted"
+
+
+P, E = Phase, Event
+TRANSITIONS: dict[tuple[Phase, Event], Phase] = {
+    (P.TICKET, E.FULL): P.NEXT,
+    (P.TICKET, E.TICKET): P.RECORD,
+    (P.RECORD, E.PUBLISHER): P.PUBLISH_GATE,
+    (P.RECORD, E.COORDINATOR): P.COORD_GATE,
+    (P.RECORD, E.WAITER): P.AWAIT,
+    (P.PUBLISH_GATE, E.OVER): P.PUBLISH,
+    (P.PUBLISH_GATE, E.DECIDED): P.AWAIT,
+    (P.COORD_GATE, E.FIRST): P.LAST_CALL,
+    (P.COORD_GATE, E.OVER): P.DRAIN,
+    (P.COORD_GATE, E.DECIDED): P.AWAIT,
+    (P.DRAIN, E.DRAINED): P.LAST_CALL,
+    (P.DRAIN, E.DECIDED): P.AWAIT,
+    (P.LAST_CALL, E.CALL_OVER): P.SEAL,
+    (P.LAST_CALL, E.DECIDED): P.AWAIT,
+    (P.SEAL, E.SEALED): P.PUBLISH,
+    (P.SEAL, E.FULL): P.AWAIT,  # at max, the max-ticket holder publishes
+    (P.PUBLISH, E.DONE): P.AWAIT,
+    (P.AWAIT, E.COMPLETE): P.SEAT,
+    (P.AWAIT, E.ABANDONED): P.NEXT,
+    (P.AWAIT, E.CLOSED): P.CLOSED,
+    (P.SEAT, E.ADMITTED): P.MEMBER,
+    (P.SEAT, E.NOT_ADMITTED): P.NEXT,
+}
+FINAL = frozenset({P.MEMBER, P.NEXT, P.CLOSED})
+
+
+def transition(phase: Phase, event: Event) -> Phase:
+    """The phase that follows ``event`` in ``phase``; raises ``RendezvousError`` for a pair
+    the protocol has no rule for (a bug, never a peer's doing)."""
+    try:
+        return TRANSITIONS[(phase, event)]
+    except KeyError:
+        raise RendezvousError(f"no rendezvous transition from {phase} on {event}") from None
+
+
+@dataclass(frozen=True)
+class Config:
+    """What a node's machine needs to know (timeouts in seconds)."""
+
+    run_id: str
+    min_nodes: int
+    max_nodes: int
+    join: float = 600.0
+    last_call: float = 30.0
+    ka_interval: float = 1.0
+    ka_max: int = 5
+    reform_last_call: bool = False
+    hooks: bool = True  # the store runs disconnect actions (fastelastic's server, etcd leases)
+
+    @property
+    def window(self) -> float:
+        """Keep-alive counters standing still this long mean the node is lost."""
+        return self.ka_interval * self.ka_max
+
+    @property
+    def spare_window(self) -> float:
+        """The shorter window used while a spare is ready to take a silent member's seat."""
+        return max(2 * self.ka_interval, self.window / 2)
+
+
+@dataclass
+class _Attempt:
+    """One node's attempt at round ``k.r``: what its phases found so far."""
+
+    k: sc.RoundKeys
+    deadline: float
+    ticket: int = 0
+    count: int = 0
+    last: tuple[int, int] | None = None  # the last complete round: (round, world)
+    res: sc.Outcome = sc.Outcome("")
+    seat: Seat | None = None
+
+
+def _watched(world: int) -> int:
+    """How many peers each member watches (the next ranks, round-robin)."""
+    return min(world - 1, MAX_WATCHED)
+
+
+# Store requests. Replies: add -> int; get -> bytes, or None once ``timeout`` s passed;
+# wait -> True once every key is set, False after ``timeout`` s; check -> bool;
+# multi_get -> list of bytes; compare_set -> the value now stored; the rest -> None.
+def _rq(*args: Any) -> tuple[Any, ...]:
+    return args
+
+
+class Machine:
+    """One node's side of the protocol: its state between rounds and the generators of each
+    operation (``join``, ``lost_members``, ``set_closed``, ...)."""
+
+    def __init__(self, cfg: Config, clock: Callable[[], float] = time.monotonic) -> None:
+        self.cfg = cfg
+        self.clock = clock
+        self.keys = sc.Keys(cfg.run_id)
+        self.member: tuple[int, int, int] | None = None  # (round, rank, world)
+        self.watch: Watch | None = None
+        self.prev_watch: Watch | None = None  # the last round's, for the drain
+        self.last_seen: tuple[int, int] | None = None  # see _last_complete
+        self.waited_as_spare = False  # this node waited behind a full, running round
+        self.leaving = False  # tell the last round it left, once the new ticket is counted
+        self.spare_ready = False  # a node waits behind this node's full round
+        self.path: list[Phase] = []  # the phases of the last attempt, for reports and tests
+        self.carried = 0  # the world this node had before the rendezvous moved (see moved)
+        self.no_quorum = False  # a round here failed the majority rule: no early seal now
+        self._phases: dict[Phase, Callable[[_Attempt], Proto[Event]]] = {
+            P.TICKET: self._ticket, P.RECORD: self._record, P.PUBLISH_GATE: self._full_gate,
+            P.COORD_GATE: self._gate, P.DRAIN: self._drain, P.LAST_CALL: self._last_call,
+            P.SEAL: self._seal, P.PUBLISH: self._publish, P.AWAIT: self._await,
+            P.SEAT: self._seat,
+        }
+        self._identity = (-1, "", 0, b"")
+
+    def moved(self) -> None:
+        """The rendezvous moved to a successor store (its host was lost): the rounds start
+        over there. The world this node was a member of comes along: a round on the successor
+        forms only with a majority of it (so the two sides of a partition never both train),
+        and is sealed as soon as all of it but the lost host is back."""
+        if self.member is not None:
+            self.carried = self.member[2]
+            self._identity = (self.member[1], *self._identity[1:])
+        self.member = self.watch = self.prev_watch = self.last_seen = None
+        self.leaving = self.spare_ready = False
+
+    @property
+    def quorum(self) -> int:
+        """The fewest members this node accepts in a round: a majority of its moved world."""
+        return self.carried // 2 + 1 if self.carried else 0
+
+    # ------------------------------------------------------------------ joining
+
+    def join(self, node_rank: int, addr: str, pid: int, wstore: bytes) -> Proto[Seat]:
+        """Joins the next round this node can be a member of; its :class:`Seat`.
+
+        Raises:
+            RendezvousClosedError / RendezvousGracefulExitError: closed (the latter for a
+                node that waited as a spare).
+            RendezvousTimeoutError: the join timeout passed first.
+        """
+        deadline = self.clock() + self.cfg.join
+        yield _rq("stop_beats")
+        self.waited_as_spare = self.spare_ready = False
+        self.prev_watch, self.watch = self.watch, None
+        if self.carried:  # moved: keep the rank it had
+            node_rank = self._identity[0]
+        self._identity = (node_rank, addr, pid, wstore)
+        if (yield _rq("check", [self.keys.closed])):
+            raise RendezvousClosedError(f"The rendezvous '{self.cfg.run_id}' is closed.")
+        if self.member is not None:
+            r = self.member[0] + 1
+            self.leaving = True
+        else:
+            r = int((yield _rq("add", self.keys.open, 0)))
+        for _ in range(MAX_WALK):
+            if self.clock() > deadline:
+                break
+            a = _Attempt(self.keys.round(r), deadline)
+            seat = yield from self._attempt(a)
+            deadline = a.deadline  # a spare's join timeout starts when its round is over
+            if seat is not None:
+                self.member, self.carried = (r, seat.rank, seat.world), 0
+                self.no_quorum = False
+                k = a.k
+                if self.cfg.hooks:  # our death: we left, the round is over, and why
+                    yield _rq("on_disconnect", [k.left(seat.rank), k.broken, k.gone],
+                              [b"1", b"1", b"%d:closed;" % seat.rank])
+                self.watch = Watch(k, seat.rank, seat.world, seat.peers, self.cfg.window,
+                                   self.cfg.ka_interval / 2)
+                return seat
+            r += 1
+        raise RendezvousTimeoutError(
+            f"The rendezvous '{self.cfg.run_id}' did not complete within "
+            f"{self.cfg.join:g} seconds.")
+
+    def _attempt(self, a: _Attempt) -> Proto[Seat | None]:
+        phase = P.TICKET
+        self.path = []
+        for _ in range(len(Phase)):  # each phase runs at most once per attempt
+            self.path.append(phase)
+            if phase in FINAL:
+                break
+            event = yield from self._phases[phase](a)
+            phase = transition(phase, event)
+        else:
+            raise RendezvousError(f"no final phase after {self.path}")
+        if phase is P.CLOSED:
+            raise (yield from self.closed_error(a.k.r))
+        if phase is P.MEMBER:
+            return a.seat
+        return None
+
+    def _ticket(self, a: _Attempt) -> Proto[Event]:
+        a.ticket = int((yield _rq("add", a.k.tickets, 1)))
+        # Only now that our ticket is counted: a coordinator that sees every member of the
+        # last round back seals at once, and must not seal before our ticket.
+        yield from self.leave()
+        return E.FULL if a.ticket > self.cfg.max_nodes else E.TICKET
+
+    def _record(self, a: _Attempt) -> Proto[Event]:
+        k, t, cfg = a.k, a.ticket, self.cfg
+        if cfg.hooks:  # our death abandons the round while it forms
+            yield _rq("append_on_disconnect", k.outcome, sc.ABANDONED)
+        node_rank, addr, pid, wstore = self._identity
+        pref = self.member[1] if self.member is not None else node_rank
+        # The record; a placeholder for our seat, which the publisher overwrites before it
+        # decides res; and the keep-alive counter, bumped from the ticket on.
+        yield _rq("multi_set", [k.record(t), k.seat(t), k.beat(t)],
+                  [sc.encode_record(pref, addr, pid, wstore, self.quorum), b"-1", b"0"])
+        yield _rq("beat", k.beat(t))
+        if t == cfg.max_nodes:
+            a.count = t
+            return E.PUBLISHER
+        return E.COORDINATOR if t == cfg.min_nodes else E.WAITER
+
+    def _full_gate(self, a: _Attempt) -> Proto[Event]:
+        # A full round has no room for the last round's members still coming, so it waits
+        # for nobody once that round is over.
+        return E.OVER if (yield from self._after_last_round(a)) else E.DECIDED
+
+    def _gate(self, a: _Attempt) -> Proto[Event]:
+        if not (yield from self._after_last_round(a)):
+            return E.DECIDED
+        return E.FIRST if a.last is None else E.OVER
+
+    def _last_call(self, a: _Attempt) -> Proto[Event]:
+        # A round that re-forms after a complete one needs no last call: every member of
+        # that round is back (or lost), and a node that comes later joins the next round.
+        wait = min(self.cfg.last_call, a.deadline - self.clock())
+        if a.last is None and self.carried and not (self.cfg.reform_last_call or self.no_quorum):
+            # the first round on a successor: everyone of the last world but its lost host
+            if wait >= 0.001:
+                yield _rq("wait", [a.k.record(max(1, self.carried - 1))], wait)
+            return E.DECIDED if (yield _rq("check", [a.k.outcome])) else E.CALL_OVER
+        if a.last is None or self.cfg.reform_last_call:
+            if wait >= 0.001 and (yield _rq("wait", [a.k.outcome], wait)):
+                return E.DECIDED  # max reached, closed or abandoned meanwhile
+        return E.CALL_OVER
+
+    def _seal(self, a: _Attempt) -> Proto[Event]:
+        a.count = int((yield _rq("add", a.k.tickets, sc.SEAL))) - sc.SEAL
+        return E.SEALED if a.count < self.cfg.max_nodes else E.FULL
+
+    def _await(self, a: _Attempt) -> Proto[Event]:
+        a.res, a.deadline = yield from self._wait_outcome(a.k, a.deadline, mine=True,
+                                                          ticket=a.ticket)
+        kind = a.res.kind
+        if kind == "D":
+            self.no_quorum |= a.res.no_quorum
+            log.info("rendezvous %s round %d abandoned (a node left); re-joining",
+                     self.cfg.run_id, a.k.r)
+            return E.ABANDONED
+        return E.COMPLETE if kind == "M" else E.CLOSED
+
+    def _seat(self, a: _Attempt) -> Proto[Event]:
+        world = a.res.world
+        if a.res.identity:  # the fast path: no request
+            rank = a.ticket - 1 if a.ticket <= world else -1
+            peers = [b"%d" % ((rank + i) % world + 1) for i in range(1, _watched(world) + 1)]
+        else:
+            rank, peers = sc.parse_seat(bytes((yield _rq("get", a.k.seat(a.ticket), None))))
+        if rank < 0:  # not admitted (round full, or our record came too late)
+            return E.NOT_ADMITTED
+        a.seat = Seat(a.k.r, rank, world, peers, a.res.wstore)
+        return E.ADMITTED
+
+    # ------------------------------------------------------------------ deciding
+
+    def _wait_outcome(self, k: sc.RoundKeys, deadline: float, mine: bool = True,
+                      ticket: int = 0) -> Proto[tuple[sc.Outcome, float]]:
+        """Round ``k.r``'s outcome, and the deadline kept.
+
+        A node holding ``ticket`` checks every quarter window that the holders of the deciding
+        tickets are alive, and abandons the round when one is not. A spare's join timeout
+        starts only when the full round it waits behind is over.
+        """
+        cfg = self.cfg
+        watch = Deciders(cfg, self.clock, k, ticket) if ticket else None
+        while True:
+            remaining = deadline - self.clock()
+            if remaining <= 0:
+                if mine and (yield from self._spare(k.r)):
+                    self.waited_as_spare = True
+                    deadline = self.clock() + cfg.join
+                    continue
+                if mine:  # give up our ticket: nobody may count this node in any more
+                    yield _rq("append", k.outcome, sc.ABANDONED)
+                raise RendezvousTimeoutError(
+                    f"The rendezvous '{cfg.run_id}' did not complete within {cfg.join:g} "
+                    "seconds.")
+            step = remaining if watch is None else min(remaining, cfg.window / 4)
+            raw = yield _rq("get", k.outcome, max(step, 0.001))  # one round trip either way
+            if raw is not None:
+                return sc.parse_outcome(bytes(raw)), deadline
+            if watch is not None and (yield from watch.stalled()):
+                yield _rq("compare_set", k.outcome, "", sc.ABANDONED)
+
+    def _spare(self, r: int) -> Proto[bool]:
+        """True while the last round before ``r`` is complete, full and not over: a node
+        waiting for ``r`` is then a spare (torch's redundancy list), whom no join timeout
+        applies to."""
+        last = yield from self._last_complete(r, self.clock() + SLICE)
+        if last is None or last[1] < self.cfg.max_nodes:
+            return False
+        return not (yield _rq("check", [self.keys.round(last[0]).broken]))
+
+    def _last_complete(self, r: int, deadline: float) -> Proto[tuple[int, int] | None]:
+        """Walks back from ``r - 1`` to the last complete round: (round, world)."""
+        cached = self.last_seen
+        if cached is not None and r - 1 <= cached[0] < r:
+            return cached
+        for q in range(r - 1, max(-1, r - 1 - MAX_WALK), -1):
+            res, _ = yield from self._wait_outcome(self.keys.round(q), deadline, mine=False)
+            if res.kind == "M":
+                self.last_seen = (q, res.world)
+                return self.last_seen
+            if res.kind == "C":
+                raise RendezvousClosedError(f"The rendezvous '{self.cfg.run_id}' is closed.")
+        return None
+
+    def _after_last_round(self, a: _Attempt) -> Proto[bool]:
+        """Before a decider decides: waits until the last complete round is over.
+
+        While it runs, everyone waiting for this round is a spare, and a round of spares must
+        not form beside it (two worlds); it is over once a member of it left or was lost
+        (``broken``). Sets ``a.last`` (None if there is none) and the deadline to keep; False
+        if the round got decided meanwhile. A spare's join timeout counts from the moment the
+        round it waited behind is over.
+        """
+        a.last = yield from self._last_complete(a.k.r, a.deadline)
+        if a.last is None:
+            return True
+        lk = self.keys.round(a.last[0])
+        waited = False
+        for _ in range(MAX_WALK * 1000):  # bounded in count; each pass is a SLICE
+            why = yield _rq("get", lk.broken, SLICE)  # wait, and read why (C: closed)
+            if why is not None:
+                break
+            waited = self.waited_as_spare = True
+            if (yield _rq("check", [a.k.outcome])):
+                return False
+        else:
+            raise RendezvousTimeoutError("waited too long behind a running round")
+        if waited:
+            # The job ended (closed, or a member finished its work): spares go home before
+            # the job's store does.
+            gone = sc.parse_gone(bytes((yield _rq("get", lk.gone, None))))
+            if b"C" in bytes(why) or "done" in gone.values():
+                raise (yield from self.closed_error(a.k.r))
+            a.deadline = self.clock() + self.cfg.join
+        return True
+
+    def _drain(self, a: _Attempt) -> Proto[Event]:
+        """Waits until every member of the last complete round left.
+
+        A member whose keep-alive counter stands still for the detection window is dropped
+        (frozen, hung or cut off); when this node watched it during that round, the window
+        counts from the last change it saw then. Each check is one ``multi_get`` (the round's
+        ``gone`` and the missing members' counters), whatever the number of members.
+        """
+        assert a.last is not None
+        cfg, (q, world) = self.cfg, a.last
+        lk = self.keys.round(q)
+        missing = list(range(world))
+        beats = Beats(cfg.window, cfg.ka_interval / 2)
+        prev = self.prev_watch
+        if prev is not None and prev.k.p == lk.p:
+            beats.since.update(prev.beats.since)
+        step = max(0.05, min(cfg.window / 4, cfg.ka_interval / 2))
+        tickets: list[str] | None = None
+        while missing:
+            remaining = a.deadline - self.clock()
+            if remaining <= 0:
+                return E.DECIDED  # the wait for the outcome reports the timeout
+            if (yield _rq("wait", [lk.left(i) for i in missing], min(step, remaining))):
+                break
+            if (yield _rq("check", [a.k.outcome])):
+                return E.DECIDED
+            if tickets is None:  # once: the members' tickets, for their keep-alive counters
+                who = yield _rq("multi_get", [lk.who(i) for i in range(world)])
+                tickets = [sc.who_parts(bytes(v))[0] for v in who]
+            vals = [bytes(v) for v in (yield _rq(
+                "multi_get", [lk.gone] + [lk.beat(tickets[i]) for i in missing]))]
+            gone = sc.parse_gone(vals[0])
+            counters = {i: v for i, v in zip(missing, vals[1:], strict=True) if i not in gone}
+            for rank, still in beats.observe(counters, self.clock()).items():
+                log.warning("rendezvous %s: member rank %d of round %d was lost (silent: no "
+                            "keep-alive for %.1fs); dropping it", cfg.run_id, rank, q, still)
+                yield _rq("multi_set", [lk.left(rank), lk.broken], [b"hung", b"1"])
+                gone[rank] = "silent"
+            missing = [i for i in missing if i not in gone]
+        return E.DRAINED
+
+    def _publish(self, a: _Attempt) -> Proto[Event]:
+        """Decides the round with ``a.count`` tickets: ranks, seats, then one compare_set."""
+        k, cfg = a.k, self.cfg
+        tickets = list(range(1, a.count + 1))
+        drop_at = min(a.deadline, self.clock() + cfg.window)
+        while True:
+            remaining = drop_at - self.clock()
+            if remaining <= 0:  # tickets without a record: lost after their add, or strays
+                have = []
+                for i in tickets:
+                    if (yield _rq("check", [k.record(i)])):
+                        have.append(i)
+                log.warning("rendezvous %s round %d: dropping tickets %s (no record within "
+                            "%gs)", cfg.run_id, k.r, sorted(set(tickets) - set(have)),
+                            cfg.window)
+                tickets = have
+                break
+            if (yield _rq("wait", [k.record(i) for i in tickets], min(SLICE, remaining))):
+                break
+            if (yield _rq("check", [k.outcome])):  # a joiner died before writing its record
+                return E.DONE
+        records = [bytes(v) for v in (yield _rq("multi_get", [k.record(i) for i in tickets]))]
+        quorums = [q for q in map(sc.record_quorum, records) if q]  # members of a moved world
+        if len(tickets) < cfg.min_nodes or len(quorums) < max(quorums, default=0):
+            log.warning("rendezvous %s round %d: %d nodes (%d of a moved world needing %d); "
+                        "abandoning the round", cfg.run_id, k.r, len(tickets), len(quorums),
+                        max(quorums, default=0))
+            yield _rq("compare_set", k.outcome, "", sc.NO_QUORUM if quorums else sc.ABANDONED)
+            return E.DONE
+        world = len(tickets)
+        ranks = sc.assign_ranks([sc.record_pref(raw) for raw in records], world)
+        by_rank = [0] * world
+        for ticket, rank in zip(tickets, ranks, strict=True):
+            by_rank[rank] = ticket
+        # O(1) for each node to read: its seat (rank and the tickets of the peers it watches;
+        # none when every rank is the ticket minus one) and, by rank, each member's ticket and
+        # record (for reports and the next drain).
+        identity = by_rank == list(range(1, world + 1))
+        record_of = dict(zip(tickets, records, strict=True))
+        keys, vals = [k.gone], [b""]
+        for rank, ticket in enumerate(by_rank):
+            keys.append(k.who(rank))
+            vals.append(b"%d|%s" % (ticket, record_of[ticket]))
+            if not identity:
+                keys.append(k.seat(ticket))
+                vals.append(sc.encode_seat(rank, [by_rank[(rank + i) % world]
+                                                  for i in range(1, _watched(world) + 1)]))
+        yield _rq("multi_set", keys, vals)
+        blob = sc.encode_outcome(world, sc.record_wstore(record_of[by_rank[0]]), identity)
+        if bytes((yield _rq("compare_set", k.outcome, "", blob))) == blob:
+            yield _rq("set", self.keys.open, b"%d" % (k.r + 1))
+        return E.DONE
+
+    # ------------------------------------------------------------------ membership
+
+    def lost_members(self) -> Proto[list[tuple[int, str]]]:
+        """Members of this node's round lost since the last call: ``[(rank, why), ...]``
+        (see ``FastRendezvousHandler.lost_members``)."""
+        if self.watch is None:
+            return []
+        return (yield from lost_members(self.watch, self.cfg, self.spare_ready, self.clock))
+
+    def num_nodes_waiting(self) -> Proto[int]:
+        """Tickets taken in the round after this node's; 0 behind a full round (spares)."""
+        if self.member is None:
+            return 0
+        r, _, world = self.member
+        v = int((yield _rq("add", self.keys.round(r + 1).tickets, 0)))
+        v = v - sc.SEAL if v >= sc.SEAL else v
+        if world >= self.cfg.max_nodes:
+            self.spare_ready = v > 0
+            return 0
+        return v
+
+    def leave(self) -> Proto[None]:
+        """Tells the members of this node's last round that it left, if it is leaving:
+        ``left/<rank>`` (what the next round's coordinator waits for), ``broken`` (a next
+        round may form) and ``<rank>:left;`` in ``gone`` (the others restart at their next
+        membership check). Fire-and-forget writes."""
+        if self.member is None or not self.leaving:
+            return
+        self.leaving = False
+        q, rank, _ = self.member
+        k = self.keys.round(q)
+        yield _rq("multi_set", [k.left(rank), k.broken], [b"1", b"1"])
+        yield _rq("append", k.gone, b"%d:left;" % rank)
+
+    def mark_done(self) -> Proto[None]:
+        """Tells the others this node's workers finished: its later exit is no loss."""
+        if self.watch is not None:
+            yield _rq("append", self.watch.k.gone, b"%d:done;" % self.watch.rank)
+
+    def set_closed(self) -> Proto[None]:
+        """Sets ``closed`` and wakes every node waiting in a forming round or as a spare."""
+        yield _rq("set", self.keys.closed, b"1")
+        cur = int((yield _rq("add", self.keys.open, 0)))
+        rounds = {cur, cur + 1}
+        if self.member is not None:
+            rounds.add(self.member[0] + 1)
+        for r in sorted(rounds):
+            yield _rq("append", self.keys.round(r).outcome, sc.CLOSED)
+        if self.member is not None:  # wakes the spares waiting behind our round at once
+            yield _rq("append", self.keys.round(self.member[0]).broken, b"C")
+
+    def has_waiters(self) -> Proto[bool]:
+        """True when nodes wait for the round after this node's (spares, at shutdown)."""
+        if self.member is None:
+            return False
+        return bool(int((yield _rq("add", self.keys.round(self.member[0] + 1).tickets, 0))))
+
+    def closed_error(self, r: int) -> Proto[RendezvousError]:
+        """Closed: a spare (waiting behind a full round) exits gracefully, as torch's does."""
+        if self.waited_as_spare or (yield from self._spare(r)):
+            return RendezvousGracefulExitError(
+                f"The rendezvous '{self.cfg.run_id}' is closed; this node waited as a spare.")
+        return RendezvousClosedError(f"The rendezvous '{self.cfg.run_id}' is closed.")

@@ -1,0 +1,231 @@
+"""The fast rendezvous's key schema: every key it writes, what each holds, and their codecs.
+
+All keys live under ``fe.rdzv.<run_id>/``; a round ``r``'s keys under ``<r>/``.
+
+Run-wide:
+
+* ``open``: the round new nodes should join (set by each round's publisher; a hint).
+* ``closed``: exists once the rendezvous is closed.
+* ``epoch``: how many times the rendezvous moved to a successor store (``--rdzv-endpoint``
+  with several candidates): the live store is the reachable one with the highest epoch.
+
+Round ``r``:
+
+* ``t`` (:py:attr:`RoundKeys.tickets`): the ticket counter. A node's ``add(t, 1)`` is its join;
+  a ticket above ``max_nodes`` means the round is full and the node waits in ``r + 1``. The
+  coordinator seals the round with ``add(t, SEAL)``: the value it gets back minus ``SEAL`` is
+  the final count, and every later ticket is above ``SEAL``.
+* ``n/<ticket>`` (:py:meth:`RoundKeys.record`): the node's record,
+  ``pref|addr|pid|wstore|quorum`` (preferred rank, address, pid, its workers' store address,
+  the fewest members it accepts: a majority of its last world after a move, else 0).
+* ``rank/<ticket>`` (:py:meth:`RoundKeys.seat`): the node's seat, ``<rank>|<tickets of the
+  peers it watches>``; ``-1`` until the publisher writes it (and for a node not admitted).
+* ``who/<rank>`` (:py:meth:`RoundKeys.who`): ``<ticket>|<record>`` of each member, by rank.
+* ``hb/t<ticket>`` (:py:meth:`RoundKeys.beat`): the node's keep-alive counter, bumped every
+  keep-alive interval from the moment it took its ticket.
+* ``res`` (:py:attr:`RoundKeys.outcome`): the round's outcome, decided by one compare-and-set
+  from absent: ``M<world>\\n<rank 0's workers' store address>\\n`` (complete; a third line
+  ``=`` when every rank is the ticket minus one, so nobody needs to read a seat) or ``D;``
+  (abandoned: everyone re-joins ``r + 1``; also appended by the server when a joined node's
+  connection closes). A ``C;`` appended by ``set_closed`` means closed. Text after the first
+  newline is not part of the verdict, so late appends never corrupt a complete outcome.
+* ``gone`` (:py:attr:`RoundKeys.gone`): ``<rank>:<why>;`` entries, first one per rank wins:
+  ``closed`` (the server, when a member's connection closed), ``done`` (its workers finished;
+  its later exit is no loss), ``left`` (it re-joins or leaves for good), ``silent`` (a peer saw
+  its counter stand still for the detection window).
+* ``left/<rank>`` (:py:meth:`RoundKeys.left`): the member left the round (re-joined, left,
+  died, or was found silent). The next round is sealed once every member has left.
+* ``broken`` (:py:attr:`RoundKeys.broken`): the round is over (a member left or was lost); ``C``
+  is appended when the rendezvous closes. Spares wait for it.
+* ``wstore``: rank 0's workers' store address, for rounds decided without it in ``res``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from fastelastic.errors import RendezvousStateError
+
+__all__ = ["SEAL", "Keys", "RoundKeys", "assign_ranks"]
+
+SEAL = 1 << 40
+
+
+class Keys:
+    """The run-wide keys, and each round's (:py:meth:`round`)."""
+
+    def __init__(self, run_id: str) -> None:
+        self.base = f"fe.rdzv.{run_id}/"
+        self.open = self.base + "open"
+        self.closed = self.base + "closed"
+        self.epoch = self.base + "epoch"
+
+    def round(self, r: int) -> RoundKeys:
+        return RoundKeys(self.base, r)
+
+
+class RoundKeys:
+    """The keys of round ``r`` (see the module docstring for what each holds)."""
+
+    __slots__ = ("broken", "gone", "outcome", "p", "r", "tickets", "wstore")
+
+    def __init__(self, base: str, r: int) -> None:
+        self.r = r
+        self.p = p = f"{base}{r}/"
+        self.tickets = p + "t"
+        self.outcome = p + "res"
+        self.gone = p + "gone"
+        self.broken = p + "broken"
+        self.wstore = p + "wstore"
+
+    def record(self, ticket: int | str) -> str:
+        return f"{self.p}n/{ticket}"
+
+    def seat(self, ticket: int | str) -> str:
+        return f"{self.p}rank/{ticket}"
+
+    def beat(self, ticket: int | bytes | str) -> str:
+        if isinstance(ticket, bytes):
+            ticket = ticket.decode()
+        return f"{self.p}hb/t{ticket}"
+
+    def who(self, rank: int) -> str:
+        return f"{self.p}who/{rank}"
+
+    def left(self, rank: int) -> str:
+        return f"{self.p}left/{rank}"
+
+
+# ---------------------------------------------------------------------- values
+
+
+def encode_record(pref: int, addr: str, pid: int, wstore: bytes, quorum: int = 0) -> bytes:
+    return b"%d|%s|%d|%s|%d" % (pref, addr.encode(), pid, wstore, quorum)
+
+
+def record_quorum(raw: bytes) -> int:
+    """The fewest members the node accepts in a round (0: no rule): a majority of the last
+    world it was a member of, once the rendezvous moved to a successor store."""
+    parts = raw.split(b"|")
+    try:
+        return int(parts[4]) if len(parts) > 4 else 0
+    except ValueError as e:
+        raise RendezvousStateError(f"corrupt node record {raw[:40]!r}") from e
+
+
+def record_pref(raw: bytes) -> int:
+    """The preferred rank in a node's record."""
+    try:
+        return int(raw.split(b"|", 1)[0])
+    except ValueError as e:
+        raise RendezvousStateError(f"corrupt node record {raw[:40]!r}") from e
+
+
+def record_wstore(raw: bytes) -> bytes:
+    """The workers' store address in a node's record (b"" for none)."""
+    parts = raw.split(b"|")
+    return parts[3] if len(parts) > 3 else b""
+
+
+def who_parts(raw: bytes) -> tuple[str, str, str]:
+    """A member's ``who`` entry: (ticket, address, pid), as text ("" when absent)."""
+    ticket, _, addr, pid = (raw.decode("utf-8", "replace").split("|") + ["", "", ""])[:4]
+    return ticket, addr, pid
+
+
+@dataclass
+class Seat:
+    """A node's place in a complete round."""
+
+    round: int
+    rank: int
+    world: int
+    peers: list[bytes]  # tickets of the peers whose keep-alives it watches
+    wstore: bytes  # rank 0's workers' store address (b"" if not in the outcome)
+
+
+def encode_seat(rank: int, peers: list[int]) -> bytes:
+    return b"%d|%s" % (rank, b",".join(b"%d" % t for t in peers))
+
+
+def parse_seat(raw: bytes) -> tuple[int, list[bytes]]:
+    """A node's seat: (rank or -1, tickets of the peers it watches)."""
+    head, _, peers = raw.partition(b"|")
+    try:
+        return int(head), peers.split(b",") if peers else []
+    except ValueError as e:
+        raise RendezvousStateError(f"corrupt rank {raw[:40]!r}") from e
+
+
+def encode_outcome(world: int, wstore: bytes, identity: bool) -> bytes:
+    return b"M%d\n%s\n%s" % (world, wstore, IDENTITY if identity else b"")
+
+
+ABANDONED = b"D;"
+NO_QUORUM = b"DQ;"  # abandoned: no majority of a moved world (see _round.Machine.moved)
+CLOSED = b"C;"
+IDENTITY = b"=\n"  # third line of a complete outcome: rank = ticket - 1, no seats written
+
+
+class Outcome(NamedTuple):
+    kind: str  # "M" complete, "C" closed, "D" abandoned
+    world: int = 0
+    wstore: bytes = b""  # rank 0's workers' store address
+    identity: bool = False  # every node's rank is its ticket - 1 (no seat to read)
+    no_quorum: bool = False  # abandoned for want of a majority of a moved world
+
+
+def parse_outcome(raw: bytes) -> Outcome:
+    """``res``: complete (world, workers' store, identity), closed or abandoned."""
+    head, _, rest = raw.partition(b"\n")
+    if head.startswith(b"M"):
+        try:
+            world = int(head[1:])
+        except ValueError as e:
+            raise RendezvousStateError(f"corrupt rendezvous outcome {raw[:40]!r}") from e
+        wstore, nl, rest = rest.partition(b"\n")
+        return Outcome("M", world, wstore if nl else b"", rest.startswith(IDENTITY))
+    if b"C" in head:
+        return Outcome("C")
+    if head.startswith(b"D"):
+        return Outcome("D", no_quorum=head.startswith(NO_QUORUM[:2]))
+    raise RendezvousStateError(f"corrupt rendezvous outcome {raw[:40]!r}")
+
+
+def parse_gone(raw: bytes) -> dict[int, str]:
+    """``gone``'s ``<rank>:<why>;`` entries: the first reason given for each rank."""
+    out: dict[int, str] = {}
+    for entry in raw.split(b";"):
+        rank, _, why = entry.partition(b":")
+        try:
+            out.setdefault(int(rank), why.decode("ascii", "replace"))
+        except ValueError:
+            continue
+    return out
+
+
+def assign_ranks(prefs: list[int], world_size: int) -> list[int]:
+    """Assigns ranks 0..world_size-1 to nodes listed in join order.
+
+    A node keeps its preferred rank when that rank is in range and no earlier node took it;
+    the others take the free ranks in join order.
+
+    Args:
+        prefs: Preferred rank of each node in join order (-1 for none).
+        world_size: Number of nodes; ``len(prefs)``.
+
+    Returns:
+        The rank of each node, in join order.
+    """
+    ranks = [-1] * world_size
+    taken = [False] * world_size
+    for i, pref in enumerate(prefs):
+        if 0 <= pref < world_size and not taken[pref]:
+            ranks[i] = pref
+            taken[pref] = True
+    free = (r for r in range(world_size) if not taken[r])
+    for i in range(world_size):
+        if ranks[i] < 0:
+            ranks[i] = next(free)
+    return ranks

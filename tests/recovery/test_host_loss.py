@@ -1,0 +1,71 @@
+"""The node hosting the rendezvous store is lost, in simulated hosts (network namespaces).
+
+``--rdzv-endpoint`` lists three candidates, nodes 0, 1 and 2 (each hosts its own); node 0's is
+the live store. It is SIGKILLed, loses power (link down, then every process killed), freezes
+or has its link cut while the job trains: the survivors move to node 1's store and train
+again within the detection window plus a margin. In a partition, the side without a majority
+of the last world never trains (checked from the workers' own start records).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from netns import cluster_or_skip
+from recovery_testlib import MARGIN, WINDOW, Job
+
+MODES = ["kill", "power", "freeze", "cut"]
+
+
+def _fault(c, mode: str, i: int) -> float:
+    t = time.time()
+    if mode == "power":
+        c.cut(i)
+        c.kill(i)
+    else:
+        {"kill": c.kill, "freeze": c.freeze, "cut": c.cut}[mode](i)
+    return t
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("mode", MODES)
+def test_the_rendezvous_host_lost_while_training(tmp_path, mode):
+    with cluster_or_skip(3, "h" + mode[0]) as c:
+        job = Job(c, tmp_path, "2:3", candidates=3)
+        for i in range(3):
+            job.start(i)
+        job.wait_world({0, 1, 2}, 3, timeout=90)
+        t = _fault(c, mode, 0)
+        got = job.wait_world({1, 2}, 2, after=t, timeout=WINDOW + MARGIN + 20)
+        took = max(s["t"] for s in got.values()) - t
+        limit = MARGIN if mode == "kill" else WINDOW + MARGIN
+        assert took < limit, f"{mode}: training again after {took:.1f}s\n{job.tail()}"
+        log = job.log(1) + job.log(2)
+        assert f"moved to {c.addr(1)}:" in log, job.tail()
+        # node 0 (frozen, or cut and alive) never trains in a world of its own
+        assert not [s for s in job.starts() if s["node"] == "0" and s["t"] > t], job.tail()
+    assert c.leftovers() == {}
+
+
+@pytest.mark.timeout(150)
+def test_a_partition_never_trains_two_worlds(tmp_path):
+    """4 nodes, ``--nnodes 2:4``; nodes 2 and 3 are cut off (each from everyone): the side
+    with the live store, nodes 0 and 1, trains on as a world of 2; node 2 moves to its own
+    candidate and, holding no majority of the world of 4, never trains; node 3 reaches no
+    candidate and never trains."""
+    with cluster_or_skip(4, "hp") as c:
+        job = Job(c, tmp_path, "2:4", candidates=3)
+        for i in range(4):
+            job.start(i)
+        job.wait_world({0, 1, 2, 3}, 4, timeout=90)
+        t = time.time()
+        c.cut(2)
+        c.cut(3)
+        job.wait_world({0, 1}, 2, after=t, timeout=WINDOW + MARGIN + 20)
+        deadline = time.monotonic() + 2 * WINDOW + 5  # bounded: long enough to form, if wrong
+        while time.monotonic() < deadline:
+            late = [s for s in job.starts() if s["node"] in ("2", "3") and s["t"] > t]
+            assert not late, f"a minority trained: {late}\n{job.tail()}"
+            time.sleep(0.2)
+    assert c.leftovers() == {}

@@ -1,0 +1,273 @@
+"""The rendezvous state machine (``_round``) alone: its transition table, and every rule of the
+protocol as a scenario on a simulated store and clock (``simstore``), at torch's default
+timeouts unless a row says otherwise. No sockets, threads or sleeps: a scenario of minutes of
+simulated time runs in milliseconds, the same way every time."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from simstore import Sim
+
+from fastelastic.errors import RendezvousError
+from fastelastic.rendezvous._round import FINAL, TRANSITIONS, Event, Phase, transition
+
+# ---------------------------------------------------------------------- the transition table
+
+
+def _successors(phase: Phase) -> set[Phase]:
+    return {to for (frm, _), to in TRANSITIONS.items() if frm is phase}
+
+
+def test_every_phase_but_the_final_ones_has_a_way_out_and_the_final_ones_none():
+    for phase in Phase:
+        assert bool(_successors(phase)) == (phase not in FINAL), phase
+
+
+def test_the_phases_of_one_attempt_form_no_cycle_so_each_runs_at_most_once():
+    # _attempt bounds its loop by the number of phases: that holds only without cycles.
+    def visit(phase: Phase, stack: tuple[Phase, ...]) -> None:
+        assert phase not in stack, f"cycle {stack + (phase,)}"
+        for nxt in _successors(phase):
+            visit(nxt, stack + (phase,))
+
+    visit(Phase.TICKET, ())
+    reachable, todo = set(), [Phase.TICKET]
+    while todo:
+        p = todo.pop()
+        if p not in reachable:
+            reachable.add(p)
+            todo += _successors(p)
+    assert reachable == set(Phase)
+
+
+@pytest.mark.parametrize("phase,event,expected", [
+    (Phase.TICKET, Event.FULL, Phase.NEXT),
+    (Phase.RECORD, Event.PUBLISHER, Phase.PUBLISH_GATE),
+    (Phase.RECORD, Event.COORDINATOR, Phase.COORD_GATE),
+    (Phase.RECORD, Event.WAITER, Phase.AWAIT),
+    (Phase.COORD_GATE, Event.FIRST, Phase.LAST_CALL),
+    (Phase.COORD_GATE, Event.OVER, Phase.DRAIN),
+    (Phase.SEAL, Event.FULL, Phase.AWAIT),
+    (Phase.AWAIT, Event.ABANDONED, Phase.NEXT),
+    (Phase.AWAIT, Event.CLOSED, Phase.CLOSED),
+    (Phase.SEAT, Event.NOT_ADMITTED, Phase.NEXT),
+])
+def test_transition(phase, event, expected):
+    assert transition(phase, event) is expected
+
+
+@pytest.mark.parametrize("phase,event", [
+    (Phase.TICKET, Event.COMPLETE), (Phase.MEMBER, Event.TICKET), (Phase.SEAL, Event.DRAINED),
+])
+def test_a_pair_without_a_rule_is_an_error(phase, event):
+    with pytest.raises(RendezvousError, match="no rendezvous transition"):
+        transition(phase, event)
+
+
+# ---------------------------------------------------------------------- scenarios
+
+CLOSER = 99  # a node index that only closes the rendezvous
+
+
+@dataclass
+class Case:
+    name: str
+    nodes: str  # min:max
+    starts: list[float]
+    script: list[tuple[float, str, int]] = field(default_factory=list)  # (t, action, node)
+    conf: dict[str, Any] = field(default_factory=dict)
+    until: float = 300.0
+    # (world, formed no earlier than, no later than) of each complete round, in order
+    rounds: list[tuple[int, float, float]] = field(default_factory=list)
+    errors: dict[int, str] = field(default_factory=dict)  # node -> exception type
+    restarts: dict[int, int] | None = None  # node -> restarts (None: not checked)
+    members: list[set[int]] | None = None  # the nodes of each complete round
+    moved: int = 0  # the nodes were members of a world of this size on a lost store
+    fresh: list[int] = field(default_factory=list)  # ...except these (new nodes)
+
+
+CASES = [
+    Case("max nodes at once: no last call", "3:3", [0, 0, 0], rounds=[(3, 0, 0)],
+         restarts={0: 0, 1: 0, 2: 0}),
+    Case("2:3 with 2 nodes: a world of 2 after the 30 s last call", "2:3", [0, 0],
+         rounds=[(2, 30, 30)]),
+    Case("1:2 with 1 node", "1:2", [0], rounds=[(1, 30, 30)]),
+    Case("2 with 2 nodes", "2:2", [0, 0.5], rounds=[(2, 0.5, 0.5)]),
+    Case("a third node joining a running 2:3 job is admitted at the next round", "2:3",
+         [0, 0, 60], rounds=[(2, 30, 30), (3, 60, 61)], restarts={0: 1, 1: 1, 2: 0},
+         members=[{0, 1}, {0, 1, 2}]),
+    Case("a node beyond max waits as a spare: zero restarts; it exits gracefully at the end",
+         "1:2", [0, 1.5, 3], [(200, "close", 0)], rounds=[(2, 1.5, 1.5)],
+         errors={2: "RendezvousGracefulExitError"}, restarts={0: 0, 1: 0, 2: 0}),
+    Case("a spare takes a killed member's seat at once", "1:2", [0, 1.5, 3],
+         [(100, "kill", 1)], rounds=[(2, 1.5, 1.5), (2, 100, 101)],
+         members=[{0, 1}, {0, 2}]),
+    Case("a spare takes a frozen member's seat within half the window", "1:2", [0, 1.5, 3],
+         [(100, "freeze", 1)], rounds=[(2, 1.5, 1.5), (2, 100, 103.5)],
+         members=[{0, 1}, {0, 2}]),
+    Case("a SIGKILLed member: the survivors re-form at once, without a last call", "3:4",
+         [0, 0, 0, 0], [(100, "kill", 2)], rounds=[(4, 0, 0), (3, 100, 101)],
+         members=[{0, 1, 2, 3}, {0, 1, 3}]),
+    Case("a frozen member is dropped within the 5 s window", "3:4", [0, 0, 0, 0],
+         [(100, "freeze", 2)], rounds=[(4, 0, 0), (3, 103, 105.5)]),
+    Case("a frozen member, torch's keep-alive (5 s x 3): within 15 s, not before 10 s",
+         "3:4", [0, 0, 0, 0], [(100, "freeze", 2)], conf={"ka_interval": 5.0, "ka_max": 3},
+         rounds=[(4, 0, 0), (3, 105, 116)]),
+    Case("a cut link: silent at once, dropped within the window, long before TCP gives up",
+         "3:4", [0, 0, 0, 0], [(100, "cut", 2)], rounds=[(4, 0, 0), (3, 103, 105.5)]),
+    Case("reform_last_call=1 keeps torch's wait when a round re-forms", "3:4", [0, 0, 0, 0],
+         [(100, "kill", 2)], conf={"reform_last_call": True},
+         rounds=[(4, 0, 0), (3, 130, 131)]),
+    Case("the coordinator dies during the last call: the round is abandoned and re-formed",
+         "2:4", [0, 0, 0], [(10, "kill", 1)], rounds=[(2, 40, 41)], members=[{0, 2}]),
+    Case("the coordinator freezes during the last call: abandoned within the window",
+         "2:4", [0, 0, 0], [(10, "freeze", 1)], rounds=[(2, 43, 46)], members=[{0, 2}]),
+    Case("a ticket without a record (a stray) is dropped after the window", "2:3",
+         [0.1, 0.1], [(0, "stray", 0)], rounds=[(2, 5, 5.2)]),
+    Case("the whole machine stalls 8 s (longer than the window): nobody is dropped", "3:3",
+         [0, 0, 0], [(100, "stall", 0)], rounds=[(3, 0, 0)], restarts={0: 0, 1: 0, 2: 0}),
+    Case("closed while a round forms: every node is told", "2:3", [0, 0],
+         [(10, "close", CLOSER)],
+         errors={0: "RendezvousClosedError", 1: "RendezvousClosedError"}),
+    Case("too few nodes: the join timeout (600 s) ends it", "3:3", [0, 0], until=700,
+         errors={0: "RendezvousTimeoutError", 1: "RendezvousTimeoutError"}),
+    Case("a member that finished is no loss: the others are not restarted", "2:2", [0, 0],
+         [(100, "done", 0)], rounds=[(2, 0, 0)], restarts={1: 0}),
+    # after the rendezvous store's host was lost, on the successor (``Machine.moved``)
+    Case("moved: every survivor of a world of 4 back, sealed at once (no last call)", "1:4",
+         [0, 0, 0.5], moved=4, rounds=[(3, 0.5, 0.5)]),
+    Case("moved: a majority (3 of 5) but one survivor missing: sealed after the last call",
+         "1:5", [0, 0, 0], moved=5, rounds=[(3, 30, 30)]),
+    Case("moved: a minority (2 of 4) never trains, whatever min_nodes allows", "1:4", [0, 0],
+         moved=4, until=700,
+         errors={0: "RendezvousTimeoutError", 1: "RendezvousTimeoutError"}),
+    Case("moved: a new node's record cannot lower the majority the others carry", "1:4",
+         [0, 0, 0], moved=4, fresh=[2], until=700,
+         errors={i: "RendezvousTimeoutError" for i in range(3)}),
+]
+
+
+def _run(case: Case) -> Sim:
+    lo, hi = (int(x) for x in case.nodes.split(":"))
+    sim = Sim(lo, hi, **case.conf)
+    nodes = [sim.start(t, node_rank=i, moved_from=0 if i in case.fresh else case.moved)
+             for i, t in enumerate(case.starts)]
+    closer = sim.start(10**9)  # never launched: only closes
+    for t, action, i in case.script:
+        node = closer if i == CLOSER else nodes[i]
+        if action == "kill":
+            sim.kill(t, node)
+        elif action == "freeze":
+            sim.freeze(t, node)
+        elif action == "cut":
+            sim.cut(t, node, closes_after=60)
+        elif action == "stall":
+            for n in nodes:
+                sim.freeze(t, n, until=t + 8)
+        elif action == "close":
+            sim.close(t, node)
+        elif action == "done":
+            sim.at(t, lambda n=node: sim.call(n, n.m.mark_done()))
+            sim.kill(t + 0.5, node)
+        elif action == "stray":
+            sim.at(t, lambda: sim.data.__setitem__("fe.rdzv.sim/0/t", b"1"))
+        else:
+            raise AssertionError(action)
+    sim.run(case.until)
+    return sim
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_scenario(case):
+    sim = _run(case)
+    rounds = sim.rounds()
+    assert [w for _, w, _ in rounds] == [w for w, _, _ in case.rounds], rounds
+    for (_, world, when), (_, lo, hi) in zip(rounds, case.rounds, strict=True):
+        assert lo <= when <= hi, f"a world of {world} formed at {when:.2f}s, not in [{lo}, {hi}]"
+    errors = {n.id: type(n.error).__name__ for n in sim.nodes if n.error is not None}
+    assert errors == case.errors
+    if case.restarts is not None:
+        assert {i: sim.nodes[i].restarts for i in case.restarts} == case.restarts
+    if case.members is not None:
+        by_round: dict[int, set[int]] = {}
+        for n in sim.nodes:
+            for _, seat in n.seats:
+                by_round.setdefault(seat.round, set()).add(n.id)
+        assert [by_round[r] for r, _, _ in rounds] == case.members
+        for r, world, _ in rounds:  # every member of a round has a unique rank
+            ranks = sorted(s.rank for n in sim.nodes for _, s in n.seats if s.round == r)
+            assert ranks == list(range(world))
+
+
+def test_the_roles_take_their_paths():
+    sim = Sim(2, 3)
+    nodes = [sim.start(0) for _ in range(3)]
+    sim.run(10)
+    paths = {tuple(p) for n in nodes for p in n.paths}
+    assert ("TICKET", "RECORD", "PUBLISH_GATE", "PUBLISH", "AWAIT", "SEAT", "MEMBER") in paths
+    assert ("TICKET", "RECORD", "AWAIT", "SEAT", "MEMBER") in paths
+    coord = [p for p in paths if "COORD_GATE" in p]
+    assert coord and coord[0][:4] == ("TICKET", "RECORD", "COORD_GATE", "LAST_CALL")
+
+
+def test_a_re_forming_coordinator_drains_and_seals_without_a_last_call():
+    sim = Sim(2, 3)
+    nodes = [sim.start(0) for _ in range(3)]
+    sim.kill(50, nodes[2])
+    sim.run(60)
+    last = [n.paths[-1] for n in nodes[:2]]
+    coord = [p for p in last if "COORD_GATE" in p]
+    assert coord == [["TICKET", "RECORD", "COORD_GATE", "DRAIN", "LAST_CALL", "SEAL", "PUBLISH",
+                      "AWAIT", "SEAT", "MEMBER"]]
+    assert sim.rounds()[-1][1:] == (2, 50.0)  # sealed the moment both were back: no wait
+
+
+def test_a_killed_member_is_reported_dead_with_its_address_and_pid():
+    sim = Sim(2, 3)
+    nodes = [sim.start(0) for _ in range(3)]
+    sim.kill(50, nodes[1])
+    sim.run(60)
+    rank = [s for _, s in nodes[1].seats][0].rank
+    assert nodes[0].lost_seen[0] == [(rank, "node 10.0.0.1 (pid 1001) dead: its connection "
+                                            "closed")]
+
+
+@pytest.mark.parametrize("n", [4, 64, 512])
+def test_store_requests_per_node_are_constant_in_the_number_of_nodes(n):
+    sim = Sim(n, n)
+    for _ in range(n):
+        sim.start(0)
+    sim.run(5)
+    assert sim.worlds() == [n]
+    per_node = [node.join_requests[0] for node in sim.nodes[:n]]
+    # a waiter: closed?, open, ticket, disconnect action, record, outcome, disconnect actions
+    # (its seat is its ticket: nothing to read); a decider adds its gate and decision
+    assert statistics.median(per_node) == 7, statistics.median(per_node)
+    assert max(per_node) <= 12, max(per_node)
+
+
+def test_when_ranks_follow_tickets_no_seat_is_written_or_read():
+    sim = Sim(3, 3)
+    for _ in range(3):
+        sim.start(0)
+    sim.run(5)
+    assert {v for k, v in sim.data.items() if "/rank/" in k} == {b"-1"}  # placeholders only
+    assert sorted(n.seats[0][1].rank for n in sim.nodes[:3]) == [0, 1, 2]
+    assert sim.data["fe.rdzv.sim/0/res"].endswith(b"\n=\n")
+
+
+def test_when_preferred_ranks_reorder_the_seats_every_node_reads_its_own():
+    sim = Sim(3, 3)
+    nodes = [sim.start(0, node_rank=2 - i) for i in range(3)]
+    sim.run(5)
+    assert [n.seats[0][1].rank for n in nodes] == [2, 1, 0]
+    assert b"-1" not in {v for k, v in sim.data.items() if "/rank/" in k}
+    assert not sim.data["fe.rdzv.sim/0/res"].endswith(b"\n=\n")
+    for n in nodes:  # each watches the next ranks' keep-alive counters
+        rank = n.seats[0][1].rank
+        peers = {nodes[j].seats[0][1].rank for j in range(3) if j != n.id}
+        assert {(rank + 1) % 3, (rank + 2) % 3} == peers
