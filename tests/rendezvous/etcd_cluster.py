@@ -1,4 +1,5 @@
-"""Starts real etcd members on free loopback ports in a temp dir (for the etcd tests)."""
+"""Starts real etcd members in a temp dir (for the etcd tests): on free loopback ports, or one
+per simulated host (``hosts`` and ``spawn``, e.g. network namespaces of tests/recovery)."""
 
 from __future__ import annotations
 
@@ -33,10 +34,18 @@ class Member:
     peer_port: int
     proc: subprocess.Popen | None = None
     log: list[str] = field(default_factory=list)
+    host: str = "127.0.0.1"
+    cmd: list[str] = field(default_factory=list)
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.client_port}"
+        return f"{self.host}:{self.client_port}"
+
+    def kill(self) -> None:
+        """SIGKILL (no leadership transfer, no goodbye to the peers)."""
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(10)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -52,46 +61,72 @@ class Cluster:
     """An etcd cluster of ``size`` members; ``tls`` = (ca, cert, key) serves https with
     client-certificate authentication."""
 
-    def __init__(self, tmp: Path, size: int = 1, tls: tuple[str, str, str] | None = None):
-        ports = free_ports(2 * size)
-        self.members = [Member(f"m{i}", ports[2 * i], ports[2 * i + 1]) for i in range(size)]
+    def __init__(self, tmp: Path, size: int = 1, tls: tuple[str, str, str] | None = None,
+                 hosts: list[str] | None = None, spawn=None, timing: tuple[int, int] = (50, 500)):
+        """``hosts``: each member's address (ports 2379/2380 then), ``spawn(i, argv, **popen)``
+        starts member ``i`` there; ``timing``: heartbeat and election timeouts in ms
+        (etcd's defaults: 100, 1000)."""
+        if hosts is None:
+            ports = free_ports(2 * size)
+            self.members = [Member(f"m{i}", ports[2 * i], ports[2 * i + 1])
+                            for i in range(size)]
+        else:
+            self.members = [Member(f"m{i}", 2379, 2380, host=hosts[i]) for i in range(size)]
         self.tmp = tmp
         self.tls = tls
+        self.timing = timing
+        self._spawn = spawn
+        self._leader: Member | None = None
+        self._lock = threading.Lock()
 
     def start(self, timeout: float = 30.0) -> Cluster:
         scheme = "https" if self.tls else "http"
-        initial = ",".join(f"{m.name}=http://127.0.0.1:{m.peer_port}" for m in self.members)
-        for m in self.members:
+        initial = ",".join(f"{m.name}=http://{m.host}:{m.peer_port}" for m in self.members)
+        for i, m in enumerate(self.members):
             cmd = [ETCD, "--name", m.name, "--data-dir", str(self.tmp / m.name),
-                   "--listen-client-urls", f"{scheme}://127.0.0.1:{m.client_port}",
-                   "--advertise-client-urls", f"{scheme}://127.0.0.1:{m.client_port}",
-                   "--listen-peer-urls", f"http://127.0.0.1:{m.peer_port}",
-                   "--initial-advertise-peer-urls", f"http://127.0.0.1:{m.peer_port}",
+                   "--listen-client-urls", f"{scheme}://{m.host}:{m.client_port}",
+                   "--advertise-client-urls", f"{scheme}://{m.host}:{m.client_port}",
+                   "--listen-peer-urls", f"http://{m.host}:{m.peer_port}",
+                   "--initial-advertise-peer-urls", f"http://{m.host}:{m.peer_port}",
                    "--initial-cluster", initial, "--initial-cluster-state", "new",
-                   "--heartbeat-interval", "50", "--election-timeout", "500",
+                   "--heartbeat-interval", str(self.timing[0]),
+                   "--election-timeout", str(self.timing[1]),
                    "--logger", "zap", "--log-outputs", "stderr"]
             if self.tls:
                 ca, cert, key = self.tls
                 cmd += ["--cert-file", cert, "--key-file", key, "--trusted-ca-file", ca,
                         "--client-cert-auth"]
-            m.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                      text=True)
+            m.cmd = cmd
+            self._launch(i, m)
         for m in self.members:
             self._await_ready(m, timeout)
         return self
 
-    @staticmethod
-    def _await_ready(m: Member, timeout: float) -> None:
+    def _launch(self, i: int, m: Member) -> None:
+        spawn = self._spawn or (lambda i, argv, **kw: subprocess.Popen(argv, **kw))
+        m.proc = spawn(i, m.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    def restart(self, m: Member, timeout: float = 30.0) -> None:
+        """Starts a stopped member again on its data (it rejoins the cluster)."""
+        assert m.proc is not None and m.proc.poll() is not None
+        self._launch(self.members.index(m), m)
+        self._await_ready(m, timeout)
+
+    def _await_ready(self, m: Member, timeout: float) -> None:
         """Reads the member's log (in a thread, so etcd never blocks on a full pipe) until it
-        says it serves clients; bounded by ``timeout``."""
+        says it serves clients; bounded by ``timeout``. Notes who says it became leader."""
         assert m.proc is not None and m.proc.stderr is not None
         ready = threading.Event()
         stream = m.proc.stderr
 
         def drain() -> None:
-            for line in stream:
+            for raw in stream:
+                line = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
                 if len(m.log) < 2000:
                     m.log.append(line)
+                if "became leader" in line:
+                    with self._lock:
+                        self._leader = m
                 if "serving client traffic" in line or "ready to serve client" in line:
                     ready.set()
 
@@ -103,6 +138,21 @@ class Cluster:
     @property
     def endpoints(self) -> str:
         return ",".join(m.endpoint for m in self.members)
+
+    def logged_leader(self, timeout: float = 30.0) -> Member:
+        """The live member that most recently logged it became leader (no request needed:
+        works where the members cannot be reached from here)."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                m = self._leader
+            if m is not None and m.proc is not None and m.proc.poll() is None:
+                return m
+            if time.monotonic() >= deadline:
+                raise RuntimeError("no live etcd member logged that it became leader")
+            time.sleep(0.02)
 
     def leader(self) -> Member:
         import etcd3gw

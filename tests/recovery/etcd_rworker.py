@@ -1,0 +1,39 @@
+"""A worker for the etcd recovery tests: ``rworker.py`` plus where its store is.
+
+Appends one JSON line to ``$RECOVERY_OUT/starts.jsonl`` when it starts: ``node``, ``pid``,
+``t``, ``world``, ``rank``, ``restart``, ``group_rank``, ``master`` (``MASTER_ADDR:MASTER_PORT``)
+and ``store_ok`` (it could write to and read from that store within 10 s), then runs
+``$NODE_RUN_S`` seconds (default 600) and exits 0.
+"""
+
+import json
+import os
+import time
+from datetime import timedelta
+
+rank = int(os.environ["RANK"])
+master = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+try:
+    from fastelastic.store import TCPStore
+
+    store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                     timeout=timedelta(seconds=10))
+    store.set(f"etcd_rworker/{rank}", b"1")
+    ok = store.get(f"etcd_rworker/{rank}") == b"1"
+    store.close()
+except Exception as e:  # noqa: BLE001 - recorded, the test says what failed
+    ok = False
+    print(f"etcd_rworker: store {master}: {type(e).__name__}: {e}", flush=True)
+line = json.dumps({
+    "node": os.environ.get("NODE_NAME", "?"), "pid": os.getpid(), "t": time.time(),
+    "world": int(os.environ["WORLD_SIZE"]), "rank": rank,
+    "restart": int(os.environ["TORCHELASTIC_RESTART_COUNT"]),
+    "group_rank": int(os.environ["GROUP_RANK"]), "master": master, "store_ok": ok,
+}) + "\n"
+fd = os.open(os.path.join(os.environ["RECOVERY_OUT"], "starts.jsonl"),
+             os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+os.write(fd, line.encode())  # one write with O_APPEND: lines never interleave
+os.close(fd)
+end = time.monotonic() + float(os.environ.get("NODE_RUN_S", "600"))
+while time.monotonic() < end:
+    time.sleep(min(0.2, max(0.0, end - time.monotonic())))
