@@ -586,3 +586,49 @@ def test_close_while_a_dead_zygote_is_replaced_leaves_none_alive(zygote_factory)
         for pid in _live_zygotes():
             os.kill(pid, signal.SIGKILL)
 
+
+@pytest.fixture
+def unreported_exit(tmp_path, zygote_factory, monkeypatch):
+    """A zygote worker that died while its zygote is stopped (SIGSTOP): nobody can tell its
+    exit status. Yields (context, the zygote, an Event set when the agent starts asking the
+    zygote for the status)."""
+    from fastelastic.multiprocessing import _zygote
+
+    monkeypatch.setattr(_zygote, "_KILL_GRACE_S", 3.0)
+    z = zygote_factory()
+    asking = threading.Event()
+    real = z.exit_status
+
+    def exit_status(pid, timeout):
+        asking.set()
+        return real(pid, timeout)
+
+    monkeypatch.setattr(z, "exit_status", exit_status)
+    pc, (pid,) = _start_waiting(z, tmp_path / "o", 1)
+    zpid = z.pid
+    os.kill(zpid, signal.SIGSTOP)
+    try:
+        os.kill(pid, signal.SIGKILL)
+        yield pc, asking
+    finally:
+        os.kill(zpid, signal.SIGCONT)
+        pc.close()
+
+
+def test_exit_codes_are_read_while_a_zygote_exit_is_awaited(unreported_exit):
+    """The agent asks a stopped zygote for an exit status (blocks up to the grace period); the
+    health check reading the exit codes meanwhile must not wait for it."""
+    pc, asking = unreported_exit
+    results: list = []
+    waiter = threading.Thread(target=lambda: results.append(pc.wait(30)))
+    waiter.start()
+    try:
+        assert asking.wait(30)
+        t0 = time.monotonic()
+        pc.exitcodes()
+        pc.pids()
+        assert time.monotonic() - t0 < 1.0  # not the 3 s the waiting thread may spend
+    finally:
+        waiter.join(30)
+    assert results and results[0].is_failed()
+

@@ -539,29 +539,37 @@ class ZygoteContext(SubprocessContext):
         if self.subprocess_handlers or self._zpids:
             raise ValueError("The subprocess handlers already started (start() called twice?)")
         for rank in range(self.nprocs):
-            out_fd, err_fd = self._child_stdio(rank)
-            in_fd, close_in = _stdin_fd()
-            try:
-                cmd = python_command(self.entrypoint, self.args[rank])
-                got: int | str = "the worker's command differs from the zygote's"
-                if isinstance(cmd, PythonCommand) and self._zygote.matches(cmd):
-                    out = 1 if out_fd is None else out_fd
-                    fds = (in_fd, out, 2 if err_fd is None else err_fd)
-                    got = self._zygote.spawn(self._request(rank, cmd), fds)
-                if isinstance(got, int):
-                    pid = got
-                    self._zpids[rank] = pid
-                else:
-                    pid = self._start_plain(rank, out_fd, err_fd)
-            finally:
-                for fd in (out_fd, err_fd):
-                    if fd is not None:
-                        os.close(fd)
-                if close_in:
-                    os.close(in_fd)
-            self._track(rank, pid)
-            if rank in self._zpids:
-                self._zygote.ack(pid)
+            cmd = python_command(self.entrypoint, self.args[rank])
+            forked = isinstance(cmd, PythonCommand) and self._zygote.matches(cmd)
+            if forked:
+                # before the step: a stop signal may cut this wait (the imports) short
+                self._zygote.wait_ready()
+            with self._signals.step():  # started and watched, or not started
+                self._start_rank(rank, cmd if forked else None)
+
+    def _start_rank(self, rank: int, cmd: PythonCommand | str | None) -> None:
+        out_fd, err_fd = self._child_stdio(rank)
+        in_fd, close_in = _stdin_fd()
+        try:
+            got: int | str = "the worker's command differs from the zygote's"
+            if isinstance(cmd, PythonCommand):
+                out = 1 if out_fd is None else out_fd
+                fds = (in_fd, out, 2 if err_fd is None else err_fd)
+                got = self._zygote.spawn(self._request(rank, cmd), fds)
+            if isinstance(got, int):
+                pid = got
+                self._zpids[rank] = pid
+            else:
+                pid = self._start_plain(rank, out_fd, err_fd)
+        finally:
+            for fd in (out_fd, err_fd):
+                if fd is not None:
+                    os.close(fd)
+            if close_in:
+                os.close(in_fd)
+        self._track(rank, pid)
+        if rank in self._zpids:
+            self._zygote.ack(pid)
 
     def _exitcode(self, rank: int, status: int | None) -> int | None:
         if rank in self.subprocess_handlers:
