@@ -632,3 +632,16 @@ def test_exit_codes_are_read_while_a_zygote_exit_is_awaited(unreported_exit):
         waiter.join(30)
     assert results and results[0].is_failed()
 
+
+def test_an_exit_status_nobody_reported_is_reported_unknown(unreported_exit):
+    """Not a made-up exit code 1: a distinct code, and the failure says what is known."""
+    from fastelastic.multiprocessing import errors
+
+    pc, _ = unreported_exit
+    result = pc.wait(30)
+    failure = result.failures[0]
+    assert failure.exitcode not in range(256)  # no exit status: not a real exit's code
+    assert failure.exitcode == errors.EXITCODE_UNKNOWN
+    assert "exit status" in failure.message and "unknown" in failure.message
+    assert "zygote did not report" in failure.message
+    assert pc.exitcodes()[0] is None

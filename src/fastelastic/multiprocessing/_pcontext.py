@@ -25,7 +25,7 @@ from fastelastic._native.procmon import PidfdMonitor
 from fastelastic.errors import SignalException
 from fastelastic.multiprocessing._guardian import guardian
 from fastelastic.multiprocessing._pump import OutputPump, StdioRouter
-from fastelastic.multiprocessing.errors import _NOT_AVAILABLE, ProcessFailure
+from fastelastic.multiprocessing.errors import _NOT_AVAILABLE, EXITCODE_UNKNOWN, ProcessFailure
 from fastelastic.multiprocessing.logs import LogsSpecs
 
 __all__ = ["PContext", "RunProcsResult"]
@@ -318,6 +318,9 @@ class PContext(abc.ABC):
     def _record_exit(self, rank: int, code: int | None) -> None:
         if rank in self._exitcodes:
             return
+        if code is None:
+            logger.warning("worker %s (local_rank %s) is gone; its exit status is unknown: %s",
+                           self._pids[rank], rank, self._unknown_exit(rank))
         self._exitcodes[rank] = code
         self._exit_times[rank] = time.time()
         self._exit_seq += 1
@@ -326,7 +329,15 @@ class PContext(abc.ABC):
 
     @abc.abstractmethod
     def _exitcode(self, rank: int, status: int | None) -> int | None:
-        """The exit code of ``rank`` given the status the monitor peeked (None: ask the owner)."""
+        """The exit code of ``rank`` given the status the monitor peeked (None: ask the owner).
+
+        Returns None when the owner does not tell it in time: the status is unknown.
+        """
+
+    def _unknown_exit(self, rank: int) -> str:
+        """Why the exit status of ``rank`` is unknown (for its failure report)."""
+        return (f"the worker is not this process's child and its status was not reported "
+                f"within {_KILL_GRACE_S:g}s")
 
     def wait_any(self, timeout: float | None = None) -> bool:
         """Blocks until a worker exits, ``wakeup()`` is called or ``timeout`` seconds pass.
@@ -396,16 +407,18 @@ class PContext(abc.ABC):
             if self._stopped_are_failures:
                 with self._lock:
                     failed += [r for r, code in sorted(self._exitcodes.items())
-                               if code not in (0, None) and r not in failed]
+                               if code != 0 and r not in failed]
             failures = {}  # the first observed failure first: it wins timestamp ties
             for rank in failed:
                 sink = self._router.stderr_sinks.get(rank)
+                code = self._exitcodes[rank]
                 failures[rank] = f = ProcessFailure(
                     local_rank=rank,
                     pid=self._pids[rank],
-                    exitcode=self._exitcodes[rank] or 1,
+                    exitcode=EXITCODE_UNKNOWN if code is None else code,
                     error_file=self.error_files.get(rank, ""),
                     stderr_tail=sink.tail_text() if sink is not None else None,
+                    unknown_exit=self._unknown_exit(rank) if code is None else None,
                 )
                 if f.error_file == _NOT_AVAILABLE and rank in self._exit_times:
                     f.timestamp = int(self._exit_times[rank])  # when it exited, not now

@@ -578,6 +578,11 @@ class ZygoteContext(SubprocessContext):
             return status
         return self._zygote.exit_status(self._zpids[rank], _KILL_GRACE_S)
 
+    def _unknown_exit(self, rank: int) -> str:
+        if rank in self.subprocess_handlers:
+            return super()._unknown_exit(rank)
+        return f"its zygote did not report its exit within {_KILL_GRACE_S:g}s"
+
     def _release(self) -> None:
         try:
             super()._release()

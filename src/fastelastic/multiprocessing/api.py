@@ -12,6 +12,7 @@ import os
 import pickle
 import shutil
 import signal
+import subprocess
 import tempfile
 import threading
 from collections.abc import Callable
@@ -141,6 +142,10 @@ class MultiprocessContext(PContext):
         proc.join(_KILL_GRACE_S)
         return proc.exitcode
 
+    def _unknown_exit(self, rank: int) -> str:
+        return (f"its {self.start_method} parent did not report its exit within "
+                f"{_KILL_GRACE_S:g}s")
+
     def _return_values(self) -> dict[int, Any]:
         values: dict[int, Any] = {}
         for rank in range(self.nprocs):
@@ -222,9 +227,15 @@ class SubprocessContext(PContext):
         return handler.proc.pid
 
     def _exitcode(self, rank: int, status: int | None) -> int | None:
-        if status is None:
+        if status is not None:
+            return status
+        try:
             return self.subprocess_handlers[rank].proc.wait(_KILL_GRACE_S)
-        return status
+        except subprocess.TimeoutExpired:
+            return None
+
+    def _unknown_exit(self, rank: int) -> str:
+        return f"it was not reaped within {_KILL_GRACE_S:g}s of being seen gone"
 
     def _reap(self) -> None:
         for rank, handler in self.subprocess_handlers.items():
