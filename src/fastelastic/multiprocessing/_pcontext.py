@@ -260,8 +260,8 @@ class PContext(abc.ABC):
         """Watches a started worker (call it inside the ``_signals.step()`` that started it:
         a worker known but unwatched, or watched but unknown, must not be left behind)."""
         assert self._monitor is not None
-        self._monitor.add(pid, reap=False)
-        with self._lock:
+        with self._lock:  # a collector in another thread maps the pid to its rank
+            self._monitor.add(pid, reap=False)
             self._rank_of[pid] = rank
             self._pids[rank] = pid
         guardian.register(pid)
@@ -302,6 +302,9 @@ class PContext(abc.ABC):
         try:
             for rank, status in todo:
                 code = self._exitcode(rank, status)  # may block: not under _lock
+                if code is None:
+                    logger.warning("worker %s (local_rank %s) is gone; its exit status is "
+                                   "unknown: %s", self._pids[rank], rank, self._unknown_exit(rank))
                 with self._lock:
                     self._record_exit(rank, code)
         finally:
@@ -318,9 +321,6 @@ class PContext(abc.ABC):
     def _record_exit(self, rank: int, code: int | None) -> None:
         if rank in self._exitcodes:
             return
-        if code is None:
-            logger.warning("worker %s (local_rank %s) is gone; its exit status is unknown: %s",
-                           self._pids[rank], rank, self._unknown_exit(rank))
         self._exitcodes[rank] = code
         self._exit_times[rank] = time.time()
         self._exit_seq += 1
