@@ -441,19 +441,21 @@ class Zygote:
                 try:
                     gen = self._send(data, fds)
                 except OSError as e:
-                    return self._refuse(f"the zygote is unreachable: {e}")
-                self._cond.wait_for(
-                    lambda: bool(self._replies)
-                    or self._gen != gen
-                    or self._state is not ZygoteState.READY,
-                    _REPLY_TIMEOUT_S,
-                )
-                reply = self._replies.pop(0) if self._replies else None
-                if reply is not None and reply[0] == "spawned":
-                    self._owner[reply[1]] = gen
-                    return int(reply[1])
-                if reply is None and self._gen == gen and self._proc is not None:
-                    self._proc.kill()  # hung: a late fork must not run unsupervised (pdeathsig)
+                    reply: tuple | None = ("refused", f"the zygote is unreachable: {e}")
+                else:
+                    self._cond.wait_for(
+                        lambda: bool(self._replies)
+                        or self._gen != gen
+                        or self._state is not ZygoteState.READY,
+                        _REPLY_TIMEOUT_S,
+                    )
+                    reply = self._replies.pop(0) if self._replies else None
+                    if reply is not None and reply[0] == "spawned":
+                        self._owner[reply[1]] = gen
+                        return int(reply[1])
+                    if reply is None and self._gen == gen and self._proc is not None:
+                        self._proc.kill()  # hung: a late fork must not run unsupervised
+            # told (logged) outside the lock
             if reply is None:
                 return self._refuse("the zygote did not answer")
             return self._refuse(str(reply[1]))
