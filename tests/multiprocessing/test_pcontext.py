@@ -630,19 +630,22 @@ def test_function_failure_lists_only_the_failed_as_torch():
             os.close(fd)
 
 
-def test_forked_workers_do_not_inherit_the_agents_signal_handlers():
+@pytest.mark.parametrize("kind", ["context", "torch"])
+def test_forked_workers_do_not_inherit_the_agents_signal_handlers(kind):
     """A process forked from the agent starts with a fresh interpreter's dispositions at once,
     not the agent's handler that turns SIGTERM into a SignalException: a fork-started function
     worker stopped before its own setup would otherwise exit 1 from multiprocessing's
     bootstrap instead of dying of SIGTERM."""
-    from fastelastic.multiprocessing._pcontext import _terminate_process_handler
+    from fastelastic.multiprocessing._pcontext import StopSignals, _terminate_process_handler
 
+    handler = StopSignals(lambda: None).handler if kind == "context" else (
+        _terminate_process_handler)
     stops = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
     before = {s: signal.getsignal(s) for s in stops}
     r, w = os.pipe()
     try:
         for s in stops:
-            signal.signal(s, _terminate_process_handler)
+            signal.signal(s, handler)
         pid = os.fork()
         if pid == 0:  # the child's first statements: report, then leave without cleanup
             try:
@@ -658,3 +661,53 @@ def test_forked_workers_do_not_inherit_the_agents_signal_handlers():
     os.waitpid(pid, 0)
     assert seen == {"SIGTERM": "default", "SIGINT": "keyboard-interrupt", "SIGHUP": "default",
                     "SIGQUIT": "default"}
+
+
+def test_a_context_starting_in_another_thread_does_not_swallow_the_main_threads_signal(
+    monkeypatch,
+):
+    """Signal state belongs to a context, not to the process: a context starting its workers
+    in another thread (its bookkeeping must not be cut in half) never holds back a stop
+    signal meant for the main thread, whose handler raises it at once."""
+    from fastelastic.errors import SignalException
+    from fastelastic.multiprocessing._guardian import guardian
+
+    saved = signal.getsignal(signal.SIGUSR2)
+    monkeypatch.setenv("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGUSR2")
+    main_pc = start_processes(
+        "m", "/bin/true", {0: ()}, _envs(1), DefaultLogsSpecs(log_dir=os.devnull)
+    )  # installs the handler
+    entered, release = threading.Event(), threading.Event()
+    real_register = guardian.register
+
+    def register(pid):  # the other thread is now inside its bookkeeping of a worker
+        real_register(pid)
+        if threading.current_thread() is not threading.main_thread():
+            entered.set()
+            release.wait(30)
+
+    monkeypatch.setattr(guardian, "register", register)
+    other: list = []
+
+    def start_elsewhere():
+        try:
+            other.append(start_processes(
+                "o", "/bin/true", {0: ()}, _envs(1), DefaultLogsSpecs(log_dir=os.devnull)))
+        except BaseException as e:  # noqa: BLE001 - inspected below
+            other.append(e)
+
+    t = threading.Thread(target=start_elsewhere)
+    t.start()
+    try:
+        assert entered.wait(30)
+        with pytest.raises(SignalException) as info:
+            os.kill(os.getpid(), signal.SIGUSR2)
+            threading.Event().wait(5)  # the handler runs (and raises) during this wait
+        assert info.value.sigval == signal.SIGUSR2
+    finally:
+        release.set()
+        t.join(30)
+        signal.signal(signal.SIGUSR2, saved)
+    assert len(other) == 1 and not isinstance(other[0], BaseException), other
+    assert not other[0].wait(10).is_failed()
+    assert not main_pc.wait(10).is_failed()

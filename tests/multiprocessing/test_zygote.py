@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -505,3 +506,142 @@ def test_ddp_example_restarts_from_the_torch_zygote(tmp_path):
         (r, s) for r in range(2) for s in range(4, 7)
     }
     assert "plainly" not in err and "ignored" not in err
+
+
+# ---------------------------------------------------------------- one owner, explicit states
+
+
+def _live_zygotes() -> set[int]:
+    """Live (not zombie) zygote processes whose parent is this process, from /proc."""
+    found = set()
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if (int(fields[1]) == os.getpid() and fields[0] not in ("Z", "X")
+                and b"_zygote_boot.py" in cmdline):
+            found.add(int(d))
+    return found
+
+
+def _wait_state(z, state: str, timeout: float = 60) -> None:
+    with z._cond:
+        assert z._cond.wait_for(lambda: z.state == state, timeout), z.state
+
+
+def test_zygote_states_change_only_by_valid_transitions():
+    from fastelastic.multiprocessing._zygote import ZygoteState
+
+    cmd = python_command(PY, _args(1, "x")[0])
+    z = Zygote(("json",), cmd, ready_timeout=60)
+    assert z.state is ZygoteState.NEW and z.state == "new"
+    with z._cond, pytest.raises(RuntimeError, match="new -> ready"):
+        z._set_state(ZygoteState.READY)
+    z.close()
+    assert z.state is ZygoteState.CLOSED
+    with z._cond, pytest.raises(RuntimeError, match="closed -> starting"):
+        z._set_state(ZygoteState.STARTING)
+    z.start()  # a closed zygote never starts
+    assert z.state is ZygoteState.CLOSED and z.pid is None and not _live_zygotes()
+
+
+def test_close_while_a_dead_zygote_is_replaced_leaves_none_alive(zygote_factory):
+    """close() lands after the handle decided to replace a zygote that died and before the
+    new one is launched: close() wins, and no zygote is alive once it returned."""
+    z = zygote_factory()
+    _wait_state(z, "ready")
+    closer = threading.Thread(target=z.close)
+    deciders: list[threading.Thread] = []
+
+    class CloseNow(logging.Handler):
+        def emit(self, record):
+            if "starting a new one" in record.getMessage() and not deciders:
+                deciders.append(threading.current_thread())
+                closer.start()
+                _wait_state(z, "closed", 10)  # then let the replacement go ahead
+
+    log = logging.getLogger("fastelastic.multiprocessing._zygote")
+    handler = CloseNow(level=logging.WARNING)
+    log.addHandler(handler)
+    try:
+        first = z.pid
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        assert wait_gone(first, 10)
+        _wait_state(z, "closed", 30)
+        closer.join(30)
+        assert not closer.is_alive()
+        assert deciders
+        deciders[0].join(30)  # the thread that decided has done all it would do
+        assert not deciders[0].is_alive()
+        assert _live_zygotes() == set()
+    finally:
+        log.removeHandler(handler)
+        for pid in _live_zygotes():
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def unreported_exit(tmp_path, zygote_factory, monkeypatch):
+    """A zygote worker that died while its zygote is stopped (SIGSTOP): nobody can tell its
+    exit status. Yields (context, the zygote, an Event set when the agent starts asking the
+    zygote for the status)."""
+    from fastelastic.multiprocessing import _zygote
+
+    monkeypatch.setattr(_zygote, "_KILL_GRACE_S", 3.0)
+    z = zygote_factory()
+    asking = threading.Event()
+    real = z.exit_status
+
+    def exit_status(pid, timeout):
+        asking.set()
+        return real(pid, timeout)
+
+    monkeypatch.setattr(z, "exit_status", exit_status)
+    pc, (pid,) = _start_waiting(z, tmp_path / "o", 1)
+    zpid = z.pid
+    os.kill(zpid, signal.SIGSTOP)
+    try:
+        os.kill(pid, signal.SIGKILL)
+        yield pc, asking
+    finally:
+        os.kill(zpid, signal.SIGCONT)
+        pc.close()
+
+
+def test_exit_codes_are_read_while_a_zygote_exit_is_awaited(unreported_exit):
+    """The agent asks a stopped zygote for an exit status (blocks up to the grace period); the
+    health check reading the exit codes meanwhile must not wait for it."""
+    pc, asking = unreported_exit
+    results: list = []
+    waiter = threading.Thread(target=lambda: results.append(pc.wait(30)))
+    waiter.start()
+    try:
+        assert asking.wait(30)
+        t0 = time.monotonic()
+        pc.exitcodes()
+        pc.pids()
+        assert time.monotonic() - t0 < 1.0  # not the 3 s the waiting thread may spend
+    finally:
+        waiter.join(30)
+    assert results and results[0].is_failed()
+
+
+def test_an_exit_status_nobody_reported_is_reported_unknown(unreported_exit):
+    """Not a made-up exit code 1: a distinct code, and the failure says what is known."""
+    from fastelastic.multiprocessing import errors
+
+    pc, _ = unreported_exit
+    result = pc.wait(30)
+    failure = result.failures[0]
+    assert failure.exitcode not in range(256)  # no exit status: not a real exit's code
+    assert failure.exitcode == errors.EXITCODE_UNKNOWN
+    assert "exit status" in failure.message and "unknown" in failure.message
+    assert "zygote did not report" in failure.message
+    assert pc.exitcodes()[0] is None

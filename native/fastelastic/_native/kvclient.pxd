@@ -28,6 +28,7 @@ cdef class KVClient:
     cdef cbool _handshaking   # a reset now raises HandshakeReset (retryable)
     cdef object _peer         # "host:port", for error messages
 
+    cdef void _close_fd(self) noexcept
     cdef void _acquire(self) noexcept
     cdef void _acquire_send(self) noexcept
     cdef int _post(self, string &req) except -1

@@ -35,6 +35,7 @@ from fastelastic._native.spin cimport spin_again, spin_deadline
 from fastelastic._native.wire cimport *
 
 import os
+import warnings
 
 from fastelastic.errors import QueueEmptyError, StoreConnectionError, StoreError, StoreTimeoutError
 
@@ -174,48 +175,50 @@ cdef class KVClient:
         self._owed = 0
         self._timeout_ms = <int64_t>(timeout * 1000.0)
         self._spin.budget_ns = spin_us * 1000 if spin_us > 0 else 0
-        fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK)
-        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one))
-        self._apply_socket_timeouts()
-        self._acquire()
         try:
-            self._out.clear()
-            put_u8(self._out, CMD_VALIDATE)
-            put_u32(self._out, VALIDATE_MAGIC)
-            put_u8(self._out, CMD_PING)
-            put_u32(self._out, EXT_NONCE)
-            self._handshaking = True
+            fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK)
+            setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one))
+            self._apply_socket_timeouts()
+            self._acquire()
             try:
-                self._transact(4, REPLY)
-            except StoreConnectionError:
-                close(self._fd)   # a caller may retry with a new socket: do not leak this one
-                self._fd = -1
-                raise
+                self._out.clear()
+                put_u8(self._out, CMD_VALIDATE)
+                put_u32(self._out, VALIDATE_MAGIC)
+                put_u8(self._out, CMD_PING)
+                put_u32(self._out, EXT_NONCE)
+                self._handshaking = True
+                try:
+                    self._transact(4, REPLY)
+                finally:
+                    self._handshaking = False
+                nonce = load_u32(self._in + self._in_pos)
+                self._in_pos += 4
+                if nonce == EXT_AUTH_NONCE:
+                    if self._need_intr(AUTH_CHALLENGE_LEN, REPLY) != IO_OK:
+                        raise self._fail(IO_CLOSED, "token challenge")
+                    challenge = PyBytes_FromStringAndSize(self._in + self._in_pos,
+                                                          AUTH_CHALLENGE_LEN)
+                    self._in_pos += AUTH_CHALLENGE_LEN
+                    if token:
+                        self._prove(token, challenge)
             finally:
-                self._handshaking = False
-            nonce = load_u32(self._in + self._in_pos)
-            self._in_pos += 4
-            if nonce == EXT_AUTH_NONCE:
-                if self._need_intr(AUTH_CHALLENGE_LEN, REPLY) != IO_OK:
-                    raise self._fail(IO_CLOSED, "token challenge")
-                challenge = PyBytes_FromStringAndSize(self._in + self._in_pos,
-                                                      AUTH_CHALLENGE_LEN)
-                self._in_pos += AUTH_CHALLENGE_LEN
-                if token:
-                    self._prove(token, challenge)
-        finally:
-            PyThread_release_lock(self._lock)
-        if nonce == EXT_AUTH_NONCE and not token:
-            self.close()
-            raise StoreConnectionError(
-                f"the store at {peer} requires a token: give this client the same token file as "
-                "the server (--rdzv-conf token_file=PATH or FASTELASTIC_STORE_TOKEN_FILE)")
-        if nonce == <uint32_t>(~(<uint32_t>EXT_NONCE)) or nonce == EXT_AUTH_NONCE:
-            self._ext = True
-        elif nonce != EXT_NONCE:
-            self._broken = True
-            raise StoreConnectionError(
-                f"store at {peer} answered the handshake with a wrong nonce; is it a TCPStore?")
+                PyThread_release_lock(self._lock)
+            if nonce == EXT_AUTH_NONCE and not token:
+                self.close()
+                raise StoreConnectionError(
+                    f"the store at {peer} requires a token: give this client the same token file "
+                    "as the server (--rdzv-conf token_file=PATH or FASTELASTIC_STORE_TOKEN_FILE)")
+            if nonce == <uint32_t>(~(<uint32_t>EXT_NONCE)) or nonce == EXT_AUTH_NONCE:
+                self._ext = True
+            elif nonce != EXT_NONCE:
+                self._broken = True
+                raise StoreConnectionError(f"store at {peer} answered the handshake with a wrong "
+                                           "nonce; is it a TCPStore?")
+        except BaseException:
+            # a client that never finished its constructor was never handed to anyone: it
+            # closes its socket now, so a caller may retry and nothing is left for __dealloc__
+            self._close_fd()
+            raise
 
     cdef int _prove(self, bytes token, bytes challenge) except -1:
         """Answers the server's challenge with HMAC-SHA256(token, context + challenge); the
@@ -235,9 +238,18 @@ cdef class KVClient:
         self._in_pos += 1
         return 0
 
-    def __dealloc__(self):
+    cdef void _close_fd(self) noexcept:
+        # only the process that made the client closes its socket (a forked child's copy goes
+        # with the child; closing it would not close the parent's connection anyway)
         if self._fd >= 0 and self._owner_pid == getpid():
             close(self._fd)
+        self._fd = -1
+
+    def __dealloc__(self):
+        if self._fd >= 0 and self._owner_pid == getpid():
+            self._close_fd()
+            warnings.warn(f"unclosed KVClient to {self._peer}: close() it when done",
+                          ResourceWarning, stacklevel=1, source=self)
         self._fd = -1
         if self._in != NULL:
             PyMem_RawFree(self._in)
@@ -251,9 +263,7 @@ cdef class KVClient:
         self._acquire()
         self._acquire_send()
         try:
-            if self._fd >= 0 and self._owner_pid == getpid():
-                close(self._fd)
-            self._fd = -1
+            self._close_fd()
             self._broken = True
         finally:
             PyThread_release_lock(self._send_lock)

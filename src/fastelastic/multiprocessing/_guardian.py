@@ -8,6 +8,10 @@ SIGKILLed the kernel closes the write end; the guardian reads EOF and SIGKILLs e
 group still registered (grandchildren included) and each leader through a pidfd (in case it
 had not become a group leader yet), then exits. Forked children close their inherited copy of
 the write end (``os.register_at_fork``) so they cannot keep the pipe open.
+
+The handle keeps the set of registered pids: a guardian that died (killed by someone) is
+replaced at the next registration, and the new one is told every pid still registered, so a
+group registered with the old one is still killed if the agent dies.
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ class _Guardian:
         self._proc: subprocess.Popen | None = None
         self._wfd = -1
         self._owner = os.getpid()
+        self._live: dict[int, None] = {}  # registered pids, in registration order
 
     def _start_locked(self) -> None:
         rfd, wfd = os.pipe()  # both non-inheritable; the child gets rfd as its stdin only
@@ -86,29 +91,38 @@ class _Guardian:
         self._wfd = wfd
         self._owner = os.getpid()
 
-    def _send(self, line: bytes) -> None:
+    def _send(self, pid: int, add: bool) -> None:
         with self._lock:
             if self._owner != os.getpid():
                 self._wfd = -1
                 self._proc = None
+                self._live.clear()
+            if add:
+                self._live[pid] = None
+            else:
+                self._live.pop(pid, None)
             if self._wfd < 0 or (self._proc is not None and self._proc.poll() is not None):
                 if self._wfd >= 0:
                     logger.warning("worker guardian exited; starting a new one")
                     os.close(self._wfd)
                     self._wfd = -1
-                if line.startswith(b"-"):
+                if not self._live:
                     return
                 self._start_locked()
-            os.write(self._wfd, line)
+                # the new guardian learns every pid still registered (the old one's too)
+                lines = b"".join(b"+%d\n" % p for p in self._live)
+            else:
+                lines = (b"+" if add else b"-") + b"%d\n" % pid
+            os.write(self._wfd, lines)
 
     def register(self, pid: int) -> None:
         """Makes the guardian SIGKILL process group ``pid`` (and pid itself) if we die."""
-        self._send(b"+%d\n" % pid)
+        self._send(pid, True)
 
     def unregister(self, pid: int) -> None:
         """Forgets process group ``pid`` (its workers were stopped by us)."""
         try:
-            self._send(b"-%d\n" % pid)
+            self._send(pid, False)
         except OSError:
             logger.warning("could not unregister pid %s from the guardian", pid, exc_info=True)
 
@@ -125,6 +139,7 @@ class _Guardian:
                 pass
         self._wfd = -1
         self._proc = None
+        self._live = {}
         self._lock = threading.Lock()
 
     def shutdown(self) -> None:
@@ -133,6 +148,7 @@ class _Guardian:
             if self._wfd >= 0 and self._owner == os.getpid():
                 os.close(self._wfd)
                 self._wfd = -1
+                self._live.clear()  # the guardian kills them all now
                 if self._proc is not None:
                     try:
                         self._proc.wait(5)

@@ -25,7 +25,7 @@ from fastelastic._native.procmon import PidfdMonitor
 from fastelastic.errors import SignalException
 from fastelastic.multiprocessing._guardian import guardian
 from fastelastic.multiprocessing._pump import OutputPump, StdioRouter
-from fastelastic.multiprocessing.errors import _NOT_AVAILABLE, ProcessFailure
+from fastelastic.multiprocessing.errors import _NOT_AVAILABLE, EXITCODE_UNKNOWN, ProcessFailure
 from fastelastic.multiprocessing.logs import LogsSpecs
 
 __all__ = ["PContext", "RunProcsResult"]
@@ -51,20 +51,68 @@ def _kill_grace() -> float:
 _DRAIN_S = 2.0
 
 
-_signals_received = [0]  # termination signals this process has handled (a counter)
-# While a block of bookkeeping must not be cut in half, the handler notes the signal here and
-# the block raises it at its end (see _signals_deferred).
-_deferred: list[signal.Signals | None] = []
+def _signal_exception(sig: signal.Signals) -> SignalException:
+    return SignalException(f"Process {os.getpid()} got signal: {sig}", sigval=sig)
 
 
 def _terminate_process_handler(signum: int, frame: FrameType | None) -> None:
-    _signals_received[0] += 1
-    sigval = signal.Signals(signum)
-    if _deferred:
-        if _deferred[-1] is None:
-            _deferred[-1] = sigval
-        return
-    raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
+    """torch's handler: raises :class:`SignalException` wherever the main thread is."""
+    raise _signal_exception(signal.Signals(signum))
+
+
+class StopSignals:
+    """The stop signals of one :class:`PContext` (its handler, installed by ``start()``).
+
+    A signal only records itself and wakes the context's monitor while one of the context's
+    own steps runs on the main thread (starting a worker, waiting, stopping): the step raises
+    :class:`SignalException` at its end, so no bookkeeping is cut in half and no wait has to
+    be retried. Anywhere else (the agent between calls: rendezvous, exit barrier) the handler
+    raises at once, as torch's does.
+
+    Only the main thread runs Python signal handlers, so only its steps defer; the state is
+    read and written by the main thread alone (``received`` may be read by any thread).
+    """
+
+    def __init__(self, wake: Callable[[], None]) -> None:
+        self._wake = wake
+        self.received = 0  # stop signals handled since the context started
+        self._pending: signal.Signals | None = None  # the first one not raised yet
+        self._depth = 0  # main-thread steps of the context now running
+
+    def handler(self, signum: int, frame: FrameType | None) -> None:
+        sig = signal.Signals(signum)
+        self.received += 1
+        if self._depth == 0:
+            raise _signal_exception(sig)
+        if self._pending is None:
+            self._pending = sig
+        self._wake()
+
+    @property
+    def pending(self) -> signal.Signals | None:
+        """The signal a running step will raise at its end (None if none came)."""
+        return self._pending
+
+    def raise_pending(self) -> None:
+        """Raises the pending signal now (and forgets it)."""
+        sig, self._pending = self._pending, None
+        if sig is not None:
+            raise _signal_exception(sig)
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """Runs one step of the context whole: a signal arriving meanwhile is raised at its end
+        (the outermost step's, on the main thread; other threads do not defer signals)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if self._depth == 0 and self._pending is not None:
+                self.raise_pending()  # also when the step failed: the stop signal wins
 
 
 def _default_handlers_in_child() -> None:
@@ -73,12 +121,14 @@ def _default_handlers_in_child() -> None:
     SignalException raised inside multiprocessing's bootstrap."""
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
         try:
-            if signal.getsignal(sig) is _terminate_process_handler:
+            handler = signal.getsignal(sig)
+            if handler is _terminate_process_handler or isinstance(
+                getattr(handler, "__self__", None), StopSignals
+            ):
                 signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT
                               else signal.SIG_DFL)
         except (OSError, ValueError):
             continue
-    _deferred.clear()
 
 
 os.register_at_fork(after_in_child=_default_handlers_in_child)
@@ -89,18 +139,6 @@ def _validate_full_rank(d: dict[int, Any], nprocs: int, what: str) -> None:
         raise RuntimeError(
             f"{what}, local rank mapping mismatch, expected: {set(range(nprocs))}, actual: {set(d)}"
         )
-
-
-@contextlib.contextmanager
-def _signals_deferred() -> Iterator[None]:
-    """Runs the block whole: a termination signal arriving meanwhile is raised at its end."""
-    _deferred.append(None)
-    try:
-        yield
-    finally:
-        sigval = _deferred.pop()
-    if sigval is not None:
-        raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
 
 
 @dataclass
@@ -181,14 +219,16 @@ class PContext(abc.ABC):
         self._monitor: PidfdMonitor | None = None
         self._pids: dict[int, int] = {}  # local rank -> pid (== its process group id)
         self._rank_of: dict[int, int] = {}
-        self._exitcodes: dict[int, int | None] = {}
+        self._exitcodes: dict[int, int | None] = {}  # None: the exit status is unknown
+        self._resolving: set[int] = set()  # ranks whose exit is being read (outside _lock)
         self._failed_ranks: list[int] = []  # in the order their failures were observed
         self._exit_times: dict[int, float] = {}  # local rank -> time.time() its exit was seen
         self._exit_seq = 0
         self._seen_seq = 0
+        # Guards the exit bookkeeping; held only for bookkeeping, never across a wait.
         self._lock = threading.RLock()
         self._closed = False
-        self._signals_at_start = _signals_received[0]
+        self._signals = StopSignals(self.wakeup)
         self.stuck_pids: dict[int, str] = {}  # local rank -> psutil status after close
 
     # ------------------------------------------------------------------ start
@@ -199,7 +239,7 @@ class PContext(abc.ABC):
             names = os.environ.get(SIGNALS_TO_HANDLE_ENV, "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
             for sig_name in names.split(","):
                 try:
-                    signal.signal(getattr(signal, sig_name.strip()), _terminate_process_handler)
+                    signal.signal(getattr(signal, sig_name.strip()), self._signals.handler)
                 except (AttributeError, ValueError, RuntimeError):
                     logger.warning("Failed to register signal handler for %s", sig_name)
         else:
@@ -217,19 +257,24 @@ class PContext(abc.ABC):
         return self._router.child_fds(rank)
 
     def _track(self, rank: int, pid: int) -> None:
+        """Watches a started worker (call it inside the ``_signals.step()`` that started it:
+        a worker known but unwatched, or watched but unknown, must not be left behind)."""
         assert self._monitor is not None
-        # All or nothing: a signal handler raising half way would leave a worker that is
-        # known but unwatched (or watched but unknown).
-        with _signals_deferred():
+        with self._lock:  # a collector in another thread maps the pid to its rank
             self._monitor.add(pid, reap=False)
             self._rank_of[pid] = rank
             self._pids[rank] = pid
-            guardian.register(pid)
+        guardian.register(pid)
 
     # ------------------------------------------------------------------ waiting
 
     def _collect(self, timeout: float | None) -> bool:
-        """Records exits reported by the monitor within ``timeout``; True if any."""
+        """Records exits reported by the monitor within ``timeout``; True if any.
+
+        An exit whose status the monitor could not read is asked of the worker's owner,
+        which may take a while (``_exitcode``): that happens outside ``_lock``, so readers of
+        the bookkeeping (the health check) never wait on it.
+        """
         monitor = self._monitor
         if monitor is None or monitor.closed:
             return False
@@ -239,23 +284,43 @@ class PContext(abc.ABC):
             if monitor.closed:  # close() from another thread while we waited
                 return False
             raise
+        todo: list[tuple[int, int | None]] = []
         with self._lock:
             for pid, status in events:
-                self._record_exit(self._rank_of[pid], status)
-            # A Python signal handler may raise between monitor.wait() returning and the loop
-            # above; such exits are no longer watched. The worker is a zombie until its owner
+                self._claim(self._rank_of[pid], status, todo)
+            # An exit the monitor reported to a caller that never recorded it (interrupted
+            # by an exception) is no longer watched. The worker is a zombie until its owner
             # reaps it, so watching it again reports its exit at the next wait; one already
             # reaped is asked of its owner.
             for rank, pid in self._pids.items():
-                if rank not in self._exitcodes and pid not in monitor and not monitor.closed:
+                if (rank not in self._exitcodes and rank not in self._resolving
+                        and pid not in monitor and not monitor.closed):
                     try:
                         monitor.add(pid, reap=False)
-                    except OSError:
-                        self._record_exit(rank, None)
+                    except ProcessLookupError:  # gone already
+                        self._claim(rank, None, todo)
+        try:
+            for rank, status in todo:
+                code = self._exitcode(rank, status)  # may block: not under _lock
+                if code is None:
+                    logger.warning("worker %s (local_rank %s) is gone; its exit status is "
+                                   "unknown: %s", self._pids[rank], rank, self._unknown_exit(rank))
+                with self._lock:
+                    self._record_exit(rank, code)
+        finally:
+            with self._lock:
+                self._resolving.difference_update(r for r, _ in todo)
         return bool(events)
 
-    def _record_exit(self, rank: int, status: int | None) -> None:
-        code = self._exitcode(rank, status)
+    def _claim(self, rank: int, status: int | None, todo: list) -> None:
+        """Makes this caller the one that records ``rank``'s exit (under ``_lock``)."""
+        if rank not in self._exitcodes and rank not in self._resolving:
+            self._resolving.add(rank)
+            todo.append((rank, status))
+
+    def _record_exit(self, rank: int, code: int | None) -> None:
+        if rank in self._exitcodes:
+            return
         self._exitcodes[rank] = code
         self._exit_times[rank] = time.time()
         self._exit_seq += 1
@@ -264,7 +329,15 @@ class PContext(abc.ABC):
 
     @abc.abstractmethod
     def _exitcode(self, rank: int, status: int | None) -> int | None:
-        """The exit code of ``rank`` given the status the monitor peeked (None: ask the owner)."""
+        """The exit code of ``rank`` given the status the monitor peeked (None: ask the owner).
+
+        Returns None when the owner does not tell it in time: the status is unknown.
+        """
+
+    def _unknown_exit(self, rank: int) -> str:
+        """Why the exit status of ``rank`` is unknown (for its failure report)."""
+        return (f"the worker is not this process's child and its status was not reported "
+                f"within {_KILL_GRACE_S:g}s")
 
     def wait_any(self, timeout: float | None = None) -> bool:
         """Blocks until a worker exits, ``wakeup()`` is called or ``timeout`` seconds pass.
@@ -275,11 +348,12 @@ class PContext(abc.ABC):
         Returns:
             True if at least one worker exited since the previous ``wait_any``.
         """
-        if self._exit_seq == self._seen_seq:
-            self._collect(timeout)
-        with self._lock:
-            fresh = self._exit_seq != self._seen_seq
-            self._seen_seq = self._exit_seq
+        with self._signals.step():
+            if self._exit_seq == self._seen_seq:
+                self._collect(timeout)
+            with self._lock:
+                fresh = self._exit_seq != self._seen_seq
+                self._seen_seq = self._exit_seq
         return fresh
 
     def wakeup(self) -> None:
@@ -309,14 +383,16 @@ class PContext(abc.ABC):
         if self._monitor is None:
             raise RuntimeError("process context not started: call start() first")
         deadline = None if timeout < 0 else time.monotonic() + timeout
-        while True:
-            result = self._poll()
-            if result is not None or self._closed:
-                return result
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                return None
-            self._collect(remaining)
+        with self._signals.step():
+            while True:
+                result = self._poll()
+                if result is not None or self._closed:
+                    return result
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return None
+                self._collect(remaining)  # returns early when a signal woke the monitor
+                self._signals.raise_pending()
 
     def _poll(self) -> RunProcsResult | None:
         self._collect(0)
@@ -331,16 +407,18 @@ class PContext(abc.ABC):
             if self._stopped_are_failures:
                 with self._lock:
                     failed += [r for r, code in sorted(self._exitcodes.items())
-                               if code not in (0, None) and r not in failed]
+                               if code != 0 and r not in failed]
             failures = {}  # the first observed failure first: it wins timestamp ties
             for rank in failed:
                 sink = self._router.stderr_sinks.get(rank)
+                code = self._exitcodes[rank]
                 failures[rank] = f = ProcessFailure(
                     local_rank=rank,
                     pid=self._pids[rank],
-                    exitcode=self._exitcodes[rank] or 1,
+                    exitcode=EXITCODE_UNKNOWN if code is None else code,
                     error_file=self.error_files.get(rank, ""),
                     stderr_tail=sink.tail_text() if sink is not None else None,
+                    unknown_exit=self._unknown_exit(rank) if code is None else None,
                 )
                 if f.error_file == _NOT_AVAILABLE and rank in self._exit_times:
                     f.timestamp = int(self._exit_times[rank])  # when it exited, not now
@@ -405,13 +483,18 @@ class PContext(abc.ABC):
         except PermissionError:
             logger.warning("no permission to signal process group %s", pid)
 
-    def _wait_ranks(self, ranks: set[int], deadline: float) -> set[int]:
-        """Waits (event driven) until ``ranks`` exited or ``deadline``; returns the alive ones."""
+    def _wait_ranks(self, ranks: set[int], deadline: float, signals_seen: int = -1) -> set[int]:
+        """Waits (event driven) until ``ranks`` exited or ``deadline``; returns the alive ones.
+
+        With ``signals_seen`` >= 0 it also returns once more stop signals than that came.
+        """
         while True:
             with self._lock:
                 alive = {r for r in ranks if r not in self._exitcodes}
             remaining = deadline - time.monotonic()
             if not alive or remaining <= 0:
+                return alive
+            if 0 <= signals_seen < self._signals.received:
                 return alive
             self._collect(remaining)
 
@@ -423,9 +506,9 @@ class PContext(abc.ABC):
         SIGKILL (uninterruptible sleep) is logged and listed in ``stuck_pids`` instead of
         hanging the caller. Safe to call more than once.
 
-        Every group is SIGKILLed before it is forgotten, whatever interrupts the stop: a
-        signal arriving meanwhile (a second Ctrl-C) only skips the wait for a graceful exit;
-        it is re-raised once the sweep is done.
+        Every group is SIGKILLed before it is forgotten, whatever happens meanwhile: a stop
+        signal arriving (a second Ctrl-C) only ends the wait for a graceful exit, and is raised
+        once the groups are gone; any other exception is re-raised after a SIGKILL sweep.
 
         Args:
             death_sig: the first signal (SIGTERM by default).
@@ -436,62 +519,50 @@ class PContext(abc.ABC):
                 return
             self._closed = True
         sig = death_sig if death_sig else signal.SIGTERM
-        if _signals_received[0] - self._signals_at_start >= 2:
-            timeout = 0  # a second signal came before the stop began: no graceful wait
-        interrupted: BaseException | None = None
-        try:
-            self._stop_processes(sig, timeout)
-        except BaseException as e:  # noqa: BLE001 - re-raised below, after the SIGKILL sweep
-            interrupted = e
-            self._sweep()
-        finally:
-            self._release()
-        if interrupted is not None:
-            raise interrupted
+        with self._signals.step():
+            if self._signals.received >= 2:
+                timeout = 0  # a second signal came before the stop began: no graceful wait
+            try:
+                self._stop_processes(sig, timeout)
+            except BaseException:
+                self._sweep()  # whatever cut the stop short, no group outlives it
+                raise
+            finally:
+                self._release()
 
     def _sweep(self) -> None:
-        """SIGKILLs every group and waits (bounded) for the leaders; signals only hurry it."""
+        """SIGKILLs every group and waits (bounded) for the leaders."""
         if self._monitor is None:
             return
         for rank in self._pids:
             self._signal_group(rank, signal.SIGKILL)
-        deadline = time.monotonic() + _kill_grace()
-        alive = set(self._pids)
-        for _ in range(1000):  # each pass ends by an exit, the deadline or another signal
-            try:
-                alive = self._wait_ranks(alive, deadline)
-                break
-            except SignalException:
-                continue
-        for rank in alive:
+        for rank in self._wait_ranks(set(self._pids), time.monotonic() + _kill_grace()):
             self.stuck_pids[rank] = "unknown"
-        try:
-            self._reap()
-        except SignalException:
-            pass
+        self._reap()
 
     def _stop_processes(self, sig: int, timeout: float) -> None:
         if self._monitor is None:
             return
         self._collect(0)
-        alive = {r for r in self._pids if r not in self._exitcodes}
+        with self._lock:
+            alive = {r for r in self._pids if r not in self._exitcodes}
         for rank in sorted(alive):
             logger.info(
                 "Sending process %s closing signal %s", self._pids[rank], signal.Signals(sig).name
             )
             self._signal_group(rank, sig)
-        try:
-            alive = self._wait_ranks(alive, time.monotonic() + max(timeout, 0))
-        except SignalException as e:  # a second signal: stop waiting for a graceful exit
-            name = getattr(e.sigval, "name", e.sigval)
+        seen = self._signals.received
+        alive = self._wait_ranks(alive, time.monotonic() + max(timeout, 0), signals_seen=seen)
+        if alive and self._signals.received > seen:  # a second signal: no graceful exit
+            name = getattr(self._signals.pending, "name", "a signal")
             logger.warning("%s during shutdown: SIGKILLing the workers now", name)
-            raise
-        for rank in sorted(alive):
-            logger.warning(
-                "Unable to shutdown process %s via %s, forcefully exiting via SIGKILL",
-                self._pids[rank],
-                signal.Signals(sig).name,
-            )
+        else:
+            for rank in sorted(alive):
+                logger.warning(
+                    "Unable to shutdown process %s via %s, forcefully exiting via SIGKILL",
+                    self._pids[rank],
+                    signal.Signals(sig).name,
+                )
         # SIGKILL every group: the stragglers, and grandchildren left behind by exited workers
         for rank in self._pids:
             self._signal_group(rank, signal.SIGKILL)

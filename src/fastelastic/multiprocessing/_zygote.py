@@ -17,6 +17,7 @@ It is registered with the guardian and dies with the agent.
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import os
@@ -41,6 +42,7 @@ __all__ = [
     "PythonCommand",
     "Zygote",
     "ZygoteContext",
+    "ZygoteState",
     "parse_preload",
     "python_command",
 ]
@@ -138,8 +140,45 @@ def _ignored_signals_mask() -> int:
     return mask
 
 
+class ZygoteState(str, enum.Enum):
+    """The lifecycle of a :class:`Zygote` (a ``str``, so ``state == "ready"`` reads well)."""
+
+    NEW = "new"  # not started
+    STARTING = "starting"  # a zygote process is importing the modules (or is being launched)
+    READY = "ready"  # it forks workers on request
+    UNUSABLE = "unusable"  # workers start plainly from now on (``reason`` says why); final
+    CLOSED = "closed"  # closed; no zygote process is left; final
+
+
+_TRANSITIONS: dict[ZygoteState, frozenset[ZygoteState]] = {
+    ZygoteState.NEW: frozenset({ZygoteState.STARTING, ZygoteState.CLOSED}),
+    # STARTING -> STARTING: a zygote died before it was ready and another is launched
+    ZygoteState.STARTING: frozenset(
+        {ZygoteState.STARTING, ZygoteState.READY, ZygoteState.UNUSABLE, ZygoteState.CLOSED}
+    ),
+    ZygoteState.READY: frozenset(
+        {ZygoteState.STARTING, ZygoteState.UNUSABLE, ZygoteState.CLOSED}
+    ),
+    ZygoteState.UNUSABLE: frozenset({ZygoteState.CLOSED}),
+    ZygoteState.CLOSED: frozenset(),
+}
+
+
 class Zygote:
     """The agent's handle of its worker zygote (thread-safe; one per agent).
+
+    Invariants:
+
+    * ``_cond`` is the one lock: the state, the process, the socket and the workers' exits
+      change only under it, and the state only through :meth:`_set_state`.
+    * One supervisor thread (``fe-zygote``, from ``start()`` to ``close()``) owns the zygote
+      processes and their sockets: it launches each (so the parent-death signal, which follows
+      the thread that forked, lasts until ``close()``), reads its messages, and is the only
+      one to close a socket or reap a process. Other threads send on ``_sock`` under the lock
+      only (without blocking), and ``close()`` only shuts it down, which wakes the supervisor.
+    * ``close()`` wins: once the state is CLOSED no zygote is launched, a launch already under
+      way kills what it made, and ``close()`` returns after the supervisor did, so no zygote
+      outlives it.
 
     Args:
         modules: the modules to import once.
@@ -155,12 +194,13 @@ class Zygote:
         self.command = command
         self._ready_timeout = ready_timeout
         self._cond = threading.Condition()
-        self._spawn_lock = threading.Lock()
-        self._state = "new"  # new|starting|ready|unusable|closed
+        self._spawn_lock = threading.Lock()  # one spawn request at a time
+        self._state = ZygoteState.NEW
         self._reason = ""
-        self._gen = 0
-        self._sock: socket.socket | None = None
+        self._gen = 0  # the zygote process's generation (one per launch)
+        self._sock: socket.socket | None = None  # the live generation's, while it is usable
         self._proc: subprocess.Popen | None = None
+        self._thread: threading.Thread | None = None
         self._replies: list[tuple] = []
         self._status: dict[int, Any] = {}
         self._owner: dict[int, int] = {}  # worker pid -> zygote generation
@@ -177,13 +217,26 @@ class Zygote:
         return proc.pid if proc is not None and proc.returncode is None else None
 
     @property
-    def state(self) -> str:
+    def state(self) -> ZygoteState:
         return self._state
 
     @property
     def reason(self) -> str:
         """Why the zygote is unusable ('' while it is usable)."""
         return self._reason
+
+    def _set_state(self, new: ZygoteState, reason: str = "") -> None:
+        """The one transition function (call it with ``_cond`` held); wakes every waiter.
+
+        Raises:
+            RuntimeError: ``new`` cannot follow the current state.
+        """
+        if new not in _TRANSITIONS[self._state]:
+            raise RuntimeError(f"zygote: no transition {self._state.value} -> {new.value}")
+        self._state = new
+        if new is ZygoteState.UNUSABLE:
+            self._reason = reason
+        self._cond.notify_all()
 
     def matches(self, command: PythonCommand) -> bool:
         """True if ``command`` runs with the zygote's interpreter, options and ``sys.path[0]``."""
@@ -198,16 +251,38 @@ class Zygote:
     def start(self) -> None:
         """Starts the zygote process (returns at once; the imports run in the background)."""
         with self._cond:
-            if self._state != "new":
+            if self._state is not ZygoteState.NEW:
                 return
-            self._state = "starting"
-        self._launch()
+            self._set_state(ZygoteState.STARTING)
+            self._thread = threading.Thread(target=self._supervise, name="fe-zygote",
+                                            daemon=True)
+            self._thread.start()
 
-    def _launch(self) -> None:
+    def _supervise(self) -> None:
+        """The supervisor thread: launches, reads, reaps and relaunches until closed."""
+        while True:
+            launched = self._launch()
+            if launched is None:
+                return
+            gen, sock, proc = launched
+            self._read(sock, proc)
+            with self._cond:
+                if self._sock is sock:
+                    self._sock = None  # no one sends on it from now on
+            sock.close()
+            _stop(proc)
+            guardian.unregister(proc.pid)
+            if not self._relaunch(gen, proc):
+                return
+
+    def _launch(self) -> tuple[int, socket.socket, subprocess.Popen] | None:
+        """Starts a zygote process; None when closed (or it could not start)."""
+        with self._cond:
+            if self._state is not ZygoteState.STARTING:
+                return None
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         cfg = {"fd": child.fileno(), "modules": list(self.modules), "path0": self.command.path0()}
         me = os.getpid()
-        on_main = threading.current_thread() is threading.main_thread()
         try:
             proc = subprocess.Popen(
                 [self.command.exe, *self.command.options, "-c", _BOOT_C, _BOOT_PATH,
@@ -215,42 +290,47 @@ class Zygote:
                 stdin=subprocess.DEVNULL,
                 pass_fds=(child.fileno(),),
                 process_group=0,
-                preexec_fn=(lambda: set_pdeathsig(signal.SIGKILL, me)) if on_main else None,  # noqa: PLW1509
+                # this thread lives until close(): the signal fires when the agent dies
+                preexec_fn=lambda: set_pdeathsig(signal.SIGKILL, me),  # noqa: PLW1509
             )
         except OSError as e:
             parent.close()
             self._give_up(f"the zygote could not start: {e}")
-            return
+            return None
         finally:
             child.close()
         guardian.register(proc.pid)
         with self._cond:
-            self._gen += 1
-            gen = self._gen
-            self._sock = parent
-            self._proc = proc
-        threading.Thread(
-            target=self._reader, args=(gen, parent, proc), name="fe-zygote", daemon=True
-        ).start()
+            closed = self._state is ZygoteState.CLOSED
+            if not closed:
+                self._gen += 1
+                self._sock = parent
+                self._proc = proc
+                gen = self._gen
+        if closed:  # close() came during the launch: what it made goes now
+            parent.close()
+            _stop(proc, 0)
+            guardian.unregister(proc.pid)
+            return None
         logger.info("worker zygote %s started: importing %s", proc.pid, ",".join(self.modules))
+        return gen, parent, proc
 
     def _give_up(self, reason: str) -> None:
         with self._cond:
-            if self._state == "closed":
+            if self._state in (ZygoteState.CLOSED, ZygoteState.UNUSABLE):
                 return
-            self._state = "unusable"
-            self._reason = reason
-            self._cond.notify_all()
+            self._set_state(ZygoteState.UNUSABLE, reason)
         logger.warning("--preload: starting workers plainly: %s", reason)
 
-    def _reader(self, gen: int, sock: socket.socket, proc: subprocess.Popen) -> None:
+    def _read(self, sock: socket.socket, proc: subprocess.Popen) -> None:
+        """Takes the zygote's messages until its socket ends (it died, or close())."""
         while True:
             try:
                 data = sock.recv(_MAX_MSG)
             except OSError:
                 data = b""
             if not data:
-                break
+                return
             msg = pickle.loads(data)
             kind = msg[0]
             with self._cond:
@@ -258,10 +338,10 @@ class Zygote:
                     self._status[msg[1]] = msg[2]
                 elif kind in ("spawned", "refused"):
                     self._replies.append(msg)
-                elif kind == "ready" and self._state == "starting":
-                    self._state = "ready"
+                elif kind == "ready" and self._state is ZygoteState.STARTING:
                     self._early_deaths = 0
                     self.ready_info = msg[1]
+                    self._set_state(ZygoteState.READY)
                     logger.info(
                         "worker zygote %s ready: imported %s in %.2fs",
                         proc.pid,
@@ -271,55 +351,48 @@ class Zygote:
                 self._cond.notify_all()
             if kind == "unusable":
                 self._give_up(msg[1])
-        sock.close()
-        try:
-            proc.wait(_KILL_GRACE_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        guardian.unregister(proc.pid)
-        self._zygote_gone(gen, proc)
 
-    def _zygote_gone(self, gen: int, proc: subprocess.Popen) -> None:
+    def _relaunch(self, gen: int, proc: subprocess.Popen) -> bool:
+        """After zygote ``gen`` ended: True if another is to be launched."""
         with self._cond:
             for pid, owner in self._owner.items():
                 if owner == gen and pid not in self._status:
                     self._status[pid] = _LOST
-            if gen != self._gen or self._state in ("closed", "unusable"):
-                self._cond.notify_all()
-                return
-            was_ready = self._state == "ready"
-            self._state = "starting"
+            self._cond.notify_all()
+            if self._state in (ZygoteState.CLOSED, ZygoteState.UNUSABLE):
+                return False
+            was_ready = self._state is ZygoteState.READY
             self._early_deaths = 0 if was_ready else self._early_deaths + 1
             deaths = self._early_deaths
-            self._cond.notify_all()
         code = proc.returncode
         how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
         if deaths >= _MAX_EARLY_DEATHS:
             self._give_up(f"the zygote died {deaths} times before its imports finished ({how})")
-            return
+            return False
         logger.warning("worker zygote %s died (%s); starting a new one", proc.pid, how)
-        self._launch()
+        with self._cond:
+            if self._state is ZygoteState.CLOSED:  # close() while we logged: it wins
+                return False
+            self._set_state(ZygoteState.STARTING)
+        return True
 
     def close(self) -> None:
-        """Stops the zygote (it SIGKILLs any worker it still has) and waits for it."""
+        """Stops the zygote (it SIGKILLs any worker it still has) and waits for it.
+
+        No zygote process outlives this call, whatever the supervisor was doing.
+        """
         with self._cond:
-            if self._state == "closed":
+            if self._state is ZygoteState.CLOSED:
                 return
-            self._state = "closed"
-            sock, proc = self._sock, self._proc
-            self._cond.notify_all()
-        if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        if proc is not None:
-            try:
-                proc.wait(_KILL_GRACE_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            self._set_state(ZygoteState.CLOSED)
+            if self._sock is not None:
+                try:
+                    self._sock.shutdown(socket.SHUT_RDWR)  # EOF for both: the supervisor wakes
+                except OSError:
+                    pass
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
 
     # ------------------------------------------------------------------ workers
 
@@ -327,6 +400,29 @@ class Zygote:
         if reason not in self._told and len(self._told) < 64:
             self._told.add(reason)
             logger.warning("--preload: starting a worker plainly: %s", reason)
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Waits (up to ``timeout``, default ``ready_timeout``) for the imports of a zygote that
+        is still starting; True if it is ready."""
+        with self._cond:
+            self._cond.wait_for(
+                lambda: self._state is not ZygoteState.STARTING,
+                self._ready_timeout if timeout is None else timeout,
+            )
+            return self._state is ZygoteState.READY
+
+    def _send(self, data: bytes, fds: tuple[int, ...] = ()) -> int:
+        """Sends one message to the live zygote (call with ``_cond`` held); its generation.
+
+        Raises:
+            OSError: no live zygote, or it does not take the message now (its queue is full:
+                it is hung); the caller never blocks under the lock.
+        """
+        sock = self._sock
+        if sock is None:
+            raise ConnectionResetError("the zygote is gone")
+        socket.send_fds(sock, [data], list(fds), socket.MSG_DONTWAIT)
+        return self._gen
 
     def spawn(self, request: dict[str, Any], fds: tuple[int, int, int]) -> int | str:
         """Forks one worker; returns its pid, or why to start it plainly instead.
@@ -336,33 +432,31 @@ class Zygote:
         data = pickle.dumps(("spawn", request), protocol=pickle.HIGHEST_PROTOCOL)
         if len(data) > _MAX_MSG:
             return self._refuse(f"the worker's request is {len(data)} bytes (> {_MAX_MSG})")
+        self.wait_ready()
         with self._spawn_lock:
             with self._cond:
-                self._cond.wait_for(
-                    lambda: self._state in ("ready", "unusable", "closed"), self._ready_timeout
-                )
-                if self._state != "ready":
-                    return self._reason or f"the zygote is {self._state}"
-                sock, gen = self._sock, self._gen
+                if self._state is not ZygoteState.READY:
+                    return self._reason or f"the zygote is {self._state.value}"
                 self._replies.clear()
-            assert sock is not None
-            try:
-                socket.send_fds(sock, [data], list(fds))
-            except OSError as e:
-                return self._refuse(f"the zygote is unreachable: {e}")
-            with self._cond:
-                self._cond.wait_for(
-                    lambda: bool(self._replies) or self._gen != gen or self._state != "ready",
-                    _REPLY_TIMEOUT_S,
-                )
-                reply = self._replies.pop(0) if self._replies else None
-                if reply is not None and reply[0] == "spawned":
-                    self._owner[reply[1]] = gen
-                    return int(reply[1])
+                try:
+                    gen = self._send(data, fds)
+                except OSError as e:
+                    reply: tuple | None = ("refused", f"the zygote is unreachable: {e}")
+                else:
+                    self._cond.wait_for(
+                        lambda: bool(self._replies)
+                        or self._gen != gen
+                        or self._state is not ZygoteState.READY,
+                        _REPLY_TIMEOUT_S,
+                    )
+                    reply = self._replies.pop(0) if self._replies else None
+                    if reply is not None and reply[0] == "spawned":
+                        self._owner[reply[1]] = gen
+                        return int(reply[1])
+                    if reply is None and self._gen == gen and self._proc is not None:
+                        self._proc.kill()  # hung: a late fork must not run unsupervised
+            # told (logged) outside the lock
             if reply is None:
-                proc = self._proc
-                if proc is not None and self._gen == gen:
-                    proc.kill()  # hung: a late fork must not run unsupervised (pdeathsig)
                 return self._refuse("the zygote did not answer")
             return self._refuse(str(reply[1]))
 
@@ -372,16 +466,17 @@ class Zygote:
 
     def ack(self, pid: int) -> None:
         """Tells the zygote the agent watches ``pid``: it may reap it and report its exit."""
-        sock = self._sock
-        if sock is None:
-            return
-        try:
-            sock.send(pickle.dumps(("ack", pid)))
-        except OSError:
-            pass  # the zygote is gone; the worker died with it
+        with self._cond:
+            try:
+                self._send(pickle.dumps(("ack", pid)))
+            except OSError:
+                pass  # the zygote is gone (the worker died with it) or hung (it is killed)
 
     def exit_status(self, pid: int, timeout: float) -> int | None:
-        """The exit code of worker ``pid`` (``-signal`` if killed), as its zygote reported."""
+        """The exit code of worker ``pid`` (``-signal`` if killed), as its zygote reported.
+
+        None if the zygote did not report it within ``timeout`` (the status is unknown).
+        """
         with self._cond:
             self._cond.wait_for(lambda: pid in self._status, timeout)
             code = self._status.pop(pid, None)
@@ -401,6 +496,15 @@ class Zygote:
             for pid in pids:
                 self._status.pop(pid, None)
                 self._owner.pop(pid, None)
+
+
+def _stop(proc: subprocess.Popen, grace: float = _KILL_GRACE_S) -> None:
+    """Waits up to ``grace`` for a zygote told to go (socket EOF), then SIGKILLs it."""
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _stdin_fd() -> tuple[int, bool]:
@@ -437,29 +541,37 @@ class ZygoteContext(SubprocessContext):
         if self.subprocess_handlers or self._zpids:
             raise ValueError("The subprocess handlers already started (start() called twice?)")
         for rank in range(self.nprocs):
-            out_fd, err_fd = self._child_stdio(rank)
-            in_fd, close_in = _stdin_fd()
-            try:
-                cmd = python_command(self.entrypoint, self.args[rank])
-                got: int | str = "the worker's command differs from the zygote's"
-                if isinstance(cmd, PythonCommand) and self._zygote.matches(cmd):
-                    out = 1 if out_fd is None else out_fd
-                    fds = (in_fd, out, 2 if err_fd is None else err_fd)
-                    got = self._zygote.spawn(self._request(rank, cmd), fds)
-                if isinstance(got, int):
-                    pid = got
-                    self._zpids[rank] = pid
-                else:
-                    pid = self._start_plain(rank, out_fd, err_fd)
-            finally:
-                for fd in (out_fd, err_fd):
-                    if fd is not None:
-                        os.close(fd)
-                if close_in:
-                    os.close(in_fd)
-            self._track(rank, pid)
-            if rank in self._zpids:
-                self._zygote.ack(pid)
+            cmd = python_command(self.entrypoint, self.args[rank])
+            forked = isinstance(cmd, PythonCommand) and self._zygote.matches(cmd)
+            if forked:
+                # before the step: a stop signal may cut this wait (the imports) short
+                self._zygote.wait_ready()
+            with self._signals.step():  # started and watched, or not started
+                self._start_rank(rank, cmd if forked else None)
+
+    def _start_rank(self, rank: int, cmd: PythonCommand | str | None) -> None:
+        out_fd, err_fd = self._child_stdio(rank)
+        in_fd, close_in = _stdin_fd()
+        try:
+            got: int | str = "the worker's command differs from the zygote's"
+            if isinstance(cmd, PythonCommand):
+                out = 1 if out_fd is None else out_fd
+                fds = (in_fd, out, 2 if err_fd is None else err_fd)
+                got = self._zygote.spawn(self._request(rank, cmd), fds)
+            if isinstance(got, int):
+                pid = got
+                self._zpids[rank] = pid
+            else:
+                pid = self._start_plain(rank, out_fd, err_fd)
+        finally:
+            for fd in (out_fd, err_fd):
+                if fd is not None:
+                    os.close(fd)
+            if close_in:
+                os.close(in_fd)
+        self._track(rank, pid)
+        if rank in self._zpids:
+            self._zygote.ack(pid)
 
     def _exitcode(self, rank: int, status: int | None) -> int | None:
         if rank in self.subprocess_handlers:
@@ -467,6 +579,11 @@ class ZygoteContext(SubprocessContext):
         if status is not None:
             return status
         return self._zygote.exit_status(self._zpids[rank], _KILL_GRACE_S)
+
+    def _unknown_exit(self, rank: int) -> str:
+        if rank in self.subprocess_handlers:
+            return super()._unknown_exit(rank)
+        return f"its zygote did not report its exit within {_KILL_GRACE_S:g}s"
 
     def _release(self) -> None:
         try:

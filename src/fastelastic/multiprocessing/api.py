@@ -12,6 +12,7 @@ import os
 import pickle
 import shutil
 import signal
+import subprocess
 import tempfile
 import threading
 from collections.abc import Callable
@@ -99,36 +100,40 @@ class MultiprocessContext(PContext):
                 int(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
             )
         for rank in range(self.nprocs):
-            out_fd, err_fd = self._child_stdio(rank)
+            with self._signals.step():  # started and watched, or not started
+                self._start_rank(ctx, rank, on_main, reset)
+
+    def _start_rank(self, ctx: Any, rank: int, on_main: bool, reset: tuple[int, ...]) -> None:
+        out_fd, err_fd = self._child_stdio(rank)
+        try:
+            proc = ctx.Process(  # type: ignore[attr-defined]
+                target=worker_main,
+                args=(
+                    self.entrypoint,
+                    self.args[rank],
+                    self.envs[rank],
+                    FdArg(out_fd) if out_fd is not None else None,
+                    FdArg(err_fd) if err_fd is not None else None,
+                    os.path.join(self._ret_dir, f"{rank}.pkl"),
+                    os.getpid(),
+                    on_main and self.start_method != "forkserver",
+                    reset,
+                ),
+                name=f"{self.name}-{rank}",
+                daemon=False,
+            )
+            proc.start()
+        finally:
+            for fd in (out_fd, err_fd):
+                if fd is not None:
+                    os.close(fd)
+        self._procs[rank] = proc
+        if self.start_method == "fork":
             try:
-                proc = ctx.Process(  # type: ignore[attr-defined]
-                    target=worker_main,
-                    args=(
-                        self.entrypoint,
-                        self.args[rank],
-                        self.envs[rank],
-                        FdArg(out_fd) if out_fd is not None else None,
-                        FdArg(err_fd) if err_fd is not None else None,
-                        os.path.join(self._ret_dir, f"{rank}.pkl"),
-                        os.getpid(),
-                        on_main and self.start_method != "forkserver",
-                        reset,
-                    ),
-                    name=f"{self.name}-{rank}",
-                    daemon=False,
-                )
-                proc.start()
-            finally:
-                for fd in (out_fd, err_fd):
-                    if fd is not None:
-                        os.close(fd)
-            self._procs[rank] = proc
-            if self.start_method == "fork":
-                try:
-                    os.setpgid(proc.pid, proc.pid)  # closes the race with the child's own call
-                except OSError:
-                    pass
-            self._track(rank, proc.pid)
+                os.setpgid(proc.pid, proc.pid)  # closes the race with the child's own call
+            except OSError:
+                pass
+        self._track(rank, proc.pid)
 
     def _exitcode(self, rank: int, status: int | None) -> int | None:
         if status is not None:
@@ -136,6 +141,10 @@ class MultiprocessContext(PContext):
         proc = self._procs[rank]  # forkserver: the fork server reaps and tells the Process
         proc.join(_KILL_GRACE_S)
         return proc.exitcode
+
+    def _unknown_exit(self, rank: int) -> str:
+        return (f"its {self.start_method} parent did not report its exit within "
+                f"{_KILL_GRACE_S:g}s")
 
     def _return_values(self) -> dict[int, Any]:
         values: dict[int, Any] = {}
@@ -193,14 +202,15 @@ class SubprocessContext(PContext):
         if self.subprocess_handlers:
             raise ValueError("The subprocess handlers already started (start() called twice?)")
         for rank in range(self.nprocs):
-            out_fd, err_fd = self._child_stdio(rank)
-            try:
-                pid = self._start_plain(rank, out_fd, err_fd)
-            finally:
-                for fd in (out_fd, err_fd):
-                    if fd is not None:
-                        os.close(fd)
-            self._track(rank, pid)
+            with self._signals.step():  # started and watched, or not started
+                out_fd, err_fd = self._child_stdio(rank)
+                try:
+                    pid = self._start_plain(rank, out_fd, err_fd)
+                finally:
+                    for fd in (out_fd, err_fd):
+                        if fd is not None:
+                            os.close(fd)
+                self._track(rank, pid)
 
     def _start_plain(self, rank: int, out_fd: int | None, err_fd: int | None) -> int:
         """Starts ``rank`` as a plain subprocess, keeps its handler and returns its pid."""
@@ -217,9 +227,15 @@ class SubprocessContext(PContext):
         return handler.proc.pid
 
     def _exitcode(self, rank: int, status: int | None) -> int | None:
-        if status is None:
+        if status is not None:
+            return status
+        try:
             return self.subprocess_handlers[rank].proc.wait(_KILL_GRACE_S)
-        return status
+        except subprocess.TimeoutExpired:
+            return None
+
+    def _unknown_exit(self, rank: int) -> str:
+        return f"it was not reaped within {_KILL_GRACE_S:g}s of being seen gone"
 
     def _reap(self) -> None:
         for rank, handler in self.subprocess_handlers.items():

@@ -22,13 +22,24 @@ from fastelastic.errors import ChildFailedError
 from fastelastic.multiprocessing.errors.error_handler import ErrorHandler
 from fastelastic.multiprocessing.errors.handlers import get_error_handler
 
-__all__ = ["ChildFailedError", "ErrorHandler", "ProcessFailure", "get_error_handler", "record"]
+__all__ = [
+    "EXITCODE_UNKNOWN",
+    "ChildFailedError",
+    "ErrorHandler",
+    "ProcessFailure",
+    "get_error_handler",
+    "record",
+]
 
 logger = logging.getLogger(__name__)
 
 JSON = dict[str, Any]
 GlobalRank = int
 _NOT_AVAILABLE = "<N/A>"
+# ProcessFailure.exitcode of a worker that is gone but whose exit status could not be learnt
+# (its owner, the zygote or the fork server, did not report it): no process exits with 256,
+# and it is not a -signal. The failure's message says why the status is unknown.
+EXITCODE_UNKNOWN = 256
 _R = TypeVar("_R")
 
 
@@ -43,9 +54,11 @@ class ProcessFailure:
     Args:
         local_rank: the worker's local rank.
         pid: the worker's pid.
-        exitcode: exit code, or ``-signal`` if killed by a signal.
+        exitcode: exit code, ``-signal`` if killed by a signal, or :data:`EXITCODE_UNKNOWN`
+            when the worker is gone but its exit status could not be learnt.
         error_file: path of the worker's error file (need not exist).
         stderr_tail: the last lines the worker wrote to stderr, used when there is no file.
+        unknown_exit: with ``EXITCODE_UNKNOWN``, why the status is unknown (in the message).
     """
 
     local_rank: int
@@ -53,6 +66,7 @@ class ProcessFailure:
     exitcode: int
     error_file: str
     stderr_tail: str | None = None
+    unknown_exit: str | None = None
     error_file_data: JSON = field(init=False)
     message: Any = field(init=False)
     timestamp: int = field(init=False)
@@ -90,7 +104,11 @@ class ProcessFailure:
 
     def _synthesize_message(self) -> str:
         parts = []
-        if self.exitcode < 0:
+        if self.exitcode == EXITCODE_UNKNOWN:
+            parts.append(
+                f"exit status of PID {self.pid} unknown: {self.unknown_exit or 'not reported'}"
+            )
+        elif self.exitcode < 0:
             parts.append(
                 f"Signal {-self.exitcode} ({self.signal_name()}) received by PID {self.pid}"
             )
