@@ -136,3 +136,22 @@ def test_graceful_rendezvous_exit_ends_the_launch_without_error():
     cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1,
                        rdzv_backend="graceful-exit-test", rdzv_endpoint="", run_id="g")
     assert elastic_launch(cfg, square_rank)(0) == {}
+
+
+def test_the_report_says_an_unknown_exit_status_is_unknown(tmp_path):
+    """A worker whose exit status nobody could report is not shown as "exit code 256"."""
+    from fastelastic.launcher.report import format_failure_report
+    from fastelastic.multiprocessing.errors import (
+        EXITCODE_UNKNOWN,
+        ChildFailedError,
+        ProcessFailure,
+    )
+
+    failures = {
+        0: ProcessFailure(0, 11, EXITCODE_UNKNOWN, str(tmp_path / "none.json"),
+                          unknown_exit="the zygote died first"),
+        1: ProcessFailure(1, 12, EXITCODE_UNKNOWN, str(tmp_path / "none1.json")),
+    }
+    rep = format_failure_report(ChildFailedError("train.py", failures), None, host="h")
+    assert "exit code 256" not in rep
+    assert rep.count("exit status unknown") == 2, rep

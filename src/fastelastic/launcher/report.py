@@ -19,6 +19,16 @@ __all__ = ["format_failure_report", "run_and_report", "worker_traceback"]
 _TAIL_LINES = 30
 
 
+def _how(exitcode: int) -> str:
+    """How a worker ended, as the report says it."""
+    from fastelastic.multiprocessing.errors import EXITCODE_UNKNOWN
+
+    if exitcode == EXITCODE_UNKNOWN:
+        return "exit status unknown (nobody could report it)"
+    sig = _signal_name(exitcode)
+    return f"killed by {sig}" if sig else f"exit code {exitcode}"
+
+
 def _signal_name(exitcode: int) -> str | None:
     if exitcode >= 0:
         return None
@@ -114,8 +124,7 @@ def format_failure_report(exc: Any, run_log_dir: str | None = None, host: str | 
     """
     host = host or socket.gethostname()
     rank, root = exc.get_first_failure()
-    sig = _signal_name(root.exitcode)
-    how = f"killed by {sig}" if sig else f"exit code {root.exitcode}"
+    how = _how(root.exitcode)
     width = 78
     lines = [
         "=" * width,
@@ -136,11 +145,7 @@ def format_failure_report(exc: Any, run_log_dir: str | None = None, host: str | 
     others = sorted(r for r in exc.failures if r != rank)
     for r in others:
         f = exc.failures[r]
-        s = _signal_name(f.exitcode)
-        lines.append(
-            f"also failed: rank {r} (local_rank {f.local_rank}) "
-            + (f"killed by {s}" if s else f"exit code {f.exitcode}")
-        )
+        lines.append(f"also failed: rank {r} (local_rank {f.local_rank}) {_how(f.exitcode)}")
     lines.append("=" * width)
     return "\n".join(lines)
 
