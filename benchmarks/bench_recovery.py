@@ -45,6 +45,7 @@ Run (root, for namespaces)::
     python benchmarks/bench_recovery.py --launchers fastrun,fastrun-preload,torchrun-noshare
     python benchmarks/bench_recovery.py --modes sigterm --scenarios shrink
     python benchmarks/bench_recovery.py --lose host --modes kill,power,cut,freeze
+    python benchmarks/bench_recovery.py --scenarios spare --launchers fastrun-preload
     python benchmarks/bench_recovery.py --backend etcd --modes kill,killrank0,leader \
         --scenarios shrink --launchers fastrun-preload --repeat 3
 
@@ -291,8 +292,9 @@ def run_case(launcher: str, mode: str, scenario: str, nodes: int = 4, nproc: int
     spare = nodes
     if mode == "leader":
         scenario = res.scenario = "-"
-    nnodes = f"{nodes}:{nodes}" if scenario == "replace" else f"{nodes - 1}:{nodes}"
-    new_world = nodes * nproc if scenario == "replace" else (nodes - 1) * nproc
+    full = scenario in ("replace", "spare")
+    nnodes = f"{nodes}:{nodes}" if full else f"{nodes - 1}:{nodes}"
+    new_world = nodes * nproc if full else (nodes - 1) * nproc
     if mode == "leader":
         lost, new_world = -1, nodes * nproc
     work = Path(tempfile.mkdtemp(prefix=f"fe-recovery-{launcher}-{mode}-{scenario}-"))
@@ -327,6 +329,16 @@ def _run_case(c: Cluster, job: Run, res: Result, mode: str, scenario: str, nodes
     if not _wait(warm, 240):
         res.notes.append("never trained before the failure")
         return lost
+    if scenario == "spare":  # a warm spare: waiting beyond max_nodes, its zygote ready
+        job.start(spare)
+
+        def spare_ready() -> bool:
+            with job._lock:
+                return any(i == spare and "worker zygote" in line and " ready" in line
+                           for _, i, line in job.lines)
+
+        if not _wait(spare_ready, 120):
+            res.notes.append("the spare's zygote never got ready")
     before = [e for e in job.read() if e["ev"] == "step"]
     res.last_step = max(e["step"] for e in before)
     t_fail = time.time()

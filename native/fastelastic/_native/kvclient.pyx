@@ -248,8 +248,9 @@ cdef class KVClient:
     def __dealloc__(self):
         if self._fd >= 0 and self._owner_pid == getpid():
             self._close_fd()
+            # no source=self: a warning record would keep a reference to an object being freed
             warnings.warn(f"unclosed KVClient to {self._peer}: close() it when done",
-                          ResourceWarning, stacklevel=1, source=self)
+                          ResourceWarning, stacklevel=1)
         self._fd = -1
         if self._in != NULL:
             PyMem_RawFree(self._in)
