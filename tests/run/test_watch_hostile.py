@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import json
 import threading
-import time
 
 import pytest
 from hypothesis import given, settings
@@ -88,19 +87,24 @@ def test_watch_keeps_running_through_hostile_messages():
         watch(endpoint, once=True, expect=1, timeout=30, out=out)))
     t.start()
     ctx = zmq.Context()
-    pub = ctx.socket(zmq.PUB)
+    pub = ctx.socket(zmq.XPUB)  # tells when the watcher's subscription arrived
     pub.setsockopt(zmq.LINGER, 0)
     try:
         pub.connect(endpoint)
-        deadline = time.monotonic() + 30
-        # PUB drops messages until the subscription arrives: resend until the watcher is done.
-        while t.is_alive():
-            assert time.monotonic() < deadline, "watch did not finish"
+        # a PUB drops what it sends before the subscription arrives: wait for it, then send
+        # the hostile messages and, after them, the one good status (which ends the watch)
+        # (an oversized message may end the connection: resend, bounded, until it is done)
+        assert pub.poll(30_000), "the watcher never subscribed"
+        pub.recv()
+        for _ in range(600):
             for raw in HOSTILE[:-1]:
                 pub.send(raw)
             pub.send(json.dumps({"agent": "n:1", "host": EVIL_TEXT, "state": "HEALTHY",
                                  "world_size": 2, "seq": 1}).encode())
             t.join(0.05)
+            if not t.is_alive():
+                break
+        assert not t.is_alive(), "watch did not finish"
     finally:
         pub.close()
         ctx.term()
