@@ -24,6 +24,7 @@ from fastelastic.store import PrefixStore, TCPStore
 from fastelastic.store.auth import TOKEN_FILE_ENV
 
 from .conftest import wait_until
+from .fdtest import isolated
 
 
 def client(master, **kw):
@@ -370,6 +371,7 @@ def test_fd_limit_raised_when_hosting(master):
     assert soft == hard or hard == resource.RLIM_INFINITY
 
 
+@isolated
 def test_no_fd_leak():
     def fds():
         return len(os.listdir("/proc/self/fd"))

@@ -13,6 +13,8 @@ import pytest
 from fastelastic._native.kvclient import KVClient
 from fastelastic.errors import StoreConnectionError
 
+from .fdtest import isolated
+
 
 def _open_fds() -> set[str]:
     return set(os.listdir("/proc/self/fd"))
@@ -35,6 +37,7 @@ def _target(fd: int) -> str | None:
         return None
 
 
+@isolated
 def test_a_client_collected_unclosed_closes_its_socket_and_warns(master):
     # its own socket, by number and inode: other threads of the test process (daemons of
     # earlier tests) may open and close fds meanwhile, so the whole fd table is no measure

@@ -16,6 +16,8 @@ import pytest
 from fastelastic._native.kvserver import KVServer
 from fastelastic.store import _hosting
 
+from .fdtest import isolated
+
 
 def _open_fds() -> set[int]:
     return {int(x) for x in os.listdir("/proc/self/fd")}
@@ -54,6 +56,7 @@ def _listener() -> socket.socket:
     return s
 
 
+@isolated
 def test_a_server_that_cannot_be_built_leaves_the_listening_fd_to_its_caller():
     lsock = _listener()
     fd, name = lsock.fileno(), lsock.getsockname()
@@ -67,6 +70,7 @@ def test_a_server_that_cannot_be_built_leaves_the_listening_fd_to_its_caller():
     lsock.close()                           # and closed once, by its one owner
 
 
+@isolated
 def test_a_store_host_that_cannot_start_closes_its_listening_socket_once(monkeypatch):
     monkeypatch.setattr(_hosting, "raise_fd_limit", lambda: 0)
     gc.collect()
@@ -99,6 +103,7 @@ def _fd_targets() -> set[tuple[int, str]]:
     return out
 
 
+@isolated
 def test_a_server_collected_unclosed_closes_its_fds_and_warns():
     gc.collect()
     before = _fd_targets()
