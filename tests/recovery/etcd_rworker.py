@@ -6,10 +6,10 @@ and ``store_ok`` (it could write to and read from that store within 10 s), then 
 ``$NODE_RUN_S`` seconds (default 600) and exits 0.
 """
 
-import json
 import os
-import time
 from datetime import timedelta
+
+from rworker import log_start, train  # this file's directory is the script's sys.path[0]
 
 rank = int(os.environ["RANK"])
 master = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
@@ -24,16 +24,5 @@ try:
 except Exception as e:  # noqa: BLE001 - recorded, the test says what failed
     ok = False
     print(f"etcd_rworker: store {master}: {type(e).__name__}: {e}", flush=True)
-line = json.dumps({
-    "node": os.environ.get("NODE_NAME", "?"), "pid": os.getpid(), "t": time.time(),
-    "world": int(os.environ["WORLD_SIZE"]), "rank": rank,
-    "restart": int(os.environ["TORCHELASTIC_RESTART_COUNT"]),
-    "group_rank": int(os.environ["GROUP_RANK"]), "master": master, "store_ok": ok,
-}) + "\n"
-fd = os.open(os.path.join(os.environ["RECOVERY_OUT"], "starts.jsonl"),
-             os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-os.write(fd, line.encode())  # one write with O_APPEND: lines never interleave
-os.close(fd)
-end = time.monotonic() + float(os.environ.get("NODE_RUN_S", "600"))
-while time.monotonic() < end:
-    time.sleep(min(0.2, max(0.0, end - time.monotonic())))
+log_start(group_rank=int(os.environ["GROUP_RANK"]), master=master, store_ok=ok)
+train()
