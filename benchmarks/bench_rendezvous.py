@@ -15,7 +15,9 @@ from __future__ import annotations
 import json
 import os
 import resource
+import socket
 import statistics
+import struct
 import subprocess
 import sys
 import threading
@@ -116,7 +118,25 @@ def _node_main(impl: str, port: int, run_id: str, total: int, local: int) -> Non
         t.join(TORCH_LIMIT_S + 30)
     print(json.dumps({"ends": ends, "msgs": [s.messages for s in stores], "errors": errors}),
           flush=True)
+    _reset_connections()
     os._exit(0)  # torch handlers keep daemon timers; skip their teardown
+
+
+def _reset_connections() -> None:
+    """Closes this process's TCP connections with a reset (``SO_LINGER`` 0), for either
+    implementation alike. Each closed connection would otherwise hold its loopback port in
+    TIME_WAIT for 60 s: the 8,192-node rounds that follow thousands of earlier ones ran out
+    of ephemeral ports (28,232 here) and stalled in connect, a cost of this harness (one
+    machine playing every node), not of the rendezvous: a real node has one connection."""
+    linger = struct.pack("ii", 1, 0)
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            s = socket.socket(fileno=os.dup(int(name)))
+        except (OSError, ValueError):
+            continue  # not a socket (or already closed)
+        with s:
+            if s.type == socket.SOCK_STREAM and s.family in (socket.AF_INET, socket.AF_INET6):
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
 
 
 # ---------------------------------------------------------------------------- harness

@@ -69,3 +69,30 @@ def test_a_partition_never_trains_two_worlds(tmp_path):
             assert not late, f"a minority trained: {late}\n{job.tail()}"
             time.sleep(0.2)
     assert c.leftovers() == {}
+
+
+@pytest.mark.timeout(200)
+def test_a_lone_host_never_trains_beside_the_majority_and_rejoins_it_after_the_heal(tmp_path):
+    """4 nodes, ``--nnodes 1:4``: node 0, which hosts the live store, is cut off alone. Its
+    ``min_nodes`` would let it train by itself, but the 3 it lost may be alive (they are: they
+    move to node 1's candidate and train as a world of 3), so it never forms a round without
+    them (``_majority.away``). Once its link is back it finds where they went and joins them."""
+    with cluster_or_skip(4, "hl") as c:
+        job = Job(c, tmp_path, "1:4", candidates=3)
+        for i in range(4):
+            job.start(i)
+        job.wait_world({0, 1, 2, 3}, 4, timeout=90)
+        t = time.time()
+        c.cut(0)
+        job.wait_world({1, 2, 3}, 3, after=t, timeout=WINDOW + MARGIN + 20)
+        deadline = time.monotonic() + 2 * WINDOW + 5  # bounded: long enough to form, if wrong
+        while time.monotonic() < deadline:
+            alone = [s for s in job.starts() if s["node"] == "0" and s["t"] > t]
+            assert not alone, f"the lone host trained: {alone}\n{job.tail()}"
+            time.sleep(0.2)
+        assert "may be alive elsewhere" in job.log(0), job.tail()
+        healed = time.time()
+        c.heal(0)
+        job.wait_world({0, 1, 2, 3}, 4, after=healed, timeout=60)
+        assert "the rendezvous moved on to" in job.log(0), job.tail()
+    assert c.leftovers() == {}

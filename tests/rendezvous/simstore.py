@@ -17,11 +17,11 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastelastic.errors import RendezvousError
+from fastelastic.errors import RendezvousConnectionError, RendezvousError
 from fastelastic.rendezvous._round import Config, Machine, Seat
 
 MAX_STEPS = 2_000_000
-LOCAL = ("beat", "stop_beats", "sleep")  # requests that never reach the store
+LOCAL = ("beat", "stop_beats", "sleep", "moved_elsewhere")  # never reach the store
 
 
 class SimClock:
@@ -68,6 +68,7 @@ class Sim:
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self._beat = itertools.count(1)
+        self.moved_on = False  # another candidate has a higher epoch (``moved_elsewhere``)
 
     # ------------------------------------------------------------------ scripting
 
@@ -113,6 +114,12 @@ class Sim:
             self.call(node, node.m.set_closed())
             self._stop(node)
         self.at(t, fin)
+
+    def quit(self, node: Node) -> None:
+        """SIGTERM: the agent stops and tells its round it leaves for good (its ``leave()``)."""
+        self._stop(node)
+        node.m.leaving = True
+        self.call(node, node.m.leave(for_good=True))
 
     def call(self, node: Node, gen: Generator[tuple[Any, ...], Any, Any]) -> Any:
         """Runs an operation that never waits (set_closed, leave, ...) at once."""
@@ -201,6 +208,7 @@ class Sim:
         assert node.gen is not None
         try:
             op = node.gen.send(node.reply)
+            kind, value = self._apply(node, op)  # the I/O layer may raise too
         except StopIteration:
             self._stop(node)
             return
@@ -208,7 +216,6 @@ class Sim:
             node.error, node.error_at = e, self.clock.t
             self._stop(node)
             return
-        kind, value = self._apply(node, op)
         node.reply = value
         if kind == "block":
             node.blocked = value
@@ -262,6 +269,10 @@ class Sim:
             return "block", ("wait", list(op[1]), now + op[2])
         if name == "sleep":
             return "block", ("sleep", [], now + op[1])
+        if name == "moved_elsewhere":
+            if self.moved_on:  # the real handler moves there (``_failover``); here: its cue
+                raise RendezvousConnectionError("the rendezvous moved on")
+            return "now", None
         raise AssertionError(f"unknown request {op!r}")
 
     def _unblock(self, node: Node) -> None:

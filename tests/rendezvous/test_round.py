@@ -148,6 +148,37 @@ CASES = [
     Case("moved: a new node's record cannot lower the majority the others carry", "1:4",
          [0, 0, 0], moved=4, fresh=[2], until=700,
          errors={i: "RendezvousTimeoutError" for i in range(3)}),
+    Case("moved: a late mover is a new node to the world formed here: admitted next round",
+         "1:4", [0, 0, 0, 60], moved=4, conf={"can_move": True},
+         rounds=[(3, 0, 30), (4, 60, 61)], members=[{0, 1, 2}, {0, 1, 2, 3}]),
+    # where the last world formed, when the rendezvous can move (``_majority.away``)
+    Case("split: the host's side alone (1 of 4, the 3 others cut) never trains alone", "1:4",
+         [0, 0, 0, 0], [(100, "cut", i) for i in (1, 2, 3)], conf={"can_move": True},
+         until=800, rounds=[(4, 0, 0)], errors={0: "RendezvousTimeoutError"}),
+    Case("split at torch's keep-alive (5 s x 3): the host's side alone never trains alone",
+         "1:4", [0, 0, 0, 0], [(100, "cut", i) for i in (1, 2, 3)],
+         conf={"can_move": True, "ka_interval": 5.0, "ka_max": 3}, until=800,
+         rounds=[(4, 0, 0)], errors={0: "RendezvousTimeoutError"}),
+    Case("split, one endpoint (nothing can move): the host alone goes on, as torch's does",
+         "1:4", [0, 0, 0, 0], [(100, "cut", i) for i in (1, 2, 3)], rounds=[(4, 0, 0),
+                                                                            (1, 103, 106)]),
+    Case("split: 2 of 4 cut are no majority elsewhere: the other 2 go on", "1:4",
+         [0, 0, 0, 0], [(100, "cut", 2), (100, "cut", 3)], conf={"can_move": True},
+         rounds=[(4, 0, 0), (2, 103, 106)], members=[{0, 1, 2, 3}, {0, 1}]),
+    Case("split: a world of 2 losing 1: the other goes on (1 is no majority of 2)", "1:2",
+         [0, 0], [(100, "cut", 1)], conf={"can_move": True}, rounds=[(2, 0, 0), (1, 103, 106)]),
+    Case("split: 3 of 4 preempted (they quit): the last one goes on", "1:4", [0, 0, 0, 0],
+         [(100, "quit", i) for i in (1, 2, 3)], conf={"can_move": True},
+         rounds=[(4, 0, 0), (1, 100, 101)]),
+    Case("split: 3 of 4 closed (crashed, or moved while the host was frozen): no round; the "
+         "host finds where they went", "1:4", [0, 0, 0, 0],
+         [(100, "kill", i) for i in (1, 2, 3)] + [(100, "moved_on", 0)],
+         conf={"can_move": True}, rounds=[(4, 0, 0)],
+         errors={0: "RendezvousConnectionError"}),
+    Case("split: a spare beside a majority of the world away does not make it a majority",
+         "1:4", [0, 0, 0, 0, 1], [(100, "cut", i) for i in (1, 2, 3)],
+         conf={"can_move": True}, until=800, rounds=[(4, 0, 0)],
+         errors={0: "RendezvousTimeoutError", 4: "RendezvousTimeoutError"}),
 ]
 
 
@@ -173,6 +204,11 @@ def _run(case: Case) -> Sim:
         elif action == "done":
             sim.at(t, lambda n=node: sim.call(n, n.m.mark_done()))
             sim.kill(t + 0.5, node)
+        elif action == "quit":  # SIGTERM: the handler's leave(), then the process exits
+            sim.at(t, lambda n=node: sim.quit(n))
+            sim.kill(t + 0.1, node)
+        elif action == "moved_on":
+            sim.at(t, lambda: setattr(sim, "moved_on", True))
         elif action == "stray":
             sim.at(t, lambda: sim.data.__setitem__("fe.rdzv.sim/0/t", b"1"))
         else:

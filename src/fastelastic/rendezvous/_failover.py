@@ -128,6 +128,17 @@ class Candidates:
         client.set_timeout(self.read_timeout)
         return client, i, epoch
 
+    def raise_if_moved(self, index: int, epoch: int) -> None:
+        """Raises ``RendezvousConnectionError`` when a candidate other than ``index`` answers
+        with an epoch above ``epoch``: the rendezvous moved there while this node's store
+        stayed up (a partition, or this node's host frozen while the others moved)."""
+        found, _ = self._probe(index)
+        for _, _, c in found:
+            c.close()
+        if found and -found[0][0] > epoch:
+            raise RendezvousConnectionError(
+                f"the rendezvous moved on to {self.name(found[0][1])} (epoch {-found[0][0]})")
+
     def _probe(self, exclude: int) -> tuple[list[tuple[int, int, Any]], list[str]]:
         """Every answering candidate but ``exclude``: ``(-epoch, index, client)``, best
         first; and what the others said."""

@@ -143,7 +143,9 @@ def lost_members(w: Watch, cfg: Any, spare_ready: bool, clock: Callable[[], floa
             text = (f"cut: no keep-alive for {stale:.1f}s, then its connection timed out"
                     if stale >= 2 * cfg.ka_interval else "dead: its connection closed")
         elif why == "left":
-            text = "left the round: it is re-joining or leaving (preempted)"
+            text = "left the round: it is re-joining"
+        elif why == "quit":
+            text = "left the job (preempted: SIGTERM/SIGINT)"
         else:
             text = (f"silent: connected but no keep-alive for "
                     f"{cfg.spare_window if spare_ready else cfg.window:g}s (frozen "

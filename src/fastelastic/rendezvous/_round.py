@@ -29,6 +29,7 @@ from fastelastic.errors import (
     RendezvousTimeoutError,
 )
 
+from . import _majority
 from . import _schema as sc
 from ._liveness import Beats, Deciders, Watch, lost_members
 from ._schema import Seat
@@ -135,6 +136,7 @@ class Config:
     ka_max: int = 5
     reform_last_call: bool = False
     hooks: bool = True  # the store runs disconnect actions (fastelastic's server, etcd leases)
+    can_move: bool = False  # other candidates may host the rendezvous (see _majority.away)
 
     @property
     def window(self) -> float:
@@ -199,10 +201,9 @@ class Machine:
         self._identity = (-1, "", 0, b"")
 
     def moved(self) -> None:
-        """The rendezvous moved to a successor store (its host was lost): the rounds start
-        over there. The world this node was a member of comes along: a round on the successor
-        forms only with a majority of it (so the two sides of a partition never both train),
-        and is sealed as soon as all of it but the lost host is back."""
+        """The rendezvous moved to a successor store (its host was lost): rounds start over
+        there. This node's world comes along: the first round there needs a majority of it
+        (:mod:`._majority`) and is sealed once all of it but the lost host is back."""
         if self.member is not None:
             self.carried = self.member[2]
             self._identity = (self.member[1], *self._identity[1:])
@@ -288,11 +289,11 @@ class Machine:
         if cfg.hooks:  # our death abandons the round while it forms
             yield _rq("append_on_disconnect", k.outcome, sc.ABANDONED)
         node_rank, addr, pid, wstore = self._identity
-        pref = self.member[1] if self.member is not None else node_rank
+        member_of, pref = self.member[:2] if self.member is not None else (-1, node_rank)
         # The record; a placeholder for our seat, which the publisher overwrites before it
         # decides res; and the keep-alive counter, bumped from the ticket on.
-        yield _rq("multi_set", [k.record(t), k.seat(t), k.beat(t)],
-                  [sc.encode_record(pref, addr, pid, wstore, self.quorum), b"-1", b"0"])
+        rec = sc.encode_record(pref, addr, pid, wstore, self.quorum, member_of)
+        yield _rq("multi_set", [k.record(t), k.seat(t), k.beat(t)], [rec, b"-1", b"0"])
         yield _rq("beat", k.beat(t))
         if t == cfg.max_nodes:
             a.count = t
@@ -318,7 +319,7 @@ class Machine:
             if wait >= 0.001:
                 yield _rq("wait", [a.k.record(max(1, self.carried - 1))], wait)
             return E.DECIDED if (yield _rq("check", [a.k.outcome])) else E.CALL_OVER
-        if a.last is None or self.cfg.reform_last_call:
+        if a.last is None or self.cfg.reform_last_call or self.no_quorum:
             if wait >= 0.001 and (yield _rq("wait", [a.k.outcome], wait)):
                 return E.DECIDED  # max reached, closed or abandoned meanwhile
         return E.CALL_OVER
@@ -333,8 +334,12 @@ class Machine:
         kind = a.res.kind
         if kind == "D":
             self.no_quorum |= a.res.no_quorum
-            log.info("rendezvous %s round %d abandoned (a node left); re-joining",
-                     self.cfg.run_id, a.k.r)
+            if a.res.no_quorum:  # not before the last call: a full round would spin
+                if self.cfg.can_move and not self.carried:
+                    yield _rq("moved_elsewhere")  # did that majority move? (raises if so)
+                yield _rq("wait", [self.keys.round(a.k.r + 1).outcome],
+                          max(0.001, min(self.cfg.last_call, a.deadline - self.clock())))
+            log.info("rendezvous %s round %d abandoned; re-joining", self.cfg.run_id, a.k.r)
             return E.ABANDONED
         return E.COMPLETE if kind == "M" else E.CLOSED
 
@@ -499,12 +504,11 @@ class Machine:
             if (yield _rq("check", [k.outcome])):  # a joiner died before writing its record
                 return E.DONE
         records = [bytes(v) for v in (yield _rq("multi_get", [k.record(i) for i in tickets]))]
-        quorums = [q for q in map(sc.record_quorum, records) if q]  # members of a moved world
-        if len(tickets) < cfg.min_nodes or len(quorums) < max(quorums, default=0):
-            log.warning("rendezvous %s round %d: %d nodes (%d of a moved world needing %d); "
-                        "abandoning the round", cfg.run_id, k.r, len(tickets), len(quorums),
-                        max(quorums, default=0))
-            yield _rq("compare_set", k.outcome, "", sc.NO_QUORUM if quorums else sc.ABANDONED)
+        why = yield from _majority.objection(records, a.last, cfg.can_move, self.keys)
+        if why or len(tickets) < cfg.min_nodes:
+            log.warning("rendezvous %s round %d: %d nodes (%s); abandoning the round",
+                        cfg.run_id, k.r, len(tickets), why or f"min_nodes is {cfg.min_nodes}")
+            yield _rq("compare_set", k.outcome, "", sc.NO_QUORUM if why else sc.ABANDONED)
             return E.DONE
         world = len(tickets)
         ranks = sc.assign_ranks([sc.record_pref(raw) for raw in records], world)
@@ -551,18 +555,18 @@ class Machine:
             return 0
         return v
 
-    def leave(self) -> Proto[None]:
+    def leave(self, for_good: bool = False) -> Proto[None]:
         """Tells the members of this node's last round that it left, if it is leaving:
         ``left/<rank>`` (what the next round's coordinator waits for), ``broken`` (a next
-        round may form) and ``<rank>:left;`` in ``gone`` (the others restart at their next
-        membership check). Fire-and-forget writes."""
+        round may form) and ``<rank>:left;`` in ``gone`` (``quit`` when ``for_good``: it is
+        nowhere else; the others restart at their next membership check). Fire-and-forget."""
         if self.member is None or not self.leaving:
             return
         self.leaving = False
         q, rank, _ = self.member
         k = self.keys.round(q)
         yield _rq("multi_set", [k.left(rank), k.broken], [b"1", b"1"])
-        yield _rq("append", k.gone, b"%d:left;" % rank)
+        yield _rq("append", k.gone, b"%d:%s;" % (rank, b"quit" if for_good else b"left"))
 
     def mark_done(self) -> Proto[None]:
         """Tells the others this node's workers finished: its later exit is no loss."""

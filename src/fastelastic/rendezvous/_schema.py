@@ -16,8 +16,9 @@ Round ``r``:
   coordinator seals the round with ``add(t, SEAL)``: the value it gets back minus ``SEAL`` is
   the final count, and every later ticket is above ``SEAL``.
 * ``n/<ticket>`` (:py:meth:`RoundKeys.record`): the node's record,
-  ``pref|addr|pid|wstore|quorum`` (preferred rank, address, pid, its workers' store address,
-  the fewest members it accepts: a majority of its last world after a move, else 0).
+  ``pref|addr|pid|wstore|quorum|from`` (preferred rank, address, pid, its workers' store
+  address, the fewest members it accepts: a majority of its last world after a move, else 0;
+  the round of this store it was a member of, -1 for none).
 * ``rank/<ticket>`` (:py:meth:`RoundKeys.seat`): the node's seat, ``<rank>|<tickets of the
   peers it watches>``; ``-1`` until the publisher writes it (and for a node not admitted).
 * ``who/<rank>`` (:py:meth:`RoundKeys.who`): ``<ticket>|<record>`` of each member, by rank.
@@ -31,8 +32,8 @@ Round ``r``:
   newline is not part of the verdict, so late appends never corrupt a complete outcome.
 * ``gone`` (:py:attr:`RoundKeys.gone`): ``<rank>:<why>;`` entries, first one per rank wins:
   ``closed`` (the server, when a member's connection closed), ``done`` (its workers finished;
-  its later exit is no loss), ``left`` (it re-joins or leaves for good), ``silent`` (a peer saw
-  its counter stand still for the detection window).
+  its later exit is no loss), ``left`` (it re-joins), ``quit`` (it leaves for good: preempted),
+  ``silent`` (a peer saw its counter stand still for the detection window).
 * ``left/<rank>`` (:py:meth:`RoundKeys.left`): the member left the round (re-joined, left,
   died, or was found silent). The next round is sealed once every member has left.
 * ``broken`` (:py:attr:`RoundKeys.broken`): the round is over (a member left or was lost); ``C``
@@ -100,8 +101,19 @@ class RoundKeys:
 # ---------------------------------------------------------------------- values
 
 
-def encode_record(pref: int, addr: str, pid: int, wstore: bytes, quorum: int = 0) -> bytes:
-    return b"%d|%s|%d|%s|%d" % (pref, addr.encode(), pid, wstore, quorum)
+def encode_record(pref: int, addr: str, pid: int, wstore: bytes, quorum: int = 0,
+                  member_of: int = -1) -> bytes:
+    return b"%d|%s|%d|%s|%d|%d" % (pref, addr.encode(), pid, wstore, quorum, member_of)
+
+
+def record_member_of(raw: bytes) -> int:
+    """The round of this store the node was a member of when it took its ticket (-1: none;
+    its preferred rank is then its rank there)."""
+    parts = raw.split(b"|")
+    try:
+        return int(parts[5]) if len(parts) > 5 else -1
+    except ValueError as e:
+        raise RendezvousStateError(f"corrupt node record {raw[:40]!r}") from e
 
 
 def record_quorum(raw: bytes) -> int:
@@ -163,7 +175,7 @@ def encode_outcome(world: int, wstore: bytes, identity: bool) -> bytes:
 
 
 ABANDONED = b"D;"
-NO_QUORUM = b"DQ;"  # abandoned: no majority of a moved world (see _round.Machine.moved)
+NO_QUORUM = b"DQ;"  # abandoned by a majority rule (see _round.Machine.moved and _publish)
 CLOSED = b"C;"
 IDENTITY = b"=\n"  # third line of a complete outcome: rank = ticket - 1, no seats written
 
@@ -173,7 +185,7 @@ class Outcome(NamedTuple):
     world: int = 0
     wstore: bytes = b""  # rank 0's workers' store address
     identity: bool = False  # every node's rank is its ticket - 1 (no seat to read)
-    no_quorum: bool = False  # abandoned for want of a majority of a moved world
+    no_quorum: bool = False  # abandoned by a majority rule (a moved world, or a split)
 
 
 def parse_outcome(raw: bytes) -> Outcome:

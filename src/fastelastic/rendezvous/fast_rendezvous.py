@@ -153,7 +153,8 @@ class FastRendezvousHandler(RendezvousHandler):
             last_call=self._timeout.last_call.total_seconds(),
             ka_interval=self._ka_interval, ka_max=keep_alive_max_attempt,
             reform_last_call=reform_last_call,
-            hooks=bool(getattr(store, "supports_extensions", False))))
+            hooks=bool(getattr(store, "supports_extensions", False)),
+            can_move=candidates is not None and len(candidates.endpoints) > 1))
         self._window = self._m.cfg.window
         self._bootstrap_addr = str(bootstrap_addr or getattr(store, "host", "localhost"))
         self._key = self._m.keys.base
@@ -199,6 +200,8 @@ class FastRendezvousHandler(RendezvousHandler):
         if name == "on_disconnect":
             _on_disconnect(store, op[1], op[2])
             return None
+        if name == "moved_elsewhere" and self._candidates is not None:
+            return self._candidates.raise_if_moved(self._index, self._epoch)
         return getattr(store, name)(*op[1:])
 
     @contextlib.contextmanager
@@ -409,16 +412,15 @@ class FastRendezvousHandler(RendezvousHandler):
         """Tells the members of this node's round that it is leaving for good (preempted:
         SIGTERM/SIGINT), without closing the rendezvous for them.
 
-        Fire-and-forget writes, as a re-join announces itself (``left/<rank>``, ``broken``,
-        ``<rank>:left;`` in ``gone``): the others see it at their next membership check and
-        re-form at once, instead of waiting for this node's connection to close.
+        Fire-and-forget writes (``left/<rank>``, ``broken``, ``<rank>:quit;`` in ``gone``): the
+        others re-form at their next check instead of waiting for this node's connection.
         """
         self._stop_heartbeats()
         if self._m.member is None:
             return
         self._m.leaving = True
         try:
-            self._run(self._m.leave(), self._store)
+            self._run(self._m.leave(for_good=True), self._store)
         except (RendezvousConnectionError, StoreError) as e:
             log.warning("rendezvous %s: could not announce leaving: %s", self._run_id, e)
 
