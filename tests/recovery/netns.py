@@ -26,7 +26,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -176,6 +176,16 @@ class Cluster:
 
     def heal(self, i: int) -> None:
         _ip("-n", self.hub, "link", "set", self.veth(i), "up")
+
+    def partition(self, side: Iterable[int]) -> None:
+        """Splits the network in two: the nodes of ``side`` move onto a bridge of their own,
+        so they reach each other and nobody else (packets between the sides vanish: no FIN,
+        no RST, as when a switch between two racks fails)."""
+        if _ip("-n", self.hub, "link", "show", "br1", check=False).returncode != 0:
+            _ip("-n", self.hub, "link", "add", "br1", "type", "bridge")
+            _ip("-n", self.hub, "link", "set", "br1", "up")
+        for i in side:
+            _ip("-n", self.hub, "link", "set", self.veth(i), "master", "br1")
 
     def leftovers(self) -> dict[str, list[int]]:
         """Processes still alive in any node namespace (should be empty after a run)."""

@@ -71,6 +71,30 @@ def test_a_partition_never_trains_two_worlds(tmp_path):
     assert c.leftovers() == {}
 
 
+@pytest.mark.timeout(150)
+def test_a_two_two_partition_trains_one_world_at_most(tmp_path):
+    """4 nodes, ``--nnodes 2:4``, split 2|2: nodes 2 and 3 still reach each other and node 2's
+    candidate, but not the side with the live store. They move there, but 2 of a world of 4
+    is no majority, so they never train; nodes 0 and 1 lost only 2 of 4 (no majority
+    elsewhere either) and train on as a world of 2."""
+    with cluster_or_skip(4, "h2") as c:
+        job = Job(c, tmp_path, "2:4", candidates=3)
+        for i in range(4):
+            job.start(i)
+        job.wait_world({0, 1, 2, 3}, 4, timeout=90)
+        t = time.time()
+        c.partition({2, 3})
+        job.wait_world({0, 1}, 2, after=t, timeout=WINDOW + MARGIN + 20)
+        deadline = time.monotonic() + 2 * WINDOW + 5  # bounded: long enough to form, if wrong
+        while time.monotonic() < deadline:
+            late = [s for s in job.starts() if s["node"] in ("2", "3") and s["t"] > t]
+            assert not late, f"the other side trained: {late}\n{job.tail()}"
+            time.sleep(0.2)
+        assert f"moved to {c.addr(2)}:" in job.log(2) + job.log(3), job.tail()
+        assert "need 3 of it" in job.log(2) + job.log(3), job.tail()
+    assert c.leftovers() == {}
+
+
 @pytest.mark.timeout(200)
 def test_a_lone_host_never_trains_beside_the_majority_and_rejoins_it_after_the_heal(tmp_path):
     """4 nodes, ``--nnodes 1:4``: node 0, which hosts the live store, is cut off alone. Its
