@@ -280,9 +280,9 @@ def test_store_requests_per_node_are_constant_in_the_number_of_nodes(n):
     sim.run(5)
     assert sim.worlds() == [n]
     per_node = [node.join_requests[0] for node in sim.nodes[:n]]
-    # a waiter: closed?, open, ticket, disconnect action, record, outcome, disconnect actions
-    # (its seat is its ticket: nothing to read); a decider adds its gate and decision
-    assert statistics.median(per_node) == 7, statistics.median(per_node)
+    # a waiter: open, ticket, disconnect action, record, outcome, disconnect actions (its
+    # seat is its ticket: nothing to read); a decider adds its gate and decision
+    assert statistics.median(per_node) == 6, statistics.median(per_node)
     assert max(per_node) <= 12, max(per_node)
 
 

@@ -232,8 +232,9 @@ class Machine:
         if self.carried:  # moved: keep the rank it had
             node_rank = self._identity[0]
         self._identity = (node_rank, addr, pid, wstore)
-        if (yield _rq("check", [self.keys.closed])):
-            raise RendezvousClosedError(f"The rendezvous '{self.cfg.run_id}' is closed.")
+        # No check of ``closed`` first (a round trip): ``set_closed`` marks C in every round a
+        # node can join next (``open``, the one after it, the one after its own), so a node
+        # joining a closed rendezvous learns it from the round's outcome.
         if self.member is not None:
             r = self.member[0] + 1
             self.leaving = True
