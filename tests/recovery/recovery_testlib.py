@@ -42,7 +42,8 @@ class Job:
         self.logs: dict[int, Path] = {}
         (out / "starts.jsonl").touch()
 
-    def start(self, i: int, run_s: float = 600, exit_barrier_timeout: float = 300) -> None:
+    def start(self, i: int, run_s: float = 600, exit_barrier_timeout: float = 300,
+              **extra_env: str) -> None:
         conf = (f"keep_alive_interval={KA_INTERVAL},"
                 f"keep_alive_max_attempt={KA_ATTEMPTS},last_call_timeout={self.last_call},"
                 "join_timeout=120")
@@ -58,7 +59,7 @@ class Job:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_"))}
         env.update(PYTHONPATH=str(REPO / "src"), RECOVERY_OUT=str(self.out),
                    NODE_NAME=str(i), NODE_RUN_S=str(run_s),
-                   FASTELASTIC_STORE_KEEPALIVE_S=str(TCP_KEEPALIVE_S))
+                   FASTELASTIC_STORE_KEEPALIVE_S=str(TCP_KEEPALIVE_S), **extra_env)
         self.logs[i] = self.out / f"node{i}.log"
         with open(self.logs[i], "ab") as log:
             self.agents[i] = self.c.spawn(i, argv, env=env, stdout=log, stderr=log)

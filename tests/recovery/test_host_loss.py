@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from netns import cluster_or_skip
+from netns import cluster_or_skip, wait_for
 from recovery_testlib import MARGIN, WINDOW, Job
 
 MODES = ["kill", "power", "freeze", "cut"]
@@ -108,7 +108,9 @@ def test_a_lone_host_never_trains_beside_the_majority_and_rejoins_it_after_the_h
         job.wait_world({0, 1, 2, 3}, 4, timeout=90)
         t = time.time()
         c.cut(0)
-        job.wait_world({1, 2, 3}, 3, after=t, timeout=WINDOW + MARGIN + 20)
+        got = job.wait_world({1, 2, 3}, 3, after=t, timeout=WINDOW + MARGIN + 20)
+        print(f"lone host: the 3 others train {max(s['t'] for s in got.values()) - t:.2f}s "
+              "after the cut")
         deadline = time.monotonic() + 2 * WINDOW + 5  # bounded: long enough to form, if wrong
         while time.monotonic() < deadline:
             alone = [s for s in job.starts() if s["node"] == "0" and s["t"] > t]
@@ -117,6 +119,56 @@ def test_a_lone_host_never_trains_beside_the_majority_and_rejoins_it_after_the_h
         assert "may be alive elsewhere" in job.log(0), job.tail()
         healed = time.time()
         c.heal(0)
-        job.wait_world({0, 1, 2, 3}, 4, after=healed, timeout=60)
+        got = job.wait_world({0, 1, 2, 3}, 4, after=healed, timeout=60)
+        print(f"lone host: a world of 4 again {max(s['t'] for s in got.values()) - healed:.2f}s "
+              "after the heal")
         assert "the rendezvous moved on to" in job.log(0), job.tail()
+    assert c.leftovers() == {}
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("mode", MODES)
+def test_the_rendezvous_host_lost_while_a_round_forms(tmp_path, mode):
+    """Nodes 0-2 of ``--nnodes 2:4`` wait in the first round's 8 s last call when node 0, whose
+    store is the live one, is lost: nodes 1 and 2 move to node 1's candidate and form the
+    round there, a world of 2, within 1.5 detection windows (a waiting node's slice, then the
+    reply deadline) plus that last call."""
+    last_call = 8
+    with cluster_or_skip(3, "f" + mode[0]) as c:
+        job = Job(c, tmp_path, "2:4", candidates=3, last_call=last_call)
+        for i in range(3):
+            job.start(i)
+        wait_for(lambda: job.tickets(0) == 3, 60, "3 tickets in round 0", step=0.2)
+        t = _fault(c, mode, 0)
+        limit = 1.5 * WINDOW + last_call + MARGIN
+        got = job.wait_world({1, 2}, 2, after=t, timeout=limit + 20)
+        took = max(s["t"] for s in got.values()) - t
+        print(f"host lost while a round forms ({mode}): training {took:.2f}s later")
+        assert took < limit, f"{mode}: formed after {took:.1f}s\n{job.tail()}"
+        assert f"moved to {c.addr(1)}:" in job.log(1) + job.log(2), job.tail()
+    assert c.leftovers() == {}
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("mode", ["kill", "cut"])
+def test_the_rendezvous_host_lost_in_the_exit_barrier(tmp_path, mode):
+    """Nodes 1 and 2 finished and wait in the exit barrier (300 s, torch's default) for node 0,
+    whose store is the live one and whose workers still run, when node 0 is lost: they leave
+    the barrier within the detection window and exit 0 (their work is done)."""
+    with cluster_or_skip(3, "e" + mode[0]) as c:
+        job = Job(c, tmp_path, "3", candidates=3)
+        job.start(0)
+        for i in (1, 2):
+            job.start(i, run_s=3, LOGLEVEL="INFO")  # to see them enter the barrier
+        job.wait_world({0, 1, 2}, 3, timeout=90)
+        wait_for(lambda: all("Waiting up to 300" in job.log(i) for i in (1, 2)), 60,
+                 "nodes 1 and 2 in the exit barrier", step=0.2)
+        t = _fault(c, mode, 0)
+        for i in (1, 2):
+            assert job.wait_exit(i, WINDOW + MARGIN + 10) == 0, job.tail()
+        took = time.time() - t
+        print(f"host lost in the exit barrier ({mode}): both exited 0 {took:.2f}s later")
+        assert took < WINDOW + MARGIN, f"{mode}: left the barrier after {took:.1f}s\n{job.tail()}"
+        assert "Leaving the exit barrier early" in job.log(1), job.tail()
+        assert "Traceback" not in job.log(1) + job.log(2), job.tail()
     assert c.leftovers() == {}

@@ -27,6 +27,7 @@ from fastelastic.errors import (
 )
 from fastelastic.events import NodeState, construct_and_record_rdzv_event
 
+from . import _store_ops as ops
 from ._failover import Candidates, parse_candidates
 from ._liveness import BEATER
 from ._round import Config, Machine
@@ -51,35 +52,6 @@ DEFAULT_PORT = 29400
 _LINGER_S = 10.0  # at most this long the host's store outlives its own shutdown
 DEFAULT_KEEP_ALIVE_INTERVAL = 1.0  # seconds
 DEFAULT_KEEP_ALIVE_MAX_ATTEMPT = 5  # detection window: interval * attempts = 5 s (torch: 15 s)
-
-
-def _on_disconnect(store: Any, keys: list[str], values: list[bytes]) -> None:
-    """Registers disconnect actions in one round trip where the client can pipeline them."""
-    many = getattr(store, "append_on_disconnect_many", None)
-    if many is not None:
-        many(keys, values)
-        return
-    for k, v in zip(keys, values, strict=True):
-        store.append_on_disconnect(k, v)
-
-
-def _wait(store: Any, keys: list[str], seconds: float) -> bool:
-    """One slice of a wait: True once every key is set, False after ``seconds``."""
-    try:
-        store.wait(keys, timedelta(seconds=max(seconds, 0.001)))
-        return True
-    except StoreTimeoutError:
-        return False
-
-
-def _get(store: Any, key: str, seconds: float | None) -> Any:
-    """``key``'s value, or None once ``seconds`` passed (the store's own timeout for None)."""
-    if seconds is None:
-        return store.get(key)
-    try:
-        return store.get(key, timedelta(seconds=max(seconds, 0.001)))
-    except StoreTimeoutError:
-        return None
 
 
 class FastRendezvousHandler(RendezvousHandler):
@@ -156,6 +128,9 @@ class FastRendezvousHandler(RendezvousHandler):
             hooks=bool(getattr(store, "supports_extensions", False)),
             can_move=candidates is not None and len(candidates.endpoints) > 1))
         self._window = self._m.cfg.window
+        # with candidates: waits in half-window slices, each reply due within the window, so a
+        # frozen or cut host is noticed within 1.5 windows wherever a node waits (_store_ops)
+        self._slice = self._window / 2 if candidates is not None else 0.0
         self._bootstrap_addr = str(bootstrap_addr or getattr(store, "host", "localhost"))
         self._key = self._m.keys.base
         self._lock = threading.Lock()  # held by the thread inside next_rendezvous
@@ -188,9 +163,9 @@ class FastRendezvousHandler(RendezvousHandler):
     def _do(self, store: Any, op: tuple[Any, ...]) -> Any:
         name = op[0]
         if name == "get":
-            return _get(store, op[1], op[2])
+            return ops.get(store, op[1], op[2], self._slice)
         if name == "wait":
-            return _wait(store, op[1], op[2])
+            return ops.wait(store, op[1], op[2], self._slice)
         if name == "beat":
             BEATER.add(self, op[1])
             return None
@@ -198,7 +173,7 @@ class FastRendezvousHandler(RendezvousHandler):
             BEATER.remove(self)
             return None
         if name == "on_disconnect":
-            _on_disconnect(store, op[1], op[2])
+            ops.on_disconnect(store, op[1], op[2])
             return None
         if name == "moved_elsewhere" and self._candidates is not None:
             return self._candidates.raise_if_moved(self._index, self._epoch)
@@ -240,13 +215,9 @@ class FastRendezvousHandler(RendezvousHandler):
         """``_side_call`` for a membership check with several candidates: a store that does
         not answer within the detection window is as lost as one whose connection closed."""
         assert self._candidates is not None
-        with self._conn() as store:
-            store.set_timeout(timedelta(seconds=self._window))
-            try:
-                return self._run(gen, store)
-            finally:
-                with contextlib.suppress(Exception):
-                    store.set_timeout(self._candidates.read_timeout)
+        with self._conn() as conn, ops.reply_deadline(conn, self._window,
+                                                      self._candidates.read_timeout) as store:
+            return self._run(gen, store)
 
     # ------------------------------------------------------------------ RendezvousHandler
 
@@ -335,8 +306,12 @@ class FastRendezvousHandler(RendezvousHandler):
 
     def _next_rendezvous(self) -> RendezvousInfo:
         wstore = self._wstore.address() if self.use_agent_store else b""
-        seat = self._run(self._m.join(self._node_rank, self._local_addr, os.getpid(), wstore),
-                         self._store)
+        join = self._m.join(self._node_rank, self._local_addr, os.getpid(), wstore)
+        if self._candidates is None:
+            seat = self._run(join, self._store)
+        else:  # a host that does not answer within the window is lost (see _store_ops)
+            with ops.reply_deadline(self._store, self._window, self._candidates.read_timeout):
+                seat = self._run(join, self._store)
         round_store, boot = self._round_store(seat.round, seat.rank, seat.wstore)
         return RendezvousInfo(round_store, seat.rank, seat.world, boot)
 
@@ -436,7 +411,7 @@ class FastRendezvousHandler(RendezvousHandler):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise RendezvousTimeoutError(f"timed out waiting for {keys[:3]} of other members")
-            if _wait(store, keys, min(slice_s, remaining)):
+            if ops.wait(store, keys, min(slice_s, remaining)):
                 return
             lost = self.lost_members()
             if lost:

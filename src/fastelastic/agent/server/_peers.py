@@ -10,9 +10,11 @@ from typing import TYPE_CHECKING, Any
 from fastelastic.agent.server import _coord
 from fastelastic.agent.server._runloop import AgentState
 from fastelastic.errors import (
+    RendezvousConnectionError,
     RendezvousError,
     RendezvousGracefulExitError,
     SignalException,
+    StoreConnectionError,
     StoreError,
 )
 from fastelastic.events import EventSource
@@ -137,6 +139,11 @@ class _AgentPeers:
         except SignalException as e:
             logger.warning("Got termination signal: %s", e.sigval)
             raise
+        except (StoreConnectionError, RendezvousConnectionError, ConnectionError) as e:
+            # This node's work is done; the store's host is gone (its node was lost, or the
+            # job's last node left with it): nobody is left to wait for through it.
+            logger.warning("Leaving the exit barrier early: its store cannot be reached (%s). "
+                           "Elapsed: %.3f s", e, _coord.elapsed_since(start))
         except (StoreError, RendezvousError, OSError):
             logger.exception(
                 "Error waiting on exit barrier. Elapsed: %.3f s", _coord.elapsed_since(start)

@@ -1,0 +1,75 @@
+"""The store requests of the rendezvous machine (:mod:`._round`) that need more than one call:
+waits that end in a value or ``False`` instead of an exception, disconnect actions registered
+together, and waits cut into slices no longer than the detection window (``bounded``).
+
+With several ``--rdzv-endpoint`` candidates a store that does not answer within the window is
+lost, so the rendezvous moves on. A long wait (a last call of 30 s, a spare's wait of minutes)
+is then made of half-window slices, each reply due within the window (a slice that passes is
+cancelled, and the cancel must be answered in time): a frozen or cut host is noticed within
+1.5 windows wherever the node is waiting. (A shorter reply deadline would move nodes away
+from a store that is merely slow under load.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+from fastelastic.errors import StoreTimeoutError
+
+
+def on_disconnect(store: Any, keys: list[str], values: list[bytes]) -> None:
+    """Registers disconnect actions in one round trip where the client can pipeline them."""
+    many = getattr(store, "append_on_disconnect_many", None)
+    if many is not None:
+        many(keys, values)
+        return
+    for k, v in zip(keys, values, strict=True):
+        store.append_on_disconnect(k, v)
+
+
+def wait(store: Any, keys: list[str], seconds: float, bounded: float = 0.0) -> bool:
+    """True once every key is set, False after ``seconds``; slices of at most ``bounded``
+    seconds when it is above 0."""
+    end = time.monotonic() + seconds
+    for _ in range(1_000_000):  # bounded by ``end``
+        left = end - time.monotonic()
+        piece = min(left, bounded) if bounded > 0 else left
+        try:
+            store.wait(keys, timedelta(seconds=max(piece, 0.001)))
+            return True
+        except StoreTimeoutError:
+            if piece >= left:
+                return False
+    return False
+
+
+def get(store: Any, key: str, seconds: float | None, bounded: float = 0.0) -> Any:
+    """``key``'s value, or None once ``seconds`` passed (None: the store's own timeout, whose
+    passing raises ``StoreTimeoutError``; for keys known to exist); slices as :func:`wait`."""
+    if seconds is None:
+        return store.get(key)
+    end = time.monotonic() + seconds
+    for _ in range(1_000_000):  # bounded by ``end``
+        left = end - time.monotonic()
+        piece = min(left, bounded) if bounded > 0 else left
+        try:
+            return store.get(key, timedelta(seconds=max(piece, 0.001)))
+        except StoreTimeoutError:
+            if piece >= left:
+                return None
+    return None
+
+
+@contextlib.contextmanager
+def reply_deadline(store: Any, seconds: float, restore: timedelta) -> Iterator[Any]:
+    """``store`` with its reply deadline set to ``seconds``, then back to ``restore``."""
+    store.set_timeout(timedelta(seconds=seconds))
+    try:
+        yield store
+    finally:
+        with contextlib.suppress(Exception):
+            store.set_timeout(restore)
