@@ -200,10 +200,11 @@ def _softirq_first():
 
     One machine plays thousands of nodes here: ~8,200 runnable node threads on 2 cores
     starve ``ksoftirqd``, so loopback packets wait for a time slice among them. That, not the
-    rendezvous, made 4,096- and 8,192-node rounds bimodal (8,192: 3.8-16.2 s in one run, with
-    tail-loss-probe retransmits; 4,096: 1.5 or 3.6-3.8 s). With ``ksoftirqd`` first: 8,192
-    3.7-4.2 s, 4,096 1.45-1.72 s, every run. A real node has its own cores and its own
-    softirq. Both implementations run under it alike; without root nothing changes."""
+    rendezvous, made 4,096-node rounds bimodal (1.5 or 3.6-3.8 s) and 8,192 spread over
+    3.8-16.2 s, with tail-loss-probe retransmits. With ``ksoftirqd`` first: 4,096 1.45-1.72 s
+    every run; 8,192 mostly 3.7-5.6 s, still with slow outliers (BENCHMARKS.md). A real node
+    has its own cores and its own softirq. Both implementations run under it alike; without
+    root nothing changes."""
     saved = []
     for pid in subprocess.run(["pgrep", "-x", "ksoftirqd/[0-9]+"], capture_output=True,
                               text=True).stdout.split():
