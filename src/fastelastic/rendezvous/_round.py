@@ -232,9 +232,8 @@ class Machine:
         if self.carried:  # moved: keep the rank it had
             node_rank = self._identity[0]
         self._identity = (node_rank, addr, pid, wstore)
-        # No check of ``closed`` first (a round trip): ``set_closed`` marks C in every round a
-        # node can join next (``open``, the one after it, the one after its own), so a node
-        # joining a closed rendezvous learns it from the round's outcome.
+        # No ``closed`` check (a round trip): ``set_closed`` marks C in every round a node can
+        # join next, so a node joining a closed rendezvous learns it from the round's outcome.
         if self.member is not None:
             r = self.member[0] + 1
             self.leaving = True
@@ -336,8 +335,8 @@ class Machine:
         if kind == "D":
             self.no_quorum |= a.res.no_quorum
             if a.res.no_quorum:  # not before the last call: a full round would spin
-                if self.cfg.can_move and not self.carried:
-                    yield _rq("moved_elsewhere")  # did that majority move? (raises if so)
+                if self.cfg.can_move:  # did the majority move (on)? (raises if so)
+                    yield _rq("moved_elsewhere")
                 yield _rq("wait", [self.keys.round(a.k.r + 1).outcome],
                           max(0.001, min(self.cfg.last_call, a.deadline - self.clock())))
             log.info("rendezvous %s round %d abandoned; re-joining", self.cfg.run_id, a.k.r)
