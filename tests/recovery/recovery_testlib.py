@@ -89,6 +89,15 @@ class Job:
         except TimeoutError as e:
             raise AssertionError(f"{e}\nstarts: {self.starts()}\n{self.tail()}") from e
 
+    def assert_never_trains(self, nodes: set[int], after: float, seconds: float) -> None:
+        """Watches for ``seconds`` (bounded) that no node of ``nodes`` starts a worker after
+        ``after`` (wall clock): long enough for a round to form, were it allowed to."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            late = [s for s in self.starts() if int(s["node"]) in nodes and s["t"] > after]
+            assert not late, f"nodes {sorted(nodes)} trained: {late}\n{self.tail()}"
+            time.sleep(0.2)
+
     def tickets(self, round_: int = 0) -> int:
         """Tickets taken in ``round_`` (read through a client run inside node 0)."""
         code = ("import sys; from datetime import timedelta; "

@@ -79,6 +79,7 @@ def test_launches_at_torchs_default_timeouts_form_like_torchruns(tmp_path, need_
             jobs[(nnodes, which, backend)] = _Job(which, backend, nnodes, nodes, tmp_path)
     results = {key: job.finish(timeout=LAST_CALL_S + 120) for key, job in jobs.items()}
     report = {f"{w}/{b} --nnodes {n}": round(results[(n, w, b)][1], 1) for n, w, b in results}
+    print("workers started after (s):", report)
     for nnodes, _nodes, world in _CASES:
         ref = results[(nnodes, "torchrun", "c10d")]
         for which, backend in _kinds(nnodes)[:-1]:

@@ -35,7 +35,7 @@ from typing import Any
 from fastelastic._native.procmon import set_pdeathsig
 from fastelastic.multiprocessing._guardian import guardian
 from fastelastic.multiprocessing._pcontext import _KILL_GRACE_S
-from fastelastic.multiprocessing.api import SubprocessContext
+from fastelastic.multiprocessing.api import SubprocessContext, _close_fds
 
 __all__ = [
     "PRELOAD_ENV",
@@ -564,11 +564,7 @@ class ZygoteContext(SubprocessContext):
             else:
                 pid = self._start_plain(rank, out_fd, err_fd)
         finally:
-            for fd in (out_fd, err_fd):
-                if fd is not None:
-                    os.close(fd)
-            if close_in:
-                os.close(in_fd)
+            _close_fds(out_fd, err_fd, in_fd if close_in else None)
         self._track(rank, pid)
         if rank in self._zpids:
             self._zygote.ack(pid)

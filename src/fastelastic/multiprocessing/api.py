@@ -170,6 +170,13 @@ class MultiprocessContext(PContext):
             shutil.rmtree(self._ret_dir, ignore_errors=True)
 
 
+def _close_fds(*fds: int | None) -> None:
+    """Closes the parent's copies of a child's file descriptors (None: not opened)."""
+    for fd in fds:
+        if fd is not None:
+            os.close(fd)
+
+
 class SubprocessContext(PContext):
     """``PContext`` of worker processes running a binary (args are converted with ``str``)."""
 
@@ -207,9 +214,7 @@ class SubprocessContext(PContext):
                 try:
                     pid = self._start_plain(rank, out_fd, err_fd)
                 finally:
-                    for fd in (out_fd, err_fd):
-                        if fd is not None:
-                            os.close(fd)
+                    _close_fds(out_fd, err_fd)
                 self._track(rank, pid)
 
     def _start_plain(self, rank: int, out_fd: int | None, err_fd: int | None) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -34,17 +34,7 @@ def on_disconnect(store: Any, keys: list[str], values: list[bytes]) -> None:
 def wait(store: Any, keys: list[str], seconds: float, bounded: float = 0.0) -> bool:
     """True once every key is set, False after ``seconds``; slices of at most ``bounded``
     seconds when it is above 0."""
-    end = time.monotonic() + seconds
-    for _ in range(1_000_000):  # bounded by ``end``
-        left = end - time.monotonic()
-        piece = min(left, bounded) if bounded > 0 else left
-        try:
-            store.wait(keys, timedelta(seconds=max(piece, 0.001)))
-            return True
-        except StoreTimeoutError:
-            if piece >= left:
-                return False
-    return False
+    return bool(_sliced(lambda t: store.wait(keys, t) or True, seconds, bounded, False))
 
 
 def get(store: Any, key: str, seconds: float | None, bounded: float = 0.0) -> Any:
@@ -52,16 +42,23 @@ def get(store: Any, key: str, seconds: float | None, bounded: float = 0.0) -> An
     passing raises ``StoreTimeoutError``; for keys known to exist); slices as :func:`wait`."""
     if seconds is None:
         return store.get(key)
+    return _sliced(lambda t: store.get(key, t), seconds, bounded, None)
+
+
+def _sliced(call: Callable[[timedelta], Any], seconds: float, bounded: float,
+            missed: Any) -> Any:
+    """``call(timeout)`` in slices of at most ``bounded`` seconds (one call when 0) until it
+    returns; ``missed`` once ``seconds`` passed."""
     end = time.monotonic() + seconds
     for _ in range(1_000_000):  # bounded by ``end``
         left = end - time.monotonic()
         piece = min(left, bounded) if bounded > 0 else left
         try:
-            return store.get(key, timedelta(seconds=max(piece, 0.001)))
+            return call(timedelta(seconds=max(piece, 0.001)))
         except StoreTimeoutError:
             if piece >= left:
-                return None
-    return None
+                return missed
+    return missed
 
 
 @contextlib.contextmanager

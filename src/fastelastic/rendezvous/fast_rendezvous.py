@@ -175,8 +175,10 @@ class FastRendezvousHandler(RendezvousHandler):
         if name == "on_disconnect":
             ops.on_disconnect(store, op[1], op[2])
             return None
-        if name == "moved_elsewhere" and self._candidates is not None:
-            return self._candidates.raise_if_moved(self._index, self._epoch)
+        if name == "moved_elsewhere":  # one endpoint: nowhere else to be
+            if self._candidates is not None:
+                self._candidates.raise_if_moved(self._index, self._epoch)
+            return None
         return getattr(store, name)(*op[1:])
 
     @contextlib.contextmanager
