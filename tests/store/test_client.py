@@ -342,6 +342,50 @@ def test_disconnect_actions_are_acknowledged_with_the_next_reply(master):
     assert other.get("gone1") == b"a" and other.get("gone2") == b"b"
 
 
+def _frozen_host():
+    """A store hosted by a process of its own, for freezing (SIGSTOP); (process, port)."""
+    code = ("import time; from datetime import timedelta; "
+            "from fastelastic.store import TCPStore; "
+            "s = TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False, "
+            "timeout=timedelta(seconds=30)); print(s.port, flush=True); time.sleep(120)")
+    host = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    return host, int(host.stdout.readline())
+
+
+def test_one_way_requests_do_not_wait_for_acknowledgements_up_to_a_bound():
+    """With the host frozen (SIGSTOP), disconnect actions and the one-way requests after them
+    (multi_set, set) return without waiting for the acknowledgements owed, up to 4,096 of
+    them; past that bound the next one waits for them (here: the reply deadline passes and
+    the connection is given up). Thawed, a client that stayed within the bound is in step:
+    the next reply is its own, and every write arrived."""
+    host, port = _frozen_host()
+    try:
+        within = TCPStore("127.0.0.1", port, timeout=timedelta(seconds=2))
+        past = TCPStore("127.0.0.1", port, timeout=timedelta(seconds=2))
+        os.kill(host.pid, signal.SIGSTOP)
+        within.append_on_disconnect("gone", b"w;")
+        within.multi_set(["a", "b"], [b"1", b"2"])  # no ack to wait for while frozen
+        within.set("c", b"3")
+        past.append_on_disconnect_many([f"k{i}" for i in range(4096)], [b"x"] * 4096)
+        past.set("d", b"4")  # 4,096 owed: still within the bound
+        past.append_on_disconnect("k", b"x")
+        with pytest.raises(StoreConnectionError, match="did not answer"):
+            past.set("e", b"5")  # 4,097 owed: waits for them, and the host is frozen
+        os.kill(host.pid, signal.SIGCONT)
+        assert within.add("n", 1) == 1  # reads its owed ack first, then its own reply
+        assert within.multi_get(["a", "b", "c"]) == [b"1", b"2", b"3"]
+        within.close()
+        other = TCPStore("127.0.0.1", port, timeout=timedelta(seconds=10))
+        assert other.get("gone") == b"w;"  # the action registered while frozen ran
+        assert other.get("d") == b"4"
+        other.close()
+        past.close()
+    finally:
+        os.kill(host.pid, signal.SIGCONT)
+        host.kill()
+        host.wait(10)
+
+
 def test_get_with_a_timeout_returns_or_times_out_and_stays_usable(master):
     c = client(master, timeout=30)
     start = time.monotonic()

@@ -47,7 +47,8 @@ cdef class KVClient:
     cdef int _check_signals(self) except -1
     cdef int _need_intr(self, size_t n, int64_t deadline) except -1
     cdef int64_t _after_signal(self, int64_t deadline) noexcept
-    cdef int _transact(self, size_t n, int64_t deadline) except -1
+    cdef bint _send_now(self) noexcept
+    cdef int _transact(self, size_t n, int64_t deadline, bint oneway=*) except -1
     cdef int _wait_reply(self, int64_t timeout_ms) except -1
     cdef object _fail(self, int rc, str what)
     cdef void _put_key(self, object key) except *

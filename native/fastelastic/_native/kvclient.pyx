@@ -66,6 +66,10 @@ class HandshakeReset(StoreConnectionError):
 
 
 cdef int64_t _NO_DEADLINE = -1
+# A deadline already passed: read only what is here (acknowledgements, without waiting).
+cdef int64_t _ALREADY = 0
+# Acknowledgements (1 byte each) a one-way request may leave unread before it waits for them.
+cdef size_t OWED_MAX = 4096
 # A reply's deadline: the socket is blocking with SO_RCVTIMEO set to the store timeout, so one
 # recv() both waits and reads (two syscalls per round trip instead of four).
 cdef int64_t REPLY = -2
@@ -387,11 +391,31 @@ cdef class KVClient:
                 return got
         return recv(self._fd, at, room, 0)
 
-    cdef int _transact(self, size_t n, int64_t deadline) except -1:
+    cdef bint _send_now(self) noexcept:
+        """Sends what it can of ``_out`` without blocking and with the GIL held; True when
+        all of it is out (errors are left to the blocking send, which reports them)."""
+        cdef ssize_t k
+        while self._out_pos < self._out.size():
+            k = send(self._fd, self._out.data() + self._out_pos,
+                     self._out.size() - self._out_pos, MSG_NOSIGNAL | MSG_DONTWAIT)
+            if k <= 0:
+                return False
+            self._out_pos += <size_t>k
+        return True
+
+    cdef int _transact(self, size_t n, int64_t deadline, bint oneway=False) except -1:
         """Sends ``_out`` and buffers n reply bytes (0 for fire-and-forget requests).
 
         Only the sending holds ``_send_lock``: once the request is out, a fire-and-forget
-        request of another thread may follow it on the wire (see ``_post``)."""
+        request of another thread may follow it on the wire (see ``_post``).
+
+        The request is first sent without blocking and with the GIL held: it nearly always
+        fits the socket buffer, and a send that cannot block is cheaper than handing the GIL
+        to the process's other threads and waiting to get it back (with a thousand node
+        threads in a process, that wait was most of a node's join). A ``oneway`` request
+        (no reply of its own) then returns at once, leaving earlier requests'
+        acknowledgements that have not arrived yet for the next reply to read, up to
+        ``OWED_MAX`` of them."""
         cdef int rc = IO_OK
         cdef bint sending = True
         if self._broken or self._fd < 0:
@@ -403,6 +427,19 @@ cdef class KVClient:
         self._reply_by = fe_monotonic_ns() + max(self._timeout_ms, 1) * 1000000
         self._acquire_send()
         try:
+            if self._send_now():
+                sending = False
+                PyThread_release_lock(self._send_lock)
+                if oneway and self._owed > 0:  # read the acknowledgements already here
+                    rc = self._need(self._owed, _ALREADY)
+                    if rc == IO_OK:
+                        self._in_pos += self._owed
+                        self._owed = 0
+                    elif rc != IO_TIMEOUT and rc != IO_INTR:
+                        raise self._fail(rc, "request")
+                    rc = IO_OK
+                if (oneway and self._owed <= OWED_MAX) or (n == 0 and self._owed == 0):
+                    return 0  # nothing to wait for here: the GIL is kept
             while True:
                 with nogil:
                     rc = IO_OK
@@ -586,9 +623,13 @@ cdef class KVClient:
                 raise StoreConnectionError(
                     f"the connection to the store at {self._peer} is closed")
             while pos < req.size():
-                with nogil:
-                    sent = send(self._fd, req.data() + pos, req.size() - pos, MSG_NOSIGNAL)
-                    err = errno
+                sent = send(self._fd, req.data() + pos, req.size() - pos,
+                            MSG_NOSIGNAL | MSG_DONTWAIT)  # the GIL kept, as in _transact
+                err = errno
+                if sent < 0 and err == EAGAIN:
+                    with nogil:
+                        sent = send(self._fd, req.data() + pos, req.size() - pos, MSG_NOSIGNAL)
+                        err = errno
                 if sent >= 0:
                     pos += <size_t>sent
                     continue
@@ -608,7 +649,7 @@ cdef class KVClient:
             return self._post(req)
         try:
             self._out.swap(req)
-            self._transact(0, REPLY)
+            self._transact(0, REPLY, True)
         finally:
             self._end()
         return 0
@@ -882,7 +923,7 @@ cdef class KVClient:
         try:
             self._put_key(key)
             self._put_value(value)
-            self._transact(0, REPLY)
+            self._transact(0, REPLY, True)
             self._owed += 1  # read by the next request: the server runs them in order
         finally:
             self._end()
@@ -908,7 +949,7 @@ cdef class KVClient:
                     put_u8(self._out, CMD_EXT_ON_DISCONNECT_APPEND)
                 self._put_key(keys[i])
                 self._put_value(values[i])
-            self._transact(0, REPLY)
+            self._transact(0, REPLY, True)
             self._owed += <size_t>n
         finally:
             self._end()
