@@ -21,7 +21,6 @@ from cpython.pythread cimport (
     NOWAIT_LOCK, WAIT_LOCK, PyThread_acquire_lock, PyThread_allocate_lock, PyThread_free_lock,
     PyThread_release_lock,
 )
-from cpython.unicode cimport PyUnicode_Check
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memmove
 
@@ -29,8 +28,9 @@ from fastelastic._native.includes.linux cimport (
     EAGAIN, ECONNRESET, EINTR, EMSGSIZE, EPIPE, F_GETFL, F_SETFL, IPPROTO_TCP, MSG_DONTWAIT,
     MSG_NOSIGNAL, O_NONBLOCK, POLLIN,
     SO_RCVTIMEO, SO_SNDTIMEO, SOL_SOCKET, TCP_NODELAY, close, errno, fcntl, fe_monotonic_ns,
-    getpid, poll, pollfd, recv, send, setsockopt, timeval,
+    getpid, recv, send, setsockopt, timeval,
 )
+from fastelastic._native.kvreq cimport *
 from fastelastic._native.spin cimport spin_again, spin_deadline
 from fastelastic._native.wire cimport *
 
@@ -38,9 +38,6 @@ import os
 import warnings
 
 from fastelastic.errors import QueueEmptyError, StoreConnectionError, StoreError, StoreTimeoutError
-
-cdef extern from "Python.h":
-    const char *PyUnicode_AsUTF8AndSize(object s, Py_ssize_t *size) except NULL
 
 cdef enum:
     IO_OK = 0
@@ -63,88 +60,6 @@ cdef extern from *:
 class HandshakeReset(StoreConnectionError):
     """The server closed or reset the connection during the handshake (it may be shedding
     load, or it closed a handshake that took too long); connecting again may succeed."""
-
-
-cdef int64_t _NO_DEADLINE = -1
-# A deadline already passed: read only what is here (acknowledgements, without waiting).
-cdef int64_t _ALREADY = 0
-# Acknowledgements (1 byte each) a one-way request may leave unread before it waits for them.
-cdef size_t OWED_MAX = 4096
-# A reply's deadline: the socket is blocking with SO_RCVTIMEO set to the store timeout, so one
-# recv() both waits and reads (two syscalls per round trip instead of four).
-cdef int64_t REPLY = -2
-
-
-cdef inline int64_t _deadline(int64_t timeout_ms) noexcept nogil:
-    if timeout_ms < 0:
-        return _NO_DEADLINE
-    return fe_monotonic_ns() + timeout_ms * 1000000
-
-
-cdef inline int _poll_until(int fd, short events, int64_t deadline) noexcept nogil:
-    """Waits for fd; returns 1 ready, 0 deadline passed, -1 error (errno)."""
-    cdef pollfd pfd
-    cdef int64_t left
-    cdef int ms, rc
-    pfd.fd = fd
-    pfd.events = events
-    while True:
-        if deadline == _NO_DEADLINE:
-            ms = -1
-        else:
-            left = deadline - fe_monotonic_ns()
-            if left <= 0:
-                return 0
-            ms = <int>((left + 999999) // 1000000)
-        rc = poll(&pfd, 1, ms)
-        if rc > 0:
-            return 1
-        if rc == 0:
-            if deadline == _NO_DEADLINE:
-                continue
-            return 0
-        if errno == EINTR:
-            return -2
-        return -1
-
-
-cdef int64_t _timeout_arg(object timeout, int64_t default_ms) except? -2:
-    if timeout is None:
-        return default_ms
-    if hasattr(timeout, "total_seconds"):
-        timeout = timeout.total_seconds()
-    return <int64_t>(float(timeout) * 1000.0)
-
-
-cdef void _put_key_to(string &out, object key) except *:
-    """Appends key as a blob with torch's ``/`` prefix."""
-    cdef const char *p
-    cdef Py_ssize_t n
-    if PyUnicode_Check(key):
-        p = PyUnicode_AsUTF8AndSize(key, &n)
-    elif isinstance(key, bytes):
-        p = PyBytes_AS_STRING(key)
-        n = PyBytes_GET_SIZE(key)
-    else:
-        raise TypeError(f"store keys are str, not {type(key).__name__}")
-    put_u64(out, <uint64_t>n + 1)
-    out.push_back(c'/')
-    out.append(p, <size_t>n)
-
-
-cdef void _put_value_to(string &out, object value) except *:
-    cdef const char *p
-    cdef Py_ssize_t n
-    if isinstance(value, bytes):
-        p = PyBytes_AS_STRING(value)
-        n = PyBytes_GET_SIZE(value)
-    elif PyUnicode_Check(value):
-        p = PyUnicode_AsUTF8AndSize(value, &n)
-    else:
-        value = bytes(value)
-        p = PyBytes_AS_STRING(value)
-        n = PyBytes_GET_SIZE(value)
-    put_blob(out, p, <size_t>n)
 
 
 cdef class KVClient:
