@@ -328,9 +328,8 @@ cdef class KVClient:
         fits the socket buffer, and a send that cannot block is cheaper than handing the GIL
         to the process's other threads and waiting to get it back (with a thousand node
         threads in a process, that wait was most of a node's join). A ``oneway`` request
-        (no reply of its own) then returns at once, leaving earlier requests'
-        acknowledgements that have not arrived yet for the next reply to read, up to
-        ``OWED_MAX`` of them."""
+        (no reply of its own) then returns at once, leaving the acknowledgements owed by
+        earlier requests for the next reply to read, up to ``OWED_MAX`` of them."""
         cdef int rc = IO_OK
         cdef bint sending = True
         if self._broken or self._fd < 0:
@@ -345,14 +344,6 @@ cdef class KVClient:
             if self._send_now():
                 sending = False
                 PyThread_release_lock(self._send_lock)
-                if oneway and self._owed > 0:  # read the acknowledgements already here
-                    rc = self._need(self._owed, _ALREADY)
-                    if rc == IO_OK:
-                        self._in_pos += self._owed
-                        self._owed = 0
-                    elif rc != IO_TIMEOUT and rc != IO_INTR:
-                        raise self._fail(rc, "request")
-                    rc = IO_OK
                 if (oneway and self._owed <= OWED_MAX) or (n == 0 and self._owed == 0):
                     return 0  # nothing to wait for here: the GIL is kept
             while True:

@@ -16,8 +16,6 @@ cdef extern from "Python.h":
 
 cdef enum:
     _NO_DEADLINE = -1
-    # A deadline already passed: read only what is here (acknowledgements, without waiting).
-    _ALREADY = 0
     # A reply's deadline: the socket is blocking with SO_RCVTIMEO set to the store timeout, so
     # one recv() both waits and reads (two syscalls per round trip instead of four).
     REPLY = -2
