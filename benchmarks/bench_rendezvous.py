@@ -13,6 +13,7 @@ Writes the table to ``benchmarks/results/rendezvous.md`` and its figures to ``re
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import resource
@@ -64,7 +65,21 @@ def _raise_nofile() -> None:
 NODE_SWITCH_INTERVAL_S = 0.05
 
 
-def _node_main(impl: str, port: int, run_id: str, total: int, local: int) -> None:
+def _node_addr(index: int) -> str:
+    """Simulated node ``index``'s own address: 127.16.0.0 + index, all on loopback.
+
+    A real node is a host with an address and ports of its own. With every node on
+    127.0.0.1, each ``bind`` of a node's workers'-store listener searched one port space
+    holding 32,768 sockets: ``inet_bind_conflict`` was 10-15 % of all CPU in a 16,384-node
+    round (``perf record -a``), the round took 8.4-9.7 s instead of 6.4-7.7 s, and the case
+    needed the ephemeral port range widened (root). Now only the store connections share
+    127.0.0.1's ports.
+    """
+    return "127.%d.%d.%d" % (16 + (index >> 16), (index >> 8) & 255, index & 255)
+
+
+def _node_main(impl: str, port: int, run_id: str, total: int, local: int, first: int) -> None:
+    """Runs this process's ``local`` nodes, numbered from ``first`` (for their addresses)."""
     _raise_nofile()
     sys.setswitchinterval(NODE_SWITCH_INTERVAL_S)
     from counting import CountingStore
@@ -82,10 +97,11 @@ def _node_main(impl: str, port: int, run_id: str, total: int, local: int) -> Non
 
         timeout = RendezvousTimeout(join=timedelta(seconds=TORCH_LIMIT_S),
                                     last_call=timedelta(microseconds=1))
-        for _ in range(local):
+        for j in range(local):
             s = CountingStore(TCPStore("127.0.0.1", port, timeout=timedelta(seconds=90)))
             stores.append(s)
             handlers.append(FastRendezvousHandler(run_id, s, "c10d", total, total, timeout,
+                                                  local_addr=_node_addr(first + j),
                                                   keep_alive_interval=3600))
     else:
         import torch.distributed as dist
@@ -101,14 +117,14 @@ def _node_main(impl: str, port: int, run_id: str, total: int, local: int) -> Non
 
         timeout = TorchTimeout(join=timedelta(seconds=TORCH_LIMIT_S),
                                last_call=timedelta(milliseconds=1))
-        for _ in range(local):
+        for j in range(local):
             raw = dist.TCPStore("127.0.0.1", port, is_master=False,
                                 timeout=timedelta(seconds=90))
             s = CountingStore(raw)
             stores.append(s)
             handlers.append(DynamicRendezvousHandler.from_backend(
-                run_id, raw, C10dRendezvousBackend(s, run_id), total, total, "127.0.0.1",
-                timeout))
+                run_id, raw, C10dRendezvousBackend(s, run_id), total, total,
+                _node_addr(first + j), timeout))
 
     def node(i: int) -> None:
         go.wait()
@@ -124,6 +140,11 @@ def _node_main(impl: str, port: int, run_id: str, total: int, local: int) -> Non
     threads = [threading.Thread(target=node, args=(i,), daemon=True) for i in range(local)]
     for t in threads:
         t.start()
+    # The setup's objects (a thousand or more handlers, clients and threads here; one of
+    # each on a real node) move out of the collector's sight: every full collection during
+    # the round traversed them all (gc_collect_main and visit_* ~3 % of all CPU at 16,384).
+    gc.collect()
+    gc.freeze()
     print("READY", flush=True)
     sys.stdin.readline()
     go.set()
@@ -175,14 +196,20 @@ def _one_round(impl: str, n: int, port: int, run_id: str) -> dict:
     per = [n // PROCS + (1 if i < n % PROCS else 0) for i in range(PROCS)]
     code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import bench_rendezvous as b; "
             "b._node_main(sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), "
-            "int(sys.argv[5]))")
+            "int(sys.argv[5]), int(sys.argv[6]))")
     # The stores the nodes host themselves (fastelastic: the round's worker store) get the same
     # long handshake limit as the host's (see _host): hundreds of node threads per process.
     env = dict(os.environ, FASTELASTIC_STORE_HANDSHAKE_MS="60000")
+    # Each node process in a session of its own, so the kernel shares the CPU between
+    # processes (autogroups), as between the machines they play, not between their threads:
+    # with per-thread shares, the store's server thread here waited on the run queue behind
+    # a thousand runnable node threads, up to 11 s a round (``/proc/<tid>/schedstat``), and
+    # 16,384-node rounds took 5.7-16 s; in sessions of their own, 4.6-5.6 s.
     procs = [subprocess.Popen([sys.executable, "-c", code, impl, str(port), run_id, str(n),
-                               str(k)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                              env=env)
-             for k in per if k > 0]
+                               str(k), str(sum(per[:i]))], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=env,
+                              start_new_session=True)
+             for i, k in enumerate(per) if k > 0]
     try:
         for p in procs:
             line = p.stdout.readline()
@@ -240,32 +267,6 @@ def _softirq_first():
                 pass
 
 
-@contextlib.contextmanager
-def _ports_for(n: int):
-    """Widens the ephemeral port range for the duration when ``n`` simulated nodes need more
-    ports than it has, then restores it. Each node holds one store connection and one
-    pre-bound listener for its round's workers' store, all on 127.0.0.1: 16,384 nodes need
-    32,768 ports, over the default 28,232 (a real node is a host with ports of its own).
-    Skips the case when the range cannot be widened (not root)."""
-    path = "/proc/sys/net/ipv4/ip_local_port_range"
-    with open(path) as f:
-        saved = f.read().split()
-    if int(saved[1]) - int(saved[0]) + 1 >= 2 * n + 2048:
-        yield
-        return
-    try:
-        with open(path, "w") as f:
-            f.write("10000 65535")
-    except OSError as e:
-        pytest.skip(f"!!! {n} simulated nodes need {2 * n} ephemeral ports, and the range "
-                    f"{saved} cannot be widened here ({e})")
-    try:
-        yield
-    finally:
-        with open(path, "w") as f:
-            f.write(" ".join(saved))
-
-
 _SOFTIRQ: list[int] = []
 
 
@@ -294,8 +295,10 @@ def _write_table(request):
             "would give each node (`_softirq_first`)." if _SOFTIRQ else
             "The kernel's softirq threads ran at normal priority (not root).")
          + f" Node processes ran at a {NODE_SWITCH_INTERVAL_S * 1e3:.0f} ms GIL switch interval "
-           "(`NODE_SWITCH_INTERVAL_S`). Every round checked: each node a rank of its own, "
-           "0..N-1."),
+           "(`NODE_SWITCH_INTERVAL_S`), each in a session of its own (the kernel shares the "
+           "CPU between them as between machines), each node with a loopback address of its "
+           "own (`_node_addr`), the setup's objects frozen out of the garbage collector's "
+           "sight. Every round checked: each node a rank of its own, 0..N-1."),
         "",
         ("| N | fastelastic p50 (s) | p99 (s) | msgs/node p50/max | torch c10d p50 (s) "
          "| p99 (s) | msgs/node p50/max | speed-up |"),
@@ -409,8 +412,7 @@ def test_rendezvous_formation(benchmark, request, impl, n):
 
     rounds = ROUNDS[n] if impl == "fastelastic" else (1 if n >= 256 else 3)
     benchmark.group = f"rendezvous-N{n}"
-    with _ports_for(n):
-        benchmark.pedantic(run, rounds=rounds, iterations=1, warmup_rounds=0)
+    benchmark.pedantic(run, rounds=rounds, iterations=1, warmup_rounds=0)
     ordered = sorted(times)
     res = {
         "p50": statistics.median(ordered),
