@@ -76,7 +76,12 @@ class StoreRendezvous(RendezvousHandler):
     """A static rendezvous over a real store: fixed rank and world size, one round per call.
 
     ``waiting`` is what ``num_nodes_waiting`` reports (tests raise it to fake a new node).
+    Its store client is its own: :py:meth:`shutdown` closes it. The test is its owner, as the
+    launcher is a real handler's (the agent never shuts its handler down); the autouse fixture
+    ``shut_down_rendezvous`` shuts down every one a test made.
     """
+
+    made: list[StoreRendezvous] = []
 
     def __init__(
         self,
@@ -94,6 +99,7 @@ class StoreRendezvous(RendezvousHandler):
         self.rounds = 0
         self.waiting = 0
         self.store: Any = None
+        StoreRendezvous.made.append(self)
 
     def get_backend(self) -> str:
         return "test-static"
@@ -127,7 +133,19 @@ class StoreRendezvous(RendezvousHandler):
         return self._run_id
 
     def shutdown(self) -> bool:
+        store, self.store = self.store, None
+        if store is not None:
+            store.close()
         return True
+
+
+@pytest.fixture(autouse=True)
+def shut_down_rendezvous():
+    """Shuts down every :class:`StoreRendezvous` the test made (closes its store client)."""
+    yield
+    made, StoreRendezvous.made = StoreRendezvous.made, []
+    for rdzv in made:
+        rdzv.shutdown()
 
 
 @pytest.fixture

@@ -78,9 +78,11 @@ def test_etcd_dead_node_noticed_by_lease(etcd, nodes):
     a.store.wait(["fe.rdzv.job/1/n/1"], timedelta(seconds=15))
     assert time.monotonic() - t0 < 10  # TTL 2 s plus etcd's expiry scan
     assert a.store.get("fe.rdzv.job/0/res").startswith(b"D")
-    get_rendezvous_handler(_params(etcd.endpoints, 2, 3)).set_closed()
+    closer = get_rendezvous_handler(_params(etcd.endpoints, 2, 3))
+    closer.set_closed()
     nodes.join(30)
-    a.shutdown()
+    for h in (a, b, closer):  # b's lease watch would outlive the test (and the etcd server)
+        h.shutdown()
 
 
 def test_etcd_https_with_client_certificates(tmp_path, nodes):

@@ -3,21 +3,13 @@
 from datetime import timedelta
 from typing import Iterable, Union
 
-from fastelastic.errors import StoreConnectionError
+from fastelastic._native.kvconn import HandshakeReset as HandshakeReset
+from fastelastic._native.kvconn import KVConn
 
 _Value = Union[str, bytes, bytearray, memoryview]
 _Timeout = Union[timedelta, float, None]
 
-class HandshakeReset(StoreConnectionError): ...
-
-class KVClient:
-    timeout_ms: int
-    def __init__(
-        self, fd: int, peer: str, timeout: float, *, spin_us: int = 0, token: bytes = b""
-    ) -> None: ...
-    def close(self) -> None: ...
-    @property
-    def supports_extensions(self) -> bool: ...
+class KVClient(KVConn):
     def set(self, key: str, value: _Value) -> None: ...
     def get(self, key: str, timeout: _Timeout = None) -> bytes: ...
     def add(self, key: str, value: int) -> int: ...
