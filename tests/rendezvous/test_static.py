@@ -6,6 +6,7 @@ import socket
 
 import pytest
 
+from fastelastic.errors import StoreError
 from fastelastic.rendezvous import RendezvousParameters, get_rendezvous_handler
 
 
@@ -32,6 +33,14 @@ def test_static_two_nodes_share_the_store(nodes):
     assert h.get_backend() == "static" and h.use_agent_store
     assert (h.is_closed(), h.num_nodes_waiting(), h.get_run_id(), h.shutdown()) == (
         False, 0, "st", True)
+    # shutdown closed rank 0's own connection; its server still serves rank 1
+    with pytest.raises(StoreError):
+        infos[0].store.get("k")
+    infos[1].store.set("k2", b"v2")
+    assert infos[1].store.get("k2") == b"v2"
+    assert handlers[1].shutdown()
+    with pytest.raises(StoreError):
+        infos[1].store.get("k2")
 
 
 @pytest.mark.parametrize(

@@ -95,7 +95,14 @@ class StaticTCPRendezvous(RendezvousHandler):
         return self.run_id
 
     def shutdown(self) -> bool:
-        """See base class."""
+        """See base class: closes this node's connection to the store, which it made.
+
+        Rank 0's hosted server keeps serving the other nodes for as long as this handler
+        lives (they may still be finishing); it stops with the handler, as torch's does with
+        its process.
+        """
+        if self._store is not None:
+            self._store.close()
         return True
 
 
