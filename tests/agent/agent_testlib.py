@@ -39,6 +39,9 @@ def store_server():
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
     )
     yield server
+    stop = getattr(server, "shutdown_server", None)  # ours; torch's ends with its object
+    if stop is not None:
+        stop()
 
 
 def store_client(server: Any) -> Any:

@@ -163,6 +163,8 @@ def test_slow_path_store_traffic_and_ranks(store_server):
         t.start()
     for t in threads:
         t.join(30)
+    for s in stores:
+        s._store.close()  # not counted
     assert [[w.global_rank for w in results[i]] for i in range(3)] == [[0, 1], [2], [3, 4, 5]]
     assert [[w.role_rank for w in results[i]] for i in range(3)] == [[0, 1], [0], [2, 3, 4]]
     assert [results[i][0].role_world_size for i in range(3)] == [5, 1, 5]
