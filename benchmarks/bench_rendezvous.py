@@ -71,9 +71,9 @@ def _node_addr(index: int) -> str:
     A real node is a host with an address and ports of its own. With every node on
     127.0.0.1, each ``bind`` of a node's workers'-store listener searched one port space
     holding 32,768 sockets: ``inet_bind_conflict`` was 10-15 % of all CPU in a 16,384-node
-    round (``perf record -a``), the round took 8.4-9.7 s instead of 6.4-7.7 s, and the case
-    needed the ephemeral port range widened (root). Now only the store connections share
-    127.0.0.1's ports.
+    round (``perf record -a``), two rounds took 9.7 and 19.6 s instead of 7.7 and 7.0 s, and
+    the case needed the ephemeral port range widened (root). Now only the store connections
+    share 127.0.0.1's ports.
     """
     return "127.%d.%d.%d" % (16 + (index >> 16), (index >> 8) & 255, index & 255)
 
@@ -203,8 +203,8 @@ def _one_round(impl: str, n: int, port: int, run_id: str) -> dict:
     # Each node process in a session of its own, so the kernel shares the CPU between
     # processes (autogroups), as between the machines they play, not between their threads:
     # with per-thread shares, the store's server thread here waited on the run queue behind
-    # a thousand runnable node threads, up to 11 s a round (``/proc/<tid>/schedstat``), and
-    # 16,384-node rounds took 5.7-16 s; in sessions of their own, 4.6-5.6 s.
+    # a thousand runnable node threads, up to 11 s a round (``/proc/<tid>/schedstat``).
+    # 16,384 nodes, 6 rounds each: 5.2-11.6 s without sessions, 4.4-4.9 s with them.
     procs = [subprocess.Popen([sys.executable, "-c", code, impl, str(port), run_id, str(n),
                                str(k), str(sum(per[:i]))], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True, env=env,
