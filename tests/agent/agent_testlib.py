@@ -79,12 +79,9 @@ class StoreRendezvous(RendezvousHandler):
     """A static rendezvous over a real store: fixed rank and world size, one round per call.
 
     ``waiting`` is what ``num_nodes_waiting`` reports (tests raise it to fake a new node).
-    Its store client is its own: :py:meth:`shutdown` closes it. The test is its owner, as the
-    launcher is a real handler's (the agent never shuts its handler down); the autouse fixture
-    ``shut_down_rendezvous`` shuts down every one a test made.
+    Its store client is its own: :py:meth:`shutdown` closes it. The test owns it (see
+    :func:`owned`).
     """
-
-    made: list[StoreRendezvous] = []
 
     def __init__(
         self,
@@ -102,7 +99,7 @@ class StoreRendezvous(RendezvousHandler):
         self.rounds = 0
         self.waiting = 0
         self.store: Any = None
-        StoreRendezvous.made.append(self)
+        owned(self)
 
     def get_backend(self) -> str:
         return "test-static"
@@ -142,13 +139,24 @@ class StoreRendezvous(RendezvousHandler):
         return True
 
 
+_OWNED: list[RendezvousHandler] = []
+
+
+def owned(handler: Any) -> Any:
+    """Registers a rendezvous handler the test made: the test owns it, as the launcher owns a
+    real one (the agent never shuts its handler down). ``shut_down_rendezvous`` shuts it down
+    when the test ends."""
+    _OWNED.append(handler)
+    return handler
+
+
 @pytest.fixture(autouse=True)
 def shut_down_rendezvous():
-    """Shuts down every :class:`StoreRendezvous` the test made (closes its store client)."""
+    """Shuts down every rendezvous handler the test made (closes their store clients)."""
     yield
-    made, StoreRendezvous.made = StoreRendezvous.made, []
-    for rdzv in made:
-        rdzv.shutdown()
+    made, _OWNED[:] = list(_OWNED), []
+    for handler in made:
+        handler.shutdown()
 
 
 @pytest.fixture

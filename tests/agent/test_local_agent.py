@@ -16,6 +16,7 @@ import types
 
 import agent_workers
 import pytest
+from agent_testlib import owned
 
 from fastelastic import events
 from fastelastic.agent.server import WorkerSpec, WorkerState
@@ -35,19 +36,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-_MADE: list = []  # the handlers a test made; it owns them, as the launcher owns a real one's
-
-
-@pytest.fixture(autouse=True)
-def _shut_down_handlers():
-    yield
-    made, _MADE[:] = list(_MADE), []
-    for handler in made:
-        handler.shutdown()
-
-
 def static(rank: int = 0, world: int = 1, port: int | None = None, run_id: str = "agent-test"):
-    handler = get_rendezvous_handler(
+    return owned(get_rendezvous_handler(
         RendezvousParameters(
             backend="static",
             endpoint=f"127.0.0.1:{port or free_port()}",
@@ -57,9 +47,7 @@ def static(rank: int = 0, world: int = 1, port: int | None = None, run_id: str =
             rank=rank,
             timeout=60,
         )
-    )
-    _MADE.append(handler)
-    return handler
+    ))
 
 
 def binary_spec(*args, nproc=2, max_restarts=0, role="trainer", **kw):

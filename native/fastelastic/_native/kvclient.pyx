@@ -19,15 +19,8 @@ __all__ = ["HandshakeReset", "KVClient"]
 
 
 cdef class KVClient(KVConn):
-    """One connection to a TCPStore-protocol server, with torch's store operations.
-
-    Args:
-        fd: a connected TCP socket; the client owns it from now on.
-        peer: ``host:port``, used in error messages.
-        timeout: seconds; the default for waits, and the limit on any reply.
-        spin_us: how long a request polls for its reply before it sleeps, in microseconds
-            (0: sleep at once); see ``spin.pxd``.
-    """
+    """One connection to a TCPStore-protocol server, with torch's store operations (its
+    arguments: :class:`~fastelastic._native.kvconn.KVConn`)."""
 
     # --------------------------------------------------------------------------- operations
 
