@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import threading
 import time
 
 VALIDATE, SET, COMPARE_SET, GET, ADD, CHECK, WAIT, GETNUMKEYS, DELETE_KEY, APPEND = range(10)
@@ -96,3 +97,48 @@ class Raw:
 
     def close(self) -> None:
         self.sock.close()
+
+
+class FakeServer:
+    """A listener whose behaviour per accepted connection is scripted (a broken server)."""
+
+    def __init__(self, *scripts) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._run, args=(scripts,), daemon=True)
+        self._thread.start()
+
+    def _run(self, scripts) -> None:
+        for script in scripts:
+            c, _ = self.sock.accept()
+            self.conns.append(c)
+            script(c)
+
+    def close(self) -> None:
+        self._thread.join(10)
+        for c in self.conns:
+            c.close()
+        self.sock.close()
+
+
+def read_exact(c: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        chunk = c.recv(n - len(out))
+        assert chunk
+        out += chunk
+    return out
+
+
+def reset(c: socket.socket) -> None:
+    c.recv(1)
+    c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    c.close()
+
+
+def answer_handshake(c: socket.socket) -> bytes:
+    data = read_exact(c, 10)
+    (nonce,) = struct.unpack("<I", data[6:10])
+    c.sendall(struct.pack("<I", ~nonce & 0xFFFFFFFF))
+    return data

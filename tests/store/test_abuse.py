@@ -17,7 +17,6 @@ import struct
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 
 import pytest
@@ -36,9 +35,13 @@ from ._wire import (
     SET,
     VALIDATE,
     WAIT,
+    FakeServer,
     Raw,
+    answer_handshake,
     blob,
+    read_exact,
     req,
+    reset,
     u64,
 )
 
@@ -449,53 +452,8 @@ def test_out_of_fds_is_logged_with_the_limit_not_a_protocol_error(server):
     c.close()
 
 
-class _FakeServer:
-    """A listener whose behaviour per accepted connection is scripted (a broken server)."""
-
-    def __init__(self, *scripts) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.conns: list[socket.socket] = []
-        self._thread = threading.Thread(target=self._run, args=(scripts,), daemon=True)
-        self._thread.start()
-
-    def _run(self, scripts) -> None:
-        for script in scripts:
-            c, _ = self.sock.accept()
-            self.conns.append(c)
-            script(c)
-
-    def close(self) -> None:
-        self._thread.join(10)
-        for c in self.conns:
-            c.close()
-        self.sock.close()
-
-
-def _read_exact(c: socket.socket, n: int) -> bytes:
-    out = b""
-    while len(out) < n:
-        chunk = c.recv(n - len(out))
-        assert chunk
-        out += chunk
-    return out
-
-
-def _reset(c: socket.socket) -> None:
-    c.recv(1)
-    c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    c.close()
-
-
-def _answer_handshake(c: socket.socket) -> bytes:
-    data = _read_exact(c, 10)
-    (nonce,) = struct.unpack("<I", data[6:10])
-    c.sendall(struct.pack("<I", ~nonce & 0xFFFFFFFF))
-    return data
-
-
 def test_client_retries_a_reset_during_its_handshake():
-    fake = _FakeServer(_reset, _reset, _answer_handshake)
+    fake = FakeServer(reset, reset, answer_handshake)
     store = TCPStore("127.0.0.1", fake.port, timeout=5, wait_for_workers=False)
     assert store.supports_extensions
     store.close()
@@ -507,12 +465,12 @@ def test_client_survives_a_reply_length_near_2_to_64():
     """A server that answers GET with a length of 2**64 - 9: the client fails at once, instead
     of doubling its buffer size until it wraps and spinning."""
     def evil(c: socket.socket) -> None:
-        _answer_handshake(c)
-        _read_exact(c, 1 + 8 + 2)   # EXT_WAIT_GET of "/k"
+        answer_handshake(c)
+        read_exact(c, 1 + 8 + 2)   # EXT_WAIT_GET of "/k"
         c.sendall(b"\x02" + struct.pack("<Q", (1 << 64) - 9) + b"abc")
         c.recv(1)   # until the client closes
 
-    fake = _FakeServer(evil)
+    fake = FakeServer(evil)
     store = TCPStore("127.0.0.1", fake.port, timeout=5, wait_for_workers=False)
     t0 = time.monotonic()
     with pytest.raises(StoreConnectionError, match="Message too long"):

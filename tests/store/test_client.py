@@ -352,6 +352,22 @@ def _frozen_host():
     return host, int(host.stdout.readline())
 
 
+def _freeze(pid: int) -> None:
+    """SIGSTOPs ``pid`` and returns once every thread of it is stopped (the stop is
+    asynchronous: a server thread on the other CPU may still answer a request meanwhile)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # bounded re-check of the threads' states
+        states = set()
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                states.add(f.read().rsplit(")", 1)[1].split()[0])
+        if states == {"T"}:
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"pid {pid} did not stop: thread states {states}")
+
+
 def test_one_way_requests_do_not_wait_for_acknowledgements_up_to_a_bound():
     """With the host frozen (SIGSTOP), disconnect actions and the one-way requests after them
     (multi_set, set) return without waiting for the acknowledgements owed, up to 4,096 of
@@ -362,7 +378,7 @@ def test_one_way_requests_do_not_wait_for_acknowledgements_up_to_a_bound():
     try:
         within = TCPStore("127.0.0.1", port, timeout=timedelta(seconds=2))
         past = TCPStore("127.0.0.1", port, timeout=timedelta(seconds=2))
-        os.kill(host.pid, signal.SIGSTOP)
+        _freeze(host.pid)
         within.append_on_disconnect("gone", b"w;")
         within.multi_set(["a", "b"], [b"1", b"2"])  # no ack to wait for while frozen
         within.set("c", b"3")

@@ -50,8 +50,13 @@ cdef class KVClient(KVConn):
             self._end()
 
     cdef object _wait_get(self, object key, int64_t ms):
-        """One round trip, whether the key is there or comes later (our server only)."""
+        """One round trip, whether the key is there or comes later (our server only).
+
+        On a timeout the wait is cancelled. The value may have been sent just before the cancel
+        arrived: the reply is then the value followed by the cancel's acknowledgement, and the
+        value is returned."""
         cdef int rc
+        cdef bint cancelled = False
         cdef uint8_t b
         cdef object value = None
         self._begin(CMD_EXT_WAIT_GET)
@@ -60,6 +65,7 @@ cdef class KVClient(KVConn):
             self._transact(0, REPLY)
             rc = self._need_intr(1, _deadline(ms))
             if rc == IO_TIMEOUT:
+                cancelled = True
                 self._out.clear()
                 put_u8(self._out, CMD_CANCEL_WAIT)
                 self._transact(1, REPLY)
@@ -67,18 +73,19 @@ cdef class KVClient(KVConn):
                 raise self._fail(rc, "get")
             b = <uint8_t>self._in[self._in_pos]
             self._in_pos += 1
-            if b == REPLY_VALUE:        # the value (it may have raced with our cancel)
+            if b == REPLY_VALUE:
                 value = self._read_blobs(1, REPLY)[0]
-                if rc == IO_TIMEOUT:
-                    rc = self._need_intr(1, REPLY)
-                    if rc != IO_OK:
-                        raise self._fail(rc, "cancel_wait")
-                    b = <uint8_t>self._in[self._in_pos]
-                    self._in_pos += 1
-            if rc == IO_TIMEOUT and b != REPLY_WAIT_CANCELED:
-                raise self._fail(IO_CLOSED, "cancel_wait (unexpected reply)")
-            if rc == IO_OK and b != REPLY_VALUE:
+                if not cancelled:
+                    return value
+                rc = self._need_intr(1, REPLY)  # then the cancel's acknowledgement
+                if rc != IO_OK:
+                    raise self._fail(rc, "cancel_wait")
+                b = <uint8_t>self._in[self._in_pos]
+                self._in_pos += 1
+            elif not cancelled:
                 raise self._fail(IO_CLOSED, "get (unexpected reply)")
+            if b != REPLY_WAIT_CANCELED:
+                raise self._fail(IO_CLOSED, "cancel_wait (unexpected reply)")
             if value is None:
                 raise StoreTimeoutError(f"wait timeout after {ms}ms, keys: /{key}")
             return value

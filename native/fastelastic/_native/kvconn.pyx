@@ -416,6 +416,7 @@ cdef class KVConn:
     cdef int _wait_reply(self, int64_t timeout_ms) except -1:
         """After a WAIT or BARRIER: returns 0 when released, 1 on timeout (wait cancelled)."""
         cdef int rc
+        cdef bint released
         cdef uint8_t b
         rc = self._need_intr(1, _deadline(timeout_ms))
         if rc == IO_OK:
@@ -431,7 +432,8 @@ cdef class KVConn:
         self._transact(1, REPLY)
         b = <uint8_t>self._in[self._in_pos]
         self._in_pos += 1
-        if b == REPLY_STOP_WAITING:     # released just before the cancel arrived
+        released = b == REPLY_STOP_WAITING  # just before the cancel arrived: the keys are there
+        if released:
             rc = self._need_intr(1, REPLY)
             if rc != IO_OK:
                 raise self._fail(rc, "cancel_wait")
@@ -439,7 +441,7 @@ cdef class KVConn:
             self._in_pos += 1
         if b != REPLY_WAIT_CANCELED:
             raise self._fail(IO_CLOSED, "cancel_wait (unexpected reply)")
-        return 1
+        return 0 if released else 1
 
     cdef void _put_key(self, object key) except *:
         _put_key_to(self._out, key)
