@@ -13,7 +13,7 @@ import pytest
 from simstore import Sim
 
 from fastelastic.errors import RendezvousError
-from fastelastic.rendezvous._round import FINAL, TRANSITIONS, Event, Phase, transition
+from fastelastic.rendezvous._phases import FINAL, TRANSITIONS, Event, Phase, transition
 
 # ---------------------------------------------------------------------- the transition table
 
@@ -103,6 +103,16 @@ CASES = [
     Case("a node beyond max waits as a spare: zero restarts; it exits gracefully at the end",
          "1:2", [0, 1.5, 3], [(200, "close", 0)], rounds=[(2, 1.5, 1.5)],
          errors={2: "RendezvousGracefulExitError"}, restarts={0: 0, 1: 0, 2: 0}),
+    Case("a spare whose job ends before a wait's first slice passes still exits gracefully",
+         "1:2", [0, 1.5, 3], [(3.2, "close", 0)], rounds=[(2, 1.5, 1.5)],
+         errors={2: "RendezvousGracefulExitError"}, restarts={0: 0, 1: 0}),
+    Case("spares that decide nothing (a waiter, a ticket beyond max) exit gracefully too",
+         "2:3", [0, 0, 0, 3, 3.5, 4, 4.5], [(200, "close", 0)], rounds=[(3, 0, 0)],
+         errors={i: "RendezvousGracefulExitError" for i in (3, 4, 5, 6)},
+         restarts={0: 0, 1: 0, 2: 0}),
+    Case("a node that comes after the job ended is told it is closed, as torch's is", "1:2",
+         [0, 1.5, 300], [(200, "close", 0)], until=400, rounds=[(2, 1.5, 1.5)],
+         errors={2: "RendezvousClosedError"}),
     Case("a spare takes a killed member's seat at once", "1:2", [0, 1.5, 3],
          [(100, "kill", 1)], rounds=[(2, 1.5, 1.5), (2, 100, 101)],
          members=[{0, 1}, {0, 2}]),

@@ -129,9 +129,10 @@ def test_a_node_beyond_max_nodes_waits_as_a_spare_and_restarts_nobody(tmp_path, 
         first = {r: d["pid"] for r, d in read_dumps(tmp_path).items()}
         procs.append(launch())
         probe = TCPStore("127.0.0.1", port, timeout=30)
-        # The spare took its ticket in the next round: watch the two members for 30
-        # membership checks (0.1 s each); none may restart its workers.
-        probe.wait([f"fe.rdzv.{run_id}/1/t"])
+        # The spare took its ticket in the next round and wrote its record (not just the
+        # ticket counter: the members' membership checks create it, with 0, by reading it):
+        # watch the two members for 30 membership checks (0.1 s each); none may restart.
+        probe.wait([f"fe.rdzv.{run_id}/1/n/1"])
         probe.close()  # the store's host keeps it up until its clients are gone
         watch_until = time.monotonic() + 3.0
         while time.monotonic() < watch_until:
@@ -155,8 +156,10 @@ def test_a_node_beyond_max_nodes_waits_as_a_spare_and_restarts_nobody(tmp_path, 
         codes[2] = 0
     assert codes == [0, 0, 0], (codes, [e[-2000:] for _, e in outs])
     dumps = read_dumps(tmp_path)
-    assert sorted(dumps) == [0, 1] and {d["env"]["WORLD_SIZE"] for d in dumps.values()} == {"2"}
-    assert {d["env"]["TORCHELASTIC_RESTART_COUNT"] for d in dumps.values()} == {"0"}
+    tails = [e[-3000:] for _, e in outs]
+    assert sorted(dumps) == [0, 1], tails
+    assert {d["env"]["WORLD_SIZE"] for d in dumps.values()} == {"2"}, tails
+    assert {d["env"]["TORCHELASTIC_RESTART_COUNT"] for d in dumps.values()} == {"0"}, tails
     assert "waited as a spare" in outs[2][1], outs[2][1][-2000:]
 
 

@@ -1,10 +1,10 @@
 """The fast rendezvous as a transport-free state machine.
 
 A node's attempt at a round moves through the phases of :class:`Phase`; :func:`transition` is
-the one rule saying which phase follows which event. Each phase's work is a generator that
-yields store requests (``("add", key, 1)``, ...), is sent their replies and reads an injected
-clock: :mod:`.fast_rendezvous` runs it on a store, the tests on a simulated store and clock.
-Keys and what they hold: :mod:`._schema`.
+the one rule saying which phase follows which event (both in :mod:`._phases`). Each phase's
+work is a generator that yields store requests (``("add", key, 1)``, ...), is sent their
+replies and reads an injected clock: :mod:`.fast_rendezvous` runs it on a store, the tests on
+a simulated store and clock. Keys and what they hold: :mod:`._schema`.
 
 Roles come from the ticket, so nobody races: ticket ``max_nodes`` publishes once the last
 complete round is over; ticket ``min_nodes`` coordinates: waits until that round is over and
@@ -15,7 +15,6 @@ outcome while watching that the deciders are alive.
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
 from collections.abc import Callable, Generator
@@ -32,6 +31,7 @@ from fastelastic.errors import (
 from . import _majority
 from . import _schema as sc
 from ._liveness import Beats, Deciders, Watch, lost_members
+from ._phases import FINAL, E, Event, P, Phase, transition
 from ._schema import Seat
 
 __all__ = ["Config", "Event", "Machine", "Phase", "Seat", "transition"]
@@ -44,83 +44,6 @@ Proto = Generator[tuple[Any, ...], Any, T]  # yields a store request, is sent it
 SLICE = 1.0  # seconds: how often a blocked decider re-checks whether the round was decided
 MAX_WALK = 10_000  # bound on rounds walked forward/back
 MAX_WATCHED = 8  # peers whose keep-alive counters a member reads per membership check
-
-
-class Phase(enum.Enum):
-    """Where a node's attempt at one round is."""
-
-    TICKET = "ticket"            # add(t, 1); announce leaving the last round
-    RECORD = "record"            # record, seat placeholder, keep-alive counter
-    PUBLISH_GATE = "full gate"   # ticket max: wait until the last complete round is over
-    COORD_GATE = "gate"          # ticket min: likewise
-    DRAIN = "drain"              # ticket min: wait until every member of that round left
-    LAST_CALL = "last call"      # ticket min: wait for more nodes (a new job's round only)
-    SEAL = "seal"                # ticket min: close the ticket counter
-    PUBLISH = "publish"          # a decider: wait for the records, assign ranks, decide res
-    AWAIT = "await"              # wait for res while watching the deciders
-    SEAT = "seat"                # read this node's seat
-    MEMBER = "member"            # final: a member of the round
-    NEXT = "next"                # final: try round r + 1
-    CLOSED = "closed"            # final: the rendezvous is closed
-
-
-class Event(enum.Enum):
-    """What a phase's work found."""
-
-    FULL = "full"                # ticket above max / sealed at max
-    TICKET = "ticket"
-    PUBLISHER = "publisher"      # ticket == max
-    COORDINATOR = "coordinator"  # ticket == min (< max)
-    WAITER = "waiter"
-    DECIDED = "decided"          # res appeared meanwhile (decided, abandoned or closed)
-    FIRST = "first"              # no complete round before: a new job
-    OVER = "over"                # the last complete round is over
-    DRAINED = "drained"
-    CALL_OVER = "call over"
-    SEALED = "sealed"            # sealed below max: this node publishes
-    DONE = "done"
-    COMPLETE = "complete"
-    ABANDONED = "abandoned"
-    CLOSED = "closed"
-    ADMITTED = "admitted"
-    NOT_ADMITTED = "not admitted"
-
-
-P, E = Phase, Event
-TRANSITIONS: dict[tuple[Phase, Event], Phase] = {
-    (P.TICKET, E.FULL): P.NEXT,
-    (P.TICKET, E.TICKET): P.RECORD,
-    (P.RECORD, E.PUBLISHER): P.PUBLISH_GATE,
-    (P.RECORD, E.COORDINATOR): P.COORD_GATE,
-    (P.RECORD, E.WAITER): P.AWAIT,
-    (P.PUBLISH_GATE, E.OVER): P.PUBLISH,
-    (P.PUBLISH_GATE, E.DECIDED): P.AWAIT,
-    (P.COORD_GATE, E.FIRST): P.LAST_CALL,
-    (P.COORD_GATE, E.OVER): P.DRAIN,
-    (P.COORD_GATE, E.DECIDED): P.AWAIT,
-    (P.DRAIN, E.DRAINED): P.LAST_CALL,
-    (P.DRAIN, E.DECIDED): P.AWAIT,
-    (P.LAST_CALL, E.CALL_OVER): P.SEAL,
-    (P.LAST_CALL, E.DECIDED): P.AWAIT,
-    (P.SEAL, E.SEALED): P.PUBLISH,
-    (P.SEAL, E.FULL): P.AWAIT,  # at max, the max-ticket holder publishes
-    (P.PUBLISH, E.DONE): P.AWAIT,
-    (P.AWAIT, E.COMPLETE): P.SEAT,
-    (P.AWAIT, E.ABANDONED): P.NEXT,
-    (P.AWAIT, E.CLOSED): P.CLOSED,
-    (P.SEAT, E.ADMITTED): P.MEMBER,
-    (P.SEAT, E.NOT_ADMITTED): P.NEXT,
-}
-FINAL = frozenset({P.MEMBER, P.NEXT, P.CLOSED})
-
-
-def transition(phase: Phase, event: Event) -> Phase:
-    """The phase that follows ``event`` in ``phase``; raises ``RendezvousError`` for a pair
-    the protocol has no rule for (a bug, never a peer's doing)."""
-    try:
-        return TRANSITIONS[(phase, event)]
-    except KeyError:
-        raise RendezvousError(f"no rendezvous transition from {phase} on {event}") from None
 
 
 @dataclass(frozen=True)
@@ -272,7 +195,7 @@ class Machine:
         else:
             raise RendezvousError(f"no final phase after {self.path}")
         if phase is P.CLOSED:
-            raise (yield from self.closed_error(a.k.r))
+            raise self.closed_error()
         if phase is P.MEMBER:
             return a.seat
         return None
@@ -298,7 +221,10 @@ class Machine:
         if t == cfg.max_nodes:
             a.count = t
             return E.PUBLISHER
-        return E.COORDINATOR if t == cfg.min_nodes else E.WAITER
+        if t == cfg.min_nodes:
+            return E.COORDINATOR
+        yield from self._note_spare(a.k.r)
+        return E.WAITER
 
     def _full_gate(self, a: _Attempt) -> Proto[Event]:
         # A full round has no room for the last round's members still coming, so it waits
@@ -406,8 +332,24 @@ class Machine:
                 self.last_seen = (q, res.world)
                 return self.last_seen
             if res.kind == "C":
-                raise RendezvousClosedError(f"The rendezvous '{self.cfg.run_id}' is closed.")
+                raise self.closed_error()
         return None
+
+    def _note_spare(self, r: int) -> Proto[None]:
+        """Marks a new node a spare (torch's redundancy list) when the last complete round
+        before ``r`` is full and still running: decided as it starts waiting, without waiting
+        (the job may end before a wait's first slice passes, and it is a spare all the same).
+        A member of the last round that joins again is no spare."""
+        if self.member is not None or self.waited_as_spare:
+            return
+        for q in range(r - 1, max(-1, r - 1 - MAX_WALK), -1):
+            raw = yield _rq("get", self.keys.round(q).outcome, 0.001)
+            res = sc.parse_outcome(bytes(raw)) if raw is not None else None
+            if res is None or res.kind == "D":
+                continue  # still forming, or abandoned: the last complete one is further back
+            if res.kind == "M" and res.world >= self.cfg.max_nodes:
+                self.waited_as_spare = not (yield _rq("check", [self.keys.round(q).broken]))
+            return
 
     def _after_last_round(self, a: _Attempt) -> Proto[bool]:
         """Before a decider decides: waits until the last complete round is over.
@@ -418,6 +360,7 @@ class Machine:
         if the round got decided meanwhile. A spare's join timeout counts from the moment the
         round it waited behind is over.
         """
+        yield from self._note_spare(a.k.r)
         a.last = yield from self._last_complete(a.k.r, a.deadline)
         if a.last is None:
             return True
@@ -437,7 +380,7 @@ class Machine:
             # the job's store does.
             gone = sc.parse_gone(bytes((yield _rq("get", lk.gone, None))))
             if b"C" in bytes(why) or "done" in gone.values():
-                raise (yield from self.closed_error(a.k.r))
+                raise self.closed_error()
             a.deadline = self.clock() + self.cfg.join
         return True
 
@@ -591,9 +534,9 @@ class Machine:
             return False
         return bool(int((yield _rq("add", self.keys.round(self.member[0] + 1).tickets, 0))))
 
-    def closed_error(self, r: int) -> Proto[RendezvousError]:
+    def closed_error(self) -> RendezvousError:
         """Closed: a spare (waiting behind a full round) exits gracefully, as torch's does."""
-        if self.waited_as_spare or (yield from self._spare(r)):
+        if self.waited_as_spare:
             return RendezvousGracefulExitError(
                 f"The rendezvous '{self.cfg.run_id}' is closed; this node waited as a spare.")
         return RendezvousClosedError(f"The rendezvous '{self.cfg.run_id}' is closed.")
