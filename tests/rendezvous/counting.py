@@ -56,6 +56,8 @@ def run_counted(port: int, run_id: str, n: int, join: float = 60.0) -> list[int]
     if errors:
         raise errors[0]
     counts = [s.messages for s in stores]
+    for h in handlers:
+        h._wstore.close()  # the workers' store socket each node bound when it joined
     for s in stores:
         s.close()
     return counts

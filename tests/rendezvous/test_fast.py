@@ -7,7 +7,9 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+import weakref
 from datetime import timedelta
 
 import pytest
@@ -24,6 +26,8 @@ from fastelastic.rendezvous.timeouts import RendezvousTimeout
 from fastelastic.store import TCPStore
 
 RUN = "job"
+_MADE: list[weakref.ref[FastRendezvousHandler]] = []  # by _handler (weakly: some tests drop
+# a handler to see it collected), for _close_what_the_test_made
 
 
 def _handler(port, min_nodes, max_nodes, last_call=30.0, join=20.0, rank=-1, ka=5.0, ka_max=3,
@@ -31,9 +35,26 @@ def _handler(port, min_nodes, max_nodes, last_call=30.0, join=20.0, rank=-1, ka=
     store = TCPStore("127.0.0.1", port, timeout=timedelta(seconds=30))
     timeout = RendezvousTimeout(join=timedelta(seconds=join),
                                 last_call=timedelta(seconds=last_call))
-    return FastRendezvousHandler(run_id, store, "c10d", min_nodes, max_nodes, timeout,
-                                 local_addr="127.0.0.1", node_rank=rank,
-                                 keep_alive_interval=ka, keep_alive_max_attempt=ka_max)
+    h = FastRendezvousHandler(run_id, store, "c10d", min_nodes, max_nodes, timeout,
+                              local_addr="127.0.0.1", node_rank=rank,
+                              keep_alive_interval=ka, keep_alive_max_attempt=ka_max)
+    _MADE.append(weakref.ref(h))
+    return h
+
+
+@pytest.fixture(autouse=True)
+def _close_what_the_test_made():
+    """Closes the connections of every handler the test made, as its process's exit would
+    (the tests leave the rendezvous open or closed as they need; only sockets are released)."""
+    yield
+    while _MADE:
+        h = _MADE.pop()()
+        if h is None:
+            continue
+        h._stop_heartbeats()
+        h._close_side()
+        h._wstore.close()
+        h._store.close()
 
 
 def _wait_key(store, key, timeout=10.0):
@@ -504,3 +525,20 @@ def test_a_re_forming_round_is_sealed_only_after_every_returning_member_has_a_ti
     assert {nodes.results[i].world_size for i in (2, 3, 4)} == {3}
     for h in (a, b, late):
         h.shutdown()
+
+
+def test_shutdown_closes_the_second_connection_the_handler_made(server):
+    """While a rendezvous holds the handler's connection, another thread's call goes over a
+    second connection the handler makes; the handler owns it and closes it at shutdown."""
+    h = _handler(server.port, 1, 1)
+    base = server.server.num_connections
+    with h._lock:  # as next_rendezvous holds it during a long wait
+        t = threading.Thread(target=h.is_closed)
+        t.start()
+        t.join(10)
+    assert server.server.num_connections == base + 1  # the second connection, kept for reuse
+    assert h.shutdown()
+    deadline = time.monotonic() + 10
+    while server.server.num_connections > base and time.monotonic() < deadline:
+        time.sleep(0.01)  # bounded: the server sees the close asynchronously
+    assert server.server.num_connections == base

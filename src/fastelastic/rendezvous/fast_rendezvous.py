@@ -209,6 +209,14 @@ class FastRendezvousHandler(RendezvousHandler):
             side = self._side
         yield side
 
+    def _close_side(self) -> None:
+        """Closes the second connection, if this handler made one (it is the handler's)."""
+        with self._side_lock:
+            side, self._side = self._side, None
+        if side is not None and side is not self._store:
+            with contextlib.suppress(Exception):
+                side.close()
+
     def _side_call(self, gen: Generator[tuple[Any, ...], Any, T]) -> T:
         with self._conn() as store:
             return self._run(gen, store)
@@ -295,12 +303,9 @@ class FastRendezvousHandler(RendezvousHandler):
         self._stop_heartbeats()
         client, self._index, self._epoch = self._candidates.connect(
             exclude=self._index, at_least=self._epoch + 1)
-        with self._side_lock:
-            side, self._side = self._side, None
-        for c in (old, side):
-            if c is not None:
-                with contextlib.suppress(Exception):
-                    c.close()
+        self._close_side()
+        with contextlib.suppress(Exception):
+            old.close()
         self._store = client
         self._m.moved()
         log.warning("rendezvous %s: the store at %s was lost (%s); moved to %s (epoch %d)",
@@ -427,8 +432,10 @@ class FastRendezvousHandler(RendezvousHandler):
             self.set_closed()
         except (RendezvousConnectionError, StoreError) as e:
             log.warning("rendezvous %s: shutdown could not close: %s", self._run_id, e)
+            self._close_side()
             return False
         self._linger()
+        self._close_side()
         if self._candidates is not None:
             self._candidates.close()
         return True
