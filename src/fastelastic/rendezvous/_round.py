@@ -321,13 +321,23 @@ class Machine:
             return False
         return not (yield _rq("check", [self.keys.round(last[0]).broken]))
 
-    def _last_complete(self, r: int, deadline: float) -> Proto[tuple[int, int] | None]:
-        """Walks back from ``r - 1`` to the last complete round: (round, world)."""
+    def _last_complete(self, r: int,
+                       deadline: float | None) -> Proto[tuple[int, int] | None]:
+        """Walks back from ``r - 1`` to the last complete round: (round, world). Waits for
+        each round's outcome until ``deadline``; with None, waits for none and walks past a
+        round still forming."""
         cached = self.last_seen
         if cached is not None and r - 1 <= cached[0] < r:
             return cached
         for q in range(r - 1, max(-1, r - 1 - MAX_WALK), -1):
-            res, _ = yield from self._wait_outcome(self.keys.round(q), deadline, mine=False)
+            k = self.keys.round(q)
+            if deadline is None:
+                raw = yield _rq("get", k.outcome, 0.001)
+                if raw is None:
+                    continue
+                res = sc.parse_outcome(bytes(raw))
+            else:
+                res, _ = yield from self._wait_outcome(k, deadline, mine=False)
             if res.kind == "M":
                 self.last_seen = (q, res.world)
                 return self.last_seen
@@ -342,14 +352,9 @@ class Machine:
         A member of the last round that joins again is no spare."""
         if self.member is not None or self.waited_as_spare:
             return
-        for q in range(r - 1, max(-1, r - 1 - MAX_WALK), -1):
-            raw = yield _rq("get", self.keys.round(q).outcome, 0.001)
-            res = sc.parse_outcome(bytes(raw)) if raw is not None else None
-            if res is None or res.kind == "D":
-                continue  # still forming, or abandoned: the last complete one is further back
-            if res.kind == "M" and res.world >= self.cfg.max_nodes:
-                self.waited_as_spare = not (yield _rq("check", [self.keys.round(q).broken]))
-            return
+        last = yield from self._last_complete(r, None)
+        if last is not None and last[1] >= self.cfg.max_nodes:
+            self.waited_as_spare = not (yield _rq("check", [self.keys.round(last[0]).broken]))
 
     def _after_last_round(self, a: _Attempt) -> Proto[bool]:
         """Before a decider decides: waits until the last complete round is over.
