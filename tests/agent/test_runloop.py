@@ -134,3 +134,12 @@ def test_final_and_member_states():
     assert set(TRANSITIONS) == set(S)
     for targets in TRANSITIONS.values():  # every non-final state can end (a signal, an error)
         assert not targets or S.ENDED in targets
+
+
+@pytest.mark.parametrize("current,new", list(itertools.product(list(AgentState), repeat=2)))
+def test_a_step_records_its_state_and_says_whether_the_loop_would_move_so(current, new):
+    from fastelastic.agent.server._runloop import step
+
+    state, in_order = step(current, new)
+    assert state is new  # never refused, whatever the order
+    assert in_order == (new is current or new in TRANSITIONS[current])

@@ -12,6 +12,7 @@ from string import Template
 from typing import TYPE_CHECKING, Any
 
 from fastelastic import events
+from fastelastic.agent.server._runloop import AgentState
 from fastelastic.agent.server.api import (
     RunResult,
     SimpleElasticAgent,
@@ -416,6 +417,7 @@ class LocalElasticAgent(SimpleElasticAgent):
 
     @prof
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        self._enter_step(AgentState.STOPPING)
         if self._pcontext is not None:
             self._pcontext.close(signal.SIGTERM, self._shutdown_timeout)
 
@@ -476,6 +478,7 @@ class LocalElasticAgent(SimpleElasticAgent):
 
     @prof
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        self._enter_step(AgentState.RUNNING)
         if self._pcontext is None:
             raise RuntimeError("no workers to monitor: the group was not started")
         timeout = self._uninterruptible_state_timeout
