@@ -161,13 +161,24 @@ def _serve(cfg):
     me = os.getpid()
     sel = selectors.DefaultSelector()
     sel.register(ctl, selectors.EVENT_READ)
-    kids = {}  # pid -> [pidfd, acked, exited]
+    # pid -> [pidfd, acked, exited, reported]. An exited worker stays a zombie (its status is
+    # read with WNOWAIT) until the agent says "reap": its pid, and so its process group id,
+    # cannot be reused while the agent may still signal the group (grandchildren included).
+    kids = {}
+
+    def report(pid):
+        entry = kids[pid]
+        if entry[1] and entry[2] and not entry[3]:
+            entry[3] = True
+            info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+            code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+            _send(ctl, ("exit", pid, code))
 
     def reap(pid):
-        fd = kids.pop(pid)[0]
-        _, status = os.waitpid(pid, 0)
-        os.close(fd)
-        _send(ctl, ("exit", pid, os.waitstatus_to_exitcode(status)))
+        entry = kids.pop(pid, None)
+        if entry is not None:
+            os.waitpid(pid, 0)
+            os.close(entry[0])
 
     while True:
         for key, _ in sel.select():
@@ -175,8 +186,7 @@ def _serve(cfg):
                 pid = key.data
                 sel.unregister(key.fd)
                 kids[pid][2] = True
-                if kids[pid][1]:
-                    reap(pid)
+                report(pid)
                 continue
             try:
                 data, fds, flags, _ = socket.recv_fds(ctl, _MAX_MSG, 3)
@@ -194,8 +204,12 @@ def _serve(cfg):
                 entry = kids.get(msg[1])
                 if entry is not None:
                     entry[1] = True
-                    if entry[2]:
-                        reap(msg[1])
+                    report(msg[1])
+                continue
+            if msg[0] == "reap":  # the agent is done with these groups
+                for pid in msg[1]:
+                    if pid in kids and kids[pid][3]:
+                        reap(pid)
                 continue
             req = msg[1]
             reason = "truncated request" if flags & socket.MSG_TRUNC or len(fds) != 3 else ""
@@ -222,7 +236,7 @@ def _serve(cfg):
             for fd in fds:
                 os.close(fd)
             pidfd = os.pidfd_open(pid)
-            kids[pid] = [pidfd, False, False]
+            kids[pid] = [pidfd, False, False, False]
             sel.register(pidfd, selectors.EVENT_READ, pid)
             _send(ctl, ("spawned", pid))
 
