@@ -18,6 +18,7 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 from fastelastic.errors import (
+    RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousMemberLostError,
     RendezvousTimeoutError,
@@ -50,6 +51,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 DEFAULT_PORT = 29400
 _LINGER_S = 10.0  # at most this long the host's store outlives its own shutdown
+_MEMBERS_LINGER_S = 2.0  # ... when no spare waits: for the members' own shutdowns
 DEFAULT_KEEP_ALIVE_INTERVAL = 1.0  # seconds
 DEFAULT_KEEP_ALIVE_MAX_ATTEMPT = 5  # detection window: interval * attempts = 5 s (torch: 15 s)
 
@@ -140,6 +142,7 @@ class FastRendezvousHandler(RendezvousHandler):
         self._wstore = WorkerStoreHost(self._local_addr)
         self._candidates = candidates
         self._index, self._epoch = -1, 0  # the live candidate and its epoch
+        self._closed_owned = False  # shutdown() closed the connections and the hosted store
 
     # ------------------------------------------------------------------ running the protocol
 
@@ -258,6 +261,9 @@ class FastRendezvousHandler(RendezvousHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         """See base class."""
+        if self._closed_owned:
+            raise RendezvousClosedError(f"the handler of rendezvous '{self._run_id}' was shut "
+                                        "down")
         self._record(f"joining the next round of rendezvous '{self._run_id}'", NodeState.RUNNING)
         with self._lock:
             self._owner = threading.get_ident()
@@ -330,7 +336,10 @@ class FastRendezvousHandler(RendezvousHandler):
         )
 
     def is_closed(self) -> bool:
-        """See base class."""
+        """See base class. True once this handler was shut down (its connections are closed;
+        it closed the rendezvous, or its store was gone)."""
+        if self._closed_owned:
+            return True
         with self._conn() as store:
             return bool(self._run(_check(self._m.keys.closed), store))
 
@@ -425,36 +434,70 @@ class FastRendezvousHandler(RendezvousHandler):
                 raise RendezvousMemberLostError(lost)
 
     def shutdown(self) -> bool:
-        """See base class: stops keep-alives and closes the rendezvous."""
+        """See base class: stops keep-alives and closes the rendezvous.
+
+        Then, on every path, closes what the handler owns: its connections and the store it
+        hosts (after the linger). With a single endpoint, a store whose host is gone cannot be
+        closed and admits nobody either: at a normal end the host closed the rendezvous and
+        left first, so this is said at INFO, not as a warning.
+        """
         self._stop_heartbeats()
         self._wstore.close()
+        closed = False
         try:
             self.set_closed()
+            closed = True
         except (RendezvousConnectionError, StoreError) as e:
-            log.warning("rendezvous %s: shutdown could not close: %s", self._run_id, e)
-            self._close_side()
+            if isinstance(e, RendezvousConnectionError) and self._candidates is None and (
+                    self._server is None):
+                log.info("rendezvous %s: the store's host has gone; nothing is left to close "
+                         "(%s)", self._run_id, e)
+            else:
+                log.warning("rendezvous %s: shutdown could not close: %s", self._run_id, e)
             return False
-        self._linger()
-        self._close_side()
-        if self._candidates is not None:
-            self._candidates.close()
+        finally:
+            self._close_owned(linger=closed)
         return True
 
+    def _close_owned(self, linger: bool) -> None:
+        """Closes the handler's connections and (after the linger, when the rendezvous was
+        closed) the store it hosts; once."""
+        if self._closed_owned:
+            return
+        self._closed_owned = True
+        try:
+            if linger:
+                self._linger()
+        finally:
+            self._close_side()
+            with contextlib.suppress(Exception):
+                self._store.close()
+            stop = getattr(self._server, "shutdown_server", None)  # the store this node hosts
+            if stop is not None:
+                with contextlib.suppress(Exception):
+                    stop()
+            if self._candidates is not None:
+                self._candidates.close()
+
     def _linger(self) -> None:
-        """As the store's host, keeps it up (bounded) until the other nodes have gone, when
-        some wait for a next round (spares): they leave as soon as they read that the
-        rendezvous closed, and were the store to go first they would see a failure instead.
+        """As the store's host, keeps it up (bounded) until the other nodes have gone.
+
+        Nodes waiting for a next round (spares) leave as soon as they read that the
+        rendezvous closed; were the store to go first they would see a failure instead. The
+        members of the last round, at a normal end, are leaving the exit barrier and closing
+        the rendezvous themselves at the same moment: a store gone under them would be a
+        warning on every such node; they get ``_MEMBERS_LINGER_S``.
         """
         server = getattr(self._server, "server", None)
         if server is None or self._m.member is None:
             return
-        try:  # only nodes waiting for a next round need to read the end (a lost one never will)
-            if not self._run(self._m.has_waiters(), self._store):
-                return
+        try:
+            waiters = self._run(self._m.has_waiters(), self._store)
         except (RendezvousConnectionError, StoreError):
             return
         own = 1 + (self._side is not None and self._side is not self._store)
-        until = time.monotonic() + min(_LINGER_S, self._timeout.close.total_seconds())
+        bound = _LINGER_S if waiters else _MEMBERS_LINGER_S
+        until = time.monotonic() + min(bound, self._timeout.close.total_seconds())
         while server.num_connections > own and time.monotonic() < until:
             time.sleep(0.01)  # bounded: the server has no "connections dropped to N" event
 
