@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-from fastelastic.agent.server import api  # WorkerState (api imports this module)
+from fastelastic.agent.server._states import WorkerState
 
 __all__ = ["TRANSITIONS", "AgentAction", "AgentState", "decide", "step", "transition"]
 
@@ -105,7 +105,7 @@ class AgentAction(str, Enum):
 
 
 def decide(
-    state: api.WorkerState,
+    state: WorkerState,
     restarts_left: int,
     check_due: bool,
     waiting: int | None = None,
@@ -128,7 +128,7 @@ def decide(
         lost members first: a failure caused by a lost peer is not this node's and uses no
         retry.
     """
-    ws = api.WorkerState
+    ws = WorkerState
     if state == ws.SUCCEEDED:
         return AgentAction.SUCCEED
     if state in (ws.UNHEALTHY, ws.FAILED):

@@ -10,12 +10,12 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from fastelastic.agent.server import _coord
 from fastelastic.agent.server._peers import _AgentPeers
 from fastelastic.agent.server._runloop import AgentAction, AgentState, decide, step, transition
+from fastelastic.agent.server._states import WorkerState
 from fastelastic.agent.server._telemetry import _AgentTelemetry
 from fastelastic.errors import (
     RendezvousError,
@@ -157,28 +157,6 @@ class Worker:
 
     def __repr__(self) -> str:
         return str(self)
-
-
-class WorkerState(str, Enum):
-    """State of a ``WorkerGroup``; the workers of a group change state as a unit.
-
-    UNKNOWN: lost track (unrecoverable); INIT: created, not started; HEALTHY / UNHEALTHY:
-    running; STOPPED: stopped by the agent, about to restart; SUCCEEDED: all exited 0;
-    FAILED: at least one worker failed.
-    """
-
-    UNKNOWN = "UNKNOWN"
-    INIT = "INIT"
-    HEALTHY = "HEALTHY"
-    UNHEALTHY = "UNHEALTHY"
-    STOPPED = "STOPPED"
-    SUCCEEDED = "SUCCEEDED"
-    FAILED = "FAILED"
-
-    @staticmethod
-    def is_running(state: WorkerState) -> bool:
-        """True if ``state`` means the worker processes exist (healthy or not)."""
-        return state in {WorkerState.HEALTHY, WorkerState.UNHEALTHY}
 
 
 class WorkerGroup:
