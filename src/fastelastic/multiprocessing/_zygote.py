@@ -37,6 +37,7 @@ from fastelastic._native.procmon import set_pdeathsig
 from fastelastic.multiprocessing._guardian import guardian
 from fastelastic.multiprocessing._pcontext import _KILL_GRACE_S
 from fastelastic.multiprocessing.api import SubprocessContext, _close_fds
+from fastelastic.numa import bind_local_ranks, threads_for
 
 __all__ = [
     "PRELOAD_ENV",
@@ -582,11 +583,14 @@ class ZygoteContext(SubprocessContext):
             "cwd": os.getcwd(),
             "path0": cmd.path0(),
             "sigign": _ignored_signals_mask(),
+            "cpus": sorted(cpus) if (cpus := self.numa_cpus.get(rank)) else None,
+            "threads": threads_for(cpus) if cpus else None,
         }
 
     def _start(self) -> None:
         if self.subprocess_handlers or self._zpids:
             raise ValueError("The subprocess handlers already started (start() called twice?)")
+        self.numa_cpus = bind_local_ranks(self._numa_options, self.nprocs)
         for rank in range(self.nprocs):
             cmd = python_command(self.entrypoint, self.args[rank])
             forked = isinstance(cmd, PythonCommand) and self._zygote.matches(cmd)

@@ -124,6 +124,7 @@ class LocalElasticAgent(SimpleElasticAgent):
         self._uninterruptible_state_first_seen: dict[int, float] = {}
         self._exits_pending = True  # a full check is due (start, or an exit was reported)
         self._health_started = False
+        self.numa_binding: str | None = None  # "MODE: RANK->CPUS ..." of the last start
         self._zygote: Any = None
         self._zygote_tried = False
 
@@ -392,12 +393,24 @@ class LocalElasticAgent(SimpleElasticAgent):
             start_method=self._start_method,
             **kwargs,
         )
+        self._log_numa_binding(spec)
         pids = self._pcontext.pids()
         self._exits_pending = True
         self._uninterruptible_state_first_seen.clear()
         if self._worker_watchdog is not None and hasattr(self._worker_watchdog, "set_allowed_pids"):
             self._worker_watchdog.set_allowed_pids(list(pids.values()))
         return pids
+
+    def _log_numa_binding(self, spec: WorkerSpec) -> None:
+        """Logs the CPUs of each local rank (and keeps the line for ``fastelastic watch``)."""
+        from fastelastic.numa import as_numa_options, describe
+
+        opts = as_numa_options(spec.numa_options)
+        if opts is None:
+            return
+        cpus = getattr(self._pcontext, "numa_cpus", {})
+        self.numa_binding = describe(opts.affinity_mode.value, cpus, spec.local_world_size)
+        logger.info("NUMA binding %s", self.numa_binding)
 
     def _wait_for_workers(self, worker_group: WorkerGroup, timeout: float | None) -> None:
         """Blocks until a worker exits or ``timeout`` elapses (pidfds, no polling)."""
