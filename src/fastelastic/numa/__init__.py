@@ -35,6 +35,7 @@ from fastelastic.numa._select import (
 
 __all__ = [
     "FALLBACK_ENV",
+    "MODES",
     "AffinityMode",
     "NumaBindingError",
     "NumaOptions",
@@ -100,7 +101,7 @@ def as_numa_options(value: Any) -> NumaOptions | None:
     """
     if value is None:
         return None
-    if isinstance(value, NumaOptions):
+    if isinstance(value, NumaOptions) and isinstance(value.affinity_mode, AffinityMode):
         return value
     if isinstance(value, str):
         mode: Any = value

@@ -195,8 +195,7 @@ def cpus_for_gpu(
     """
     if not 0 <= gpu < gpu_count:
         raise NumaBindingError(
-            f"local rank {gpu} has no GPU ({gpu_count} visible); torch binds local rank i "
-            "to GPU i"
+            f"it has no GPU: {gpu_count} visible, and torch binds local rank i to GPU i"
         )
     node = node_of(gpu)
     if mode == "node":
