@@ -37,7 +37,7 @@ from fastelastic._native.procmon import set_pdeathsig
 from fastelastic.multiprocessing._guardian import guardian
 from fastelastic.multiprocessing._pcontext import _KILL_GRACE_S
 from fastelastic.multiprocessing.api import SubprocessContext, _close_fds
-from fastelastic.numa import bind_local_ranks, threads_for
+from fastelastic.numa import bind_local_ranks
 
 __all__ = [
     "PRELOAD_ENV",
@@ -583,8 +583,7 @@ class ZygoteContext(SubprocessContext):
             "cwd": os.getcwd(),
             "path0": cmd.path0(),
             "sigign": _ignored_signals_mask(),
-            "cpus": sorted(cpus) if (cpus := self.numa_cpus.get(rank)) else None,
-            "threads": threads_for(cpus) if cpus else None,
+            "cpus": sorted(self.numa_cpus.get(rank, ())) or None,  # NUMA binding
         }
 
     def _start(self) -> None:

@@ -93,28 +93,15 @@ def _ignored_from_mask(mask):
     return {s for s in range(1, 65) if mask >> (s - 1) & 1}
 
 
-def _rebind_threads(req):
-    """A bound worker: torch's intra-op thread count as a plain worker on its CPUs would get.
-
-    torch (MKL) chose it when the zygote imported it, from the zygote's CPUs; a plain worker
-    chooses from its own (one per physical core). OMP_NUM_THREADS or MKL_NUM_THREADS in the
-    worker's environment fix it for both, so it is left alone then.
-    """
-    torch = sys.modules.get("torch")
-    env = req["env"]
-    if (torch is None or not req.get("threads") or "OMP_NUM_THREADS" in env
-            or "MKL_NUM_THREADS" in env):
-        return
-    set_threads = getattr(torch, "set_num_threads", None)
-    if set_threads is not None:
-        set_threads(int(req["threads"]))
-
-
 def _child(req, fds, zygote_pid, closing):
     """In the forked child: becomes the worker described by ``req``; returns the job."""
     os.setpgid(0, 0)
     if req.get("cpus"):
-        os.sched_setaffinity(0, req["cpus"])  # NUMA binding; the zygote has one thread
+        # NUMA binding, before anything runs (the zygote forks with one thread, so this binds
+        # the whole worker). torch's intra-op thread count needs no fixing: the zygote only
+        # forks when torch's import started no OpenMP pool, i.e. with OMP_NUM_THREADS=1 in
+        # its environment, which decides that count in a plain worker as well (tested).
+        os.sched_setaffinity(0, req["cpus"])
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG: die with the zygote
     if os.getppid() != zygote_pid:
@@ -152,7 +139,6 @@ def _child(req, fds, zygote_pid, closing):
         sys.path[0] = req["path0"]
     else:
         sys.path.insert(0, req["path0"])
-    _rebind_threads(req)
     np_random = sys.modules.get("numpy.random")
     if np_random is not None:
         np_random.seed()  # a fresh interpreter seeds numpy's global RNG from the OS

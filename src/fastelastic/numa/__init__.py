@@ -30,7 +30,6 @@ from fastelastic.numa._select import (
     cpus_for_gpu,
     format_cpulist,
     parse_cpulist,
-    physical_cores,
 )
 
 __all__ = [
@@ -45,7 +44,6 @@ __all__ = [
     "fallback_from_env",
     "format_cpulist",
     "parse_cpulist",
-    "physical_cores",
 ]
 
 logger = logging.getLogger(__name__)
@@ -186,8 +184,3 @@ def describe(mode: str, cpus: Mapping[int, frozenset[int]], nprocs: int) -> str:
     parts = [f"{r}->{format_cpulist(cpus[r]) if r in cpus else 'unbound'}" for r in range(nprocs)]
     return f"{mode}: " + " ".join(parts)
 
-
-def threads_for(cpus: frozenset[int], env: Mapping[str, str] | None = None) -> int:
-    """The physical cores of ``cpus``: torch's default intra-op thread count on them."""
-    sysfs, _ = _roots(os.environ if env is None else env)
-    return physical_cores(cpus, Topology(sysfs, cpus))

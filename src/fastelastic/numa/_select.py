@@ -243,11 +243,3 @@ def _core_complex(cpus: set[int], position: int, node: int, topo: Topology) -> s
         raise NumaBindingError(f"core-complex: NUMA node {node} has no CPU the launcher may use")
     return groups[position % len(groups)][1]
 
-
-def physical_cores(cpus: Iterable[int], topo: Topology) -> int:
-    """How many physical cores ``cpus`` span (``len(cpus)`` if the siblings are unreadable)."""
-    cpus = set(cpus)
-    try:
-        return len({topo.core_of(c) for c in cpus})
-    except NumaBindingError:
-        return len(cpus)
