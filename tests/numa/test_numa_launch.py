@@ -169,3 +169,33 @@ def test_the_launcher_never_imports_torch(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     assert "TORCH False" in res.stdout
     assert {r["rank"]: r["cpus"] for r in _records(out).values()} == {0: [MINE[0]], 1: [MINE[1]]}
+
+
+@needs_two
+def test_torchs_subprocess_handler_shape_binds_from_numa_options(tmp_path, monkeypatch):
+    """get_subprocess_handler(numa_options=...) as torch's contexts call it: the child is bound
+    before exec (its /proc status, read by the child itself, says so)."""
+    from fastelastic.multiprocessing.subprocess_handler import get_subprocess_handler
+
+    tree, _, b = _tree(tmp_path)
+    for k, v in tree.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    out = tmp_path / "status"
+    code = ("import sys\nsys.stdout.write([l for l in open('/proc/self/status')"
+            " if l.startswith('Cpus_allowed_list')][0])")
+    with open(out, "w") as f:
+        h = get_subprocess_handler(sys.executable, ("-c", code), {}, f.fileno(), None, 1,
+                                   numa_options="node")
+        assert h.proc.wait(60) == 0
+    assert out.read_text().split() == ["Cpus_allowed_list:", str(b)]
+
+
+def test_agent_status_carries_the_binding_for_watch():
+    import types
+
+    from fastelastic.watch.publisher import agent_status
+
+    agent = types.SimpleNamespace(numa_binding="node: 0->0 1->1")
+    assert agent_status(agent)["numa"] == "node: 0->0 1->1"
+    assert "numa" not in agent_status(types.SimpleNamespace())
