@@ -161,7 +161,7 @@ class JobView:
 
         rows = sorted(self.rows.values(), key=key)
         body = [r.cells(now, self.stale_after) for r in rows]
-        head = _COLUMNS
+        head: tuple[str, ...] = _COLUMNS
         if not any("numa" in r.fields for r in rows):  # the column only with --numa-binding
             drop = _COLUMNS.index("NUMA")
             head, body = _without(head, drop), [_without(c, drop) for c in body]
