@@ -113,7 +113,11 @@ def test_nvml_path_with_mig(tmp_path, monkeypatch):
     assert visible_gpu_addresses({"CUDA_VISIBLE_DEVICES": "MIG-b1"}, none, none)[0] == [B]
     assert visible_gpu_addresses({"CUDA_VISIBLE_DEVICES": "GPU-aaaa,MIG-b0"}, none,
                                  none)[0] == [A, B]
-    assert calls == ["init", "shutdown"] * 3
+    assert visible_gpu_addresses({"CUDA_VISIBLE_DEVICES": "MIG-GPU-bbbb/1/0"}, none,
+                                 none)[0] == [B]
+    assert visible_gpu_addresses({"CUDA_VISIBLE_DEVICES": "MIG-GPU-aaaa/1/0"}, none,
+                                 none)[0] == []  # GPU-aaaa has MIG off
+    assert calls == ["init", "shutdown"] * 5
 
 
 def test_nvml_that_does_not_start_falls_back_to_sysfs(tree, monkeypatch):

@@ -11,7 +11,8 @@ CUDA numbers the GPUs it sees (torch's ``cuda:i``, and torch binds local rank ``
   speed estimate, which cannot be known without CUDA: that is a binding failure (one line
   naming the models and ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` as the remedy), never a guess;
 * ``CUDA_VISIBLE_DEVICES``: indices into that order, ``GPU-<uuid>`` (a unique prefix is
-  enough) and ``MIG-<uuid>`` (NVML only: a MIG device is bound as its parent GPU); as CUDA,
+  enough) and ``MIG-<uuid>`` or ``MIG-GPU-<uuid>/<gi>/<ci>`` (NVML only: a MIG device is bound
+  as its parent GPU, as torch reads its parent's PCI address); as CUDA,
   the list ends at its first invalid or repeated entry, and an empty value hides every GPU.
 """
 
@@ -176,7 +177,11 @@ def _visible(gpus: list[Gpu], env: Mapping[str, str], nvml: bool) -> list[Gpu]:
                     f"CUDA_VISIBLE_DEVICES names MIG device {item}: finding its GPU needs "
                     "NVML (pip install nvidia-ml-py)"
                 )
-            hits = [g for g in gpus if any(m.startswith(item) for m in g.mig)]
+            if item.startswith("MIG-GPU-"):  # the older form MIG-GPU-<gpu uuid>/<gi>/<ci>
+                parent = item[4:].split("/")[0]
+                hits = [g for g in gpus if g.mig and g.uuid == parent]
+            else:
+                hits = [g for g in gpus if any(m.startswith(item) for m in g.mig)]
             gpu = hits[0] if len(hits) == 1 else None
         key = item if gpu is not None and item.startswith("MIG-") else (gpu.pci if gpu else "")
         if gpu is None or key in seen:
