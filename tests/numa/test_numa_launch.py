@@ -154,6 +154,23 @@ def test_cpu_only_host_fails_in_one_line_like_torchrun(tmp_path):
     assert _records(out)[(0, 0)]["cpus"] == MINE
 
 
+def test_cpu_only_host_with_preload_is_one_line_too(tmp_path):
+    """The launch fails while the zygote still imports: it leaves quietly (no BrokenPipeError
+    traceback from a zygote whose agent is gone)."""
+    pytest.importorskip("torch", reason="!!! torch is not installed: no slow import to preload")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    env = _env({"FASTELASTIC_SYSFS_ROOT": str(empty), "FASTELASTIC_PROCFS_ROOT": str(empty),
+                "NUMA_TEST_OUT": str(tmp_path), "LOGLEVEL": "WARNING", "OMP_NUM_THREADS": "1"})
+    rc, err = _finish(_fastrun(["--nproc-per-node", "1", "--numa-binding", "node",
+                                "--preload", "torch", WORKER], env))
+    assert rc == 1
+    assert err.strip().splitlines() == [
+        "fastrun: error: --numa-binding node: cannot bind every local rank: no NVIDIA GPU found:"
+        f" no NVML (nvidia-ml-py), and nothing is bound to the nvidia driver in {empty}"
+        "/bus/pci/drivers/nvidia/"]
+
+
 @needs_two
 def test_the_launcher_never_imports_torch(tmp_path):
     tree, _, _ = _tree(tmp_path)

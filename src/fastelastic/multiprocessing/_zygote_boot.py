@@ -39,7 +39,12 @@ _STARTUP_ENV = ("LD_PRELOAD", "LD_LIBRARY_PATH")  # also every PYTHON* variable
 
 
 def _send(sock, msg):
-    sock.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+    """Sends one message; a gone agent is not an error here (the next receive sees its EOF and
+    ends the zygote: e.g. a launch that failed while the zygote was still importing)."""
+    try:
+        sock.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+    except ConnectionError:
+        pass
 
 
 def _startup_env(env):
