@@ -97,8 +97,9 @@ def _pci(bus: int) -> str:
 
 
 def smt_host(sockets: int, cores_per_node: int, nodes_per_socket: int = 1, cores_per_l3: int = 0,
-             gpu_nodes: list[int] | None = None, name: str = "") -> Topo:
-    """Linux numbering on an SMT-2 host: first threads 0..N-1 by node, their siblings N..2N-1."""
+             gpu_nodes: list[int] | None = None, name: str = "", smt: int = 2) -> Topo:
+    """Linux numbering on an SMT-2 host: first threads 0..N-1 by node, their siblings N..2N-1
+    (``smt=1``: no siblings)."""
     n_cores = sockets * nodes_per_socket * cores_per_node
     per_l3 = cores_per_l3 or cores_per_node * nodes_per_socket
     cpus = []
@@ -106,7 +107,7 @@ def smt_host(sockets: int, cores_per_node: int, nodes_per_socket: int = 1, cores
     for core in range(n_cores):
         node = core // cores_per_node
         package = node // nodes_per_socket
-        for thread in (core, core + n_cores):
+        for thread in (core, core + n_cores)[:smt]:
             cpus.append(Cpu(thread, node, package, core, core // per_l3))
             nodes.setdefault(node, []).append(thread)
     gpus = [FakeGpu(_pci(0x10 + 0x10 * i), n) for i, n in enumerate(gpu_nodes or [])]
@@ -121,6 +122,12 @@ def topologies() -> list[Topo]:
     # AMD NPS4: 2 sockets x 4 nodes x 4 cores, SMT, an L3 (CCX) per 2 cores; GPUs unevenly
     out.append(smt_host(2, 4, nodes_per_socket=4, cores_per_l3=2,
                         gpu_nodes=[0, 0, 1, 3, 4, 4, 4, 6], name="amd-nps4"))
+    # the same seen from a cpuset that leaves node 0's first L3 complex one CPU of four: the
+    # complexes are uneven, and torch gives out the fuller ones first
+    t = smt_host(2, 4, nodes_per_socket=4, cores_per_l3=2,
+                 gpu_nodes=[0, 0, 0, 1, 4, 4, 4, 6], name="amd-nps4-uneven-l3")
+    t.allowed = frozenset(c.id for c in t.cpus) - {0, 32, 33}
+    out.append(t)
     # a single-node host whose GPUs read numa_node -1 (torch: node 0)
     t = smt_host(1, 8, gpu_nodes=[0, 0], name="numa-minus-1")
     t.gpus = [FakeGpu(g.pci, -1) for g in t.gpus]

@@ -12,7 +12,9 @@ import os
 import types
 
 import pytest
-from numa_testlib import build, topologies
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from numa_testlib import FakeGpu, build, smt_host, topologies
 
 from fastelastic.errors import NumaBindingError
 from fastelastic.numa import MODES, NumaOptions, bind_local_ranks
@@ -61,11 +63,12 @@ def _patch(monkeypatch, binding, sysfs: str, allowed: frozenset[int], pcis: list
     monkeypatch.setattr(binding, "torch", types.SimpleNamespace(cuda=cuda))
 
 
-def test_same_cpus_or_same_failure_as_torch(binding, tmp_path, monkeypatch):
+def _compare(binding, monkeypatch, root, topos) -> tuple[list[str], int, int]:
+    """(mismatches, bound, failed) over every mode and local rank of each topology."""
     mismatches: list[str] = []
     bound = failed = 0
-    for topo in topologies():
-        sysfs, procfs = build(tmp_path / topo.name, topo)
+    for topo in topos:
+        sysfs, procfs = build(root / topo.name, topo)
         allowed = topo.launcher_cpus()
         pcis = sorted(g.pci for g in topo.gpus)
         env = {"FASTELASTIC_SYSFS_ROOT": sysfs, "FASTELASTIC_PROCFS_ROOT": procfs}
@@ -93,6 +96,11 @@ def test_same_cpus_or_same_failure_as_torch(binding, tmp_path, monkeypatch):
                         failed += 1
                     else:
                         bound += 1
+    return mismatches, bound, failed
+
+
+def test_same_cpus_or_same_failure_as_torch(binding, tmp_path, monkeypatch):
+    mismatches, bound, failed = _compare(binding, monkeypatch, tmp_path, topologies())
     assert mismatches == [], "\n".join(mismatches)
     # the comparison covered both outcomes, many times
     assert bound > 100 and failed > 20, (bound, failed)
@@ -115,3 +123,32 @@ def test_the_topologies_bind_as_documented(tmp_path):
     assert ex[0] == frozenset([0, 1, 2, 3, 32, 33, 34, 35])
     assert ex[7] == frozenset([28, 29, 30, 31, 60, 61, 62, 63])
     assert bind("core-complex")[1] == node0  # one L3 per socket: every GPU shares it
+
+
+@st.composite
+def _random_topology(draw):
+    sockets = draw(st.integers(1, 2))
+    per_socket = draw(st.integers(1, 4))
+    cores = draw(st.integers(1, 4))
+    smt = draw(st.integers(1, 2))
+    l3 = draw(st.integers(1, cores * per_socket))
+    n_nodes = sockets * per_socket
+    gpu_nodes = draw(st.lists(st.integers(-1, n_nodes - 1), min_size=1, max_size=6))
+    topo = smt_host(sockets, cores, per_socket, l3, [max(n, 0) for n in gpu_nodes], "random",
+                    smt)
+    topo.gpus = [FakeGpu(g.pci, n) for g, n in zip(topo.gpus, gpu_nodes, strict=True)]
+    every = sorted(c.id for c in topo.cpus)
+    if draw(st.booleans()):  # a restricted launcher cpuset (never empty)
+        topo.allowed = frozenset(draw(st.lists(st.sampled_from(every), min_size=1, unique=True)))
+    if draw(st.booleans()):  # a memory-only node
+        topo.nodes[n_nodes] = []
+    return topo
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(topo=_random_topology())
+def test_random_topologies_match_torch(binding, tmp_path_factory, monkeypatch, topo):
+    root = tmp_path_factory.mktemp("random")
+    mismatches, _, _ = _compare(binding, monkeypatch, root, [topo])
+    assert mismatches == [], "\n".join(mismatches)
