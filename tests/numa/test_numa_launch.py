@@ -216,3 +216,37 @@ def test_agent_status_carries_the_binding_for_watch():
     agent = types.SimpleNamespace(numa_binding="node: 0->0 1->1")
     assert agent_status(agent)["numa"] == "node: 0->0 1->1"
     assert "numa" not in agent_status(types.SimpleNamespace())
+
+
+@needs_two
+def test_fastelastic_watch_shows_each_ranks_cpus(tmp_path):
+    """A real job publishing to a real watcher: its table has the NUMA column with the line."""
+    import io
+    import socket
+    import threading
+
+    pytest.importorskip("zmq", reason="!!! pyzmq (a fastelastic dependency) is not installed")
+    from fastelastic.watch.view import watch
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    endpoint = f"tcp://127.0.0.1:{port}"
+    shown = io.StringIO()
+    codes: list[int] = []
+    watcher = threading.Thread(target=lambda: codes.append(
+        watch(endpoint, until_done=True, timeout=90, out=shown)), daemon=True)
+    watcher.start()
+    tree, a, b = _tree(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = _env({**tree, "NUMA_TEST_OUT": str(out)})
+    rc, err = _finish(_fastrun(["--nproc-per-node", "2", "--numa-binding", "node",
+                                "--events-endpoint", endpoint, WORKER], env))
+    assert rc == 0, err[-2000:]
+    watcher.join(100)
+    assert codes == [0], shown.getvalue()[-2000:]
+    text = shown.getvalue()
+    last = text[text.rindex("NODE"):].split("\n")  # the final table
+    assert "NUMA" in last[0], text[-2000:]
+    assert f"node: 0->{a} 1->{b}" in last[1] and "SUCCEEDED" in last[1], text[-2000:]
