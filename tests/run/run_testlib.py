@@ -24,6 +24,7 @@ def free_port() -> int:
 def base_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_"))}
     env.pop("OMP_NUM_THREADS", None)
+    env.pop("PYTEST_CURRENT_TEST", None)  # pytest's own, names the phase (setup/call) running
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), env.get("PYTHONPATH", "")]).rstrip(
         os.pathsep
     )
@@ -104,3 +105,70 @@ class Etcd:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def module_available(name: str) -> bool:
+    """Whether ``name`` can be imported by the interpreter running the tests (not imported)."""
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+def start(cmd: list[str], env: dict[str, str], cwd: str | None = None) -> subprocess.Popen[str]:
+    """Starts one launcher (or any command) with its output captured."""
+    return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def finish_all(procs: list[subprocess.Popen[str]], timeout: float) -> list[tuple[int, str]]:
+    """Waits for every process within one shared deadline: (exit code, stdout + stderr) each.
+
+    A process still running at the deadline is killed, with every other one, and the test
+    fails naming it, so a hung job never outlives its test.
+    """
+    import time
+
+    deadline = time.monotonic() + timeout
+    out: list[tuple[int, str]] = []
+    for p in procs:
+        try:
+            so, se = p.communicate(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            break
+        out.append((p.returncode, so + se))
+    if len(out) == len(procs):
+        return out
+    hung = procs[len(out)]
+    report = []
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        so, se = p.communicate()
+        report.append(f"--- {p.args!r}: exit {p.returncode}\n{(so + se)[-2500:]}")
+    raise AssertionError(f"{hung.args!r} did not finish within {timeout}s\n" + "\n".join(report))
+
+
+def env_diff(theirs: dict[str, str], ours: dict[str, str],
+             ignore: frozenset[str] | set[str] = frozenset()) -> dict[str, tuple[str | None, ...]]:
+    """Variables whose values differ between two worker environments, ``ignore`` left out."""
+    return {k: (theirs.get(k), ours.get(k)) for k in sorted(set(theirs) | set(ours))
+            if k not in ignore and theirs.get(k) != ours.get(k)}
+
+
+def wait_listening(port: int, proc: subprocess.Popen[str], timeout: float = 60) -> None:
+    """Returns once something accepts connections on 127.0.0.1:``port``; fails if ``proc``
+    exits first or ``timeout`` passes."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            so, se = proc.communicate() if proc.poll() is not None else ("", "")
+            raise AssertionError(f"nothing listens on port {port} (exit {proc.returncode})\n"
+                                 f"{(so + se)[-2500:]}")
+        time.sleep(0.05)

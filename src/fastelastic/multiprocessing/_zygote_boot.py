@@ -15,8 +15,9 @@ A worker is reaped (and its status sent) only after its ack, so the agent's pidf
 the pid's reuse. Before every fork the zygote checks it has one thread and no CUDA context.
 The forked child makes itself what ``python script.py args`` (or ``python -m module args``)
 would be: own process group, parent-death signal, stdio, signal dispositions and mask, cwd,
-environment (replaced), ``sys.argv``/``sys.orig_argv``/``sys.path[0]``, a fresh ``__main__``,
-numpy's global RNG reseeded; then the top-level code below runs the program (runpy semantics).
+environment (replaced, then what the preload imports set in the zygote's redone),
+``sys.argv``/``sys.orig_argv``/``sys.path[0]``, a fresh ``__main__``, numpy's global RNG
+reseeded; then the top-level code below runs the program (runpy semantics).
 Before forking, the zygote moves its objects to the collector's permanent generation
 (``gc.freeze()``, as Python's documentation advises for pre-fork servers).
 On EOF of its socket (the agent is gone) the zygote SIGKILLs its workers' groups and exits.
@@ -98,7 +99,33 @@ def _ignored_from_mask(mask):
     return {s for s in range(1, 65) if mask >> (s - 1) & 1}
 
 
-def _child(req, fds, zygote_pid, closing):
+def _import_env(before):
+    """What the preload imports did to the environment: ``(before, {name: value or None})``."""
+    after = os.environ
+    changed = {k: v for k, v in after.items() if before.get(k) != v}
+    changed.update({k: None for k in before if k not in after})
+    return before, changed
+
+
+def _replay_import_env(import_env):
+    """Redoes in the worker's environment what the preload imports did to the zygote's.
+
+    A plain worker runs those imports itself and keeps what they set (torch sets
+    ``TORCHINDUCTOR_CACHE_DIR``, Lightning ``PYTORCH_NVML_BASED_CUDA_CHECK=1``). A variable the
+    worker's environment gives a value of its own (``LOCAL_RANK``...) keeps that value: the
+    import would have found it there.
+    """
+    before, changed = import_env
+    for name, value in changed.items():
+        if os.environ.get(name) != before.get(name):
+            continue
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+def _child(req, fds, zygote_pid, closing, import_env):
     """In the forked child: becomes the worker described by ``req``; returns the job."""
     os.setpgid(0, 0)
     if req.get("cpus"):
@@ -138,6 +165,7 @@ def _child(req, fds, zygote_pid, closing):
     os.chdir(req["cwd"])
     os.environ.clear()
     os.environ.update(req["env"])
+    _replay_import_env(import_env)
     sys.argv = list(req["argv"])
     sys.orig_argv = list(req["orig_argv"])
     if sys.path:
@@ -157,6 +185,7 @@ def _serve(cfg):
     """Imports the modules, then forks workers on request; returns only in a forked child."""
     ctl = socket.socket(fileno=cfg["fd"])
     boot_env = _startup_env(os.environ)
+    agent_env = dict(os.environ)
     t0 = time.monotonic()
     try:
         for name in cfg["modules"]:
@@ -168,6 +197,7 @@ def _serve(cfg):
     if reason:
         _send(ctl, ("unusable", reason))
         return None
+    import_env = _import_env(agent_env)
     _send(ctl, ("ready", {"pid": os.getpid(), "import_s": time.monotonic() - t0}))
     me = os.getpid()
     sel = selectors.DefaultSelector()
@@ -239,7 +269,7 @@ def _serve(cfg):
                 # close through their objects: a stale object would later close a reused fd
                 sel.close()
                 ctl.close()
-                return _child(req, fds, me, [k[0] for k in kids.values()])
+                return _child(req, fds, me, [k[0] for k in kids.values()], import_env)
             try:
                 os.setpgid(pid, pid)  # closes the race with the child's own call
             except OSError:
