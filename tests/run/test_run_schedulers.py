@@ -1,6 +1,6 @@
 """fastrun under the schedulers people launch with, each beside torchrun in one test.
 
-* Kubeflow (Trainer v2's torch runtime, and a PyTorchJob with an elastic policy): every pod
+* Kubeflow (Trainer v2's torch runtime; a PyTorchJob, with and without an elastic policy): every pod
   runs the launcher with no flags and only the ``PET_*`` variables the operator sets. Two pods
   are two launcher processes on loopback; the workers must get the values torchrun gives them.
 * Slurm: ``srun ... fastrun --signals-to-handle ...,SIGUSR1`` in a simulated ``SLURM_*``
@@ -47,6 +47,9 @@ def _pod_env(case: str, node: int, master_port: int, rdzv_port: int) -> dict[str
            "PYTHONUNBUFFERED": "0"}
     if case == "trainer-v2":
         env["PET_NNODES"] = "2"
+    elif case == "pytorchjob":  # Master + Worker replicas: the pod's own rank and world size too
+        env.update(PET_NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port),
+                   WORLD_SIZE="4", RANK=str(node))
     else:  # elasticPolicy: minReplicas 1, maxReplicas 2, rdzvBackend c10d, maxRestarts 3
         env.update(PET_NNODES="1:2", PET_RDZV_BACKEND="c10d",
                    PET_RDZV_ENDPOINT=f"127.0.0.1:{rdzv_port}", PET_RDZV_ID="pytorchjob-7f3c",
@@ -64,7 +67,7 @@ def _run_pods(which: str, case: str, out: Path) -> tuple[dict[int, dict], dict[s
         if node == 0:
             # In the cluster only pod 0 owns the endpoint's address and hosts the store there;
             # on loopback both pods could: pod 1 starts once pod 0 listens.
-            wait_listening(master_port if case == "trainer-v2" else rdzv_port, procs[0])
+            wait_listening(rdzv_port if case == "pytorchjob-elastic" else master_port, procs[0])
     for rc, output in finish_all(procs, timeout=120):
         assert rc == 0, f"{which} ({case}): exit {rc}\n{output[-3000:]}"
     return read_dumps(out), {str(master_port): "<master port>", str(rdzv_port): "<rdzv port>"}
@@ -80,7 +83,7 @@ def _normalise(env: dict[str, str], ports: dict[str, str]) -> dict[str, str]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", ["trainer-v2", "pytorchjob-elastic"])
+@pytest.mark.parametrize("case", ["trainer-v2", "pytorchjob", "pytorchjob-elastic"])
 def test_kubeflow_pods_with_only_pet_variables_match_torchrun(tmp_path, case):
     got = {}
     for which in ("torchrun", "fastrun"):
@@ -103,7 +106,7 @@ def test_kubeflow_pods_with_only_pet_variables_match_torchrun(tmp_path, case):
         assert len(pods) == 2 and {p for p, _ in pods} == {g for _, g in pods} == {"0", "1"}, pods
         e = envs[0]
         assert (e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"], e["GROUP_WORLD_SIZE"]) == ("4", "2", "2")
-        if case == "trainer-v2":  # static: node rank is the group rank, the store on the master
+        if case != "pytorchjob-elastic":  # static: node rank = group rank, store on the master
             assert all(e["PET_NODE_RANK"] == e["GROUP_RANK"] for e in envs.values()), which
             assert e["MASTER_PORT"] == "<master port>" and e["TORCHELASTIC_RUN_ID"] == "none"
         else:
