@@ -6,11 +6,14 @@ weights and its environment to ``$DUMP_DIR/<RANK>.json``, the dump_env.py format
 
 import json
 import os
+import sys
 
-import pytorch_lightning as pl
-import torch
-import torch.distributed as dist
-from torch.utils.data import DataLoader, TensorDataset
+PRELOADED = "pytorch_lightning" in sys.modules  # forked by fastrun's zygote, imports done
+
+import pytorch_lightning as pl  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 
 class Linear(pl.LightningModule):
@@ -35,7 +38,7 @@ model = Linear()
 trainer.fit(model, DataLoader(data, batch_size=8))
 env = trainer.strategy.cluster_environment
 out = {
-    "env": dict(os.environ),
+    "env": dict(os.environ), "preloaded": PRELOADED,
     "cluster_environment": type(env).__name__,
     "creates_processes_externally": env.creates_processes_externally,
     "global_rank": trainer.global_rank, "local_rank": trainer.local_rank,

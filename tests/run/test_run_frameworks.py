@@ -74,6 +74,8 @@ def test_lightning_ddp_trains_as_under_torchrun(tmp_path, lightning_under_torchr
         got = {k: ours[rank][k] for k in LIGHTNING_FIELDS}
         want = {k: theirs[rank][k] for k in LIGHTNING_FIELDS}
         assert got == want  # same ranks, same steps, bit-identical weights after the all-reduces
+        assert ours[rank]["preloaded"] is preload  # forked by the zygote, no plain fallback
+        # no --rdzv-id: each run's id is a fresh UUID (test_run_env checks its form)
         diff = env_diff(theirs[rank]["env"], ours[rank]["env"], PER_RUN | {"TORCHELASTIC_RUN_ID"})
         assert not diff, f"rank {rank}: worker env differs (torchrun, fastrun): {diff}"
 
