@@ -3,8 +3,8 @@
 
 On SIGUSR1 it writes ``$DUMP_DIR/usr1.<RANK>``, then exits with status 0
 (``SIGNAL_WORKER_MODE=exit``) or goes on working (``stay``, as Lightning's requeue handler
-does). Once its handler is installed it writes what dump_env.py writes (its "ready" mark) and
-works for at most 120 s.
+does). On SIGTERM it writes ``term.<RANK>`` and exits with status 0. Once its handlers are
+installed it writes what dump_env.py writes (its "ready" mark) and works for at most 120 s.
 """
 
 import json
@@ -24,7 +24,14 @@ def on_usr1(signum, frame):
         sys.exit(0)
 
 
+def on_term(signum, frame):  # a job saving its state at the time limit, then leaving
+    with open(os.path.join(out, f"term.{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    sys.exit(0)
+
+
 signal.signal(signal.SIGUSR1, on_usr1)
+signal.signal(signal.SIGTERM, on_term)
 data = {"env": dict(os.environ), "argv": sys.argv, "pid": os.getpid(), "ppid": os.getppid()}
 tmp = os.path.join(out, f".{rank}.tmp")
 with open(tmp, "w") as f:

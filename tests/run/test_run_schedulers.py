@@ -7,6 +7,8 @@
   environment, and ``SIGUSR1`` sent to the launcher as Slurm's ``--signal=USR1@<time>``
   warning does: the signal reaches the workers, then they are stopped (SIGKILL after
   ``--shutdown-timeout``), as torchrun does. Without SIGUSR1 in the list the launcher dies of it.
+  Two differences are pinned here (README, "Moving from torchrun"): fastrun's workers do not
+  outlive a launcher killed by the signal, and a SIGTERM during the stop SIGKILLs them at once.
 """
 
 from __future__ import annotations
@@ -144,13 +146,24 @@ def _gone_within(pids: list[int], timeout: float) -> bool:
     return True
 
 
-def _slurm_step(which: str, out: Path, mode: str, signals: str | None) -> dict:
-    """One step: the launcher as srun's task; SIGUSR1 to it once both workers are ready."""
+def _wait_for(what: str, cond, proc: subprocess.Popen[str], log: Path) -> None:
+    deadline = time.monotonic() + 90
+    while not cond():
+        assert proc.poll() is None, f"exited before {what}:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"no {what} in 90 s:\n{log.read_text()[-3000:]}"
+        time.sleep(0.05)
+
+
+def _slurm_step(which: str, out: Path, mode: str, signals: str | None,
+                shutdown_timeout: int | None = SHUTDOWN_TIMEOUT, then: int | None = None) -> dict:
+    """One step: the launcher as srun's task; SIGUSR1 to it once both workers are ready, and
+    signal ``then`` once both workers have seen SIGUSR1."""
     port = free_port()
     env = base_env(DUMP_DIR=str(out), SIGNAL_WORKER_MODE=mode, **SLURM_ENV)
     args = ["--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", SLURM_ENV["SLURM_JOB_ID"],
-            "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)]
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", SLURM_ENV["SLURM_JOB_ID"]]
+    if shutdown_timeout is not None:  # None: torch's default (30 s)
+        args += ["--shutdown-timeout", str(shutdown_timeout)]
     if signals is not None:
         args += ["--signals-to-handle", signals]
     # output to a file, not a pipe: workers that outlive the launcher would hold a pipe open
@@ -160,15 +173,16 @@ def _slurm_step(which: str, out: Path, mode: str, signals: str | None) -> dict:
                                 env=env, stdout=f, stderr=subprocess.STDOUT, text=True)
     pids: list[int] = []
     try:
-        deadline = time.monotonic() + 90
-        while len(list(out.glob("*.json"))) < 2:  # each worker's handler is installed
-            assert proc.poll() is None, f"{which} exited early:\n{log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"{which}: workers not ready in 90 s"
-            time.sleep(0.05)
+        # each worker's handlers are installed
+        _wait_for("workers ready", lambda: len(list(out.glob("*.json"))) == 2, proc, log)
         dumps = read_dumps(out)
         pids = [d["pid"] for d in dumps.values()]
         sent = time.monotonic()
         proc.send_signal(signal.SIGUSR1)  # what slurmstepd sends the task at the warning time
+        if then is not None:
+            _wait_for("SIGUSR1 in both workers", lambda: len(list(out.glob("usr1.*"))) == 2,
+                      proc, log)
+            proc.send_signal(then)
         try:
             rc = proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
@@ -183,8 +197,9 @@ def _slurm_step(which: str, out: Path, mode: str, signals: str | None) -> dict:
             if _alive(p):
                 os.kill(p, signal.SIGKILL)
     output = log.read_text()
-    usr1 = sorted(int(p.name.split(".")[1]) for p in out.glob("usr1.*"))
-    return {"rc": rc, "output": output, "took": took, "usr1": usr1, "dumps": dumps,
+    usr1, term = (sorted(int(p.name.split(".")[1]) for p in out.glob(f"{m}.*"))
+                  for m in ("usr1", "term"))
+    return {"rc": rc, "output": output, "took": took, "usr1": usr1, "term": term, "dumps": dumps,
             "alive_at_exit": alive_at_exit, "gone": gone}
 
 
@@ -194,13 +209,16 @@ def test_slurm_warning_signal_reaches_the_workers_then_they_are_stopped(tmp_path
     got = {}
     for which in ("torchrun", "fastrun"):
         (tmp_path / which).mkdir()
-        got[which] = r = _slurm_step(which, tmp_path / which, mode, SIGNALS)
+        # "exit" at torch's default shutdown timeout (30 s): the workers leave on their own
+        timeout = SHUTDOWN_TIMEOUT if mode == "stay" else None
+        got[which] = r = _slurm_step(which, tmp_path / which, mode, SIGNALS, timeout)
         assert r["usr1"] == [0, 1], (which, r["output"][-3000:])  # forwarded to every worker
         assert r["alive_at_exit"] == [], (which, r["output"][-3000:])  # stopped before exit
         if mode == "stay":  # the handler returned: SIGKILL once the shutdown timeout passed
             assert SHUTDOWN_TIMEOUT * 0.9 <= r["took"] < SHUTDOWN_TIMEOUT + 30, (which, r["took"])
-        else:
-            assert r["took"] < SHUTDOWN_TIMEOUT + 30, (which, r["took"])
+        else:  # no waiting for the timeout once the workers are gone
+            assert r["took"] < 30, (which, r["took"])
+        assert r["term"] == []
     # the job ends as one stopped by a signal: torchrun exits 1 with a SignalException
     # traceback, fastrun 128 + 10 with one line (README, "Differences from torch")
     assert got["torchrun"]["rc"] == 1 and "SignalException" in got["torchrun"]["output"]
@@ -227,3 +245,21 @@ def test_slurm_warning_signal_not_handled_kills_the_launcher(tmp_path):
     # fastrun's guardian SIGKILLs them when their agent dies
     assert got["torchrun"]["alive_at_exit"] and not got["torchrun"]["gone"]
     assert got["fastrun"]["gone"]
+
+
+@pytest.mark.timeout(200)
+def test_slurm_time_limit_sigterm_during_the_warning_stop(tmp_path):
+    """Slurm's SIGTERM at the time limit, when the warning came less than the shutdown timeout
+    before it: the workers are still being stopped (they handled SIGUSR1 and went on)."""
+    got = {}
+    for which in ("torchrun", "fastrun"):
+        (tmp_path / which).mkdir()
+        got[which] = r = _slurm_step(which, tmp_path / which, "stay", SIGNALS,
+                                     shutdown_timeout=60, then=signal.SIGTERM)
+        assert r["usr1"] == [0, 1] and r["alive_at_exit"] == [], (which, r["output"][-3000:])
+        assert r["took"] < 30, (which, r["took"])  # neither waits out the 60 s
+    # the difference (README): torchrun stops again with SIGTERM, so the workers' SIGTERM
+    # handlers run; fastrun takes a second signal as "stop now" and SIGKILLs them
+    assert got["torchrun"]["term"] == [0, 1] and got["torchrun"]["rc"] == 1
+    assert got["fastrun"]["term"] == [] and got["fastrun"]["rc"] == 128 + signal.SIGTERM
+    assert "SIGTERM during shutdown: SIGKILLing the workers now" in got["fastrun"]["output"]
