@@ -183,6 +183,11 @@ CASES = [
     Case("split: 3 of 4 preempted (they quit): the last one goes on", "1:4", [0, 0, 0, 0],
          [(100, "quit", i) for i in (1, 2, 3)], conf={"can_move": True},
          rounds=[(4, 0, 0), (1, 100, 101)]),
+    Case("split: 2 of 4 SIGTERMed while re-joining (left, then quit) are nowhere else: the "
+         "survivor goes on", "1:4", [0, 0, 0, 0],
+         [(100, "kill", 0), (110, "quit", 2), (110, "quit", 3)],
+         conf={"can_move": True, "reform_last_call": True}, until=400,
+         rounds=[(4, 0, 0), (1, 110, 145)], members=[{0, 1, 2, 3}, {1}]),
     Case("split: 3 of 4 closed (crashed, or moved while the host was frozen): no round; the "
          "host finds where they went", "1:4", [0, 0, 0, 0],
          [(100, "kill", i) for i in (1, 2, 3)] + [(100, "moved_on", 0)],
@@ -320,3 +325,10 @@ def test_when_preferred_ranks_reorder_the_seats_every_node_reads_its_own():
         rank = n.seats[0][1].rank
         peers = {nodes[j].seats[0][1].rank for j in range(3) if j != n.id}
         assert {(rank + 1) % 3, (rank + 2) % 3} == peers
+
+
+def test_gone_quit_or_done_wins_over_a_reason_that_says_the_node_may_be_elsewhere():
+    from fastelastic.rendezvous._schema import parse_gone
+
+    raw = b"2:left;2:quit;3:closed;3:left;4:silent;4:done;5:quit;5:closed;6:done;6:quit;"
+    assert parse_gone(raw) == {2: "quit", 3: "closed", 4: "done", 5: "quit", 6: "done"}

@@ -26,7 +26,7 @@ from typing import Any
 
 from . import _schema as sc
 
-GONE_FOR_GOOD = ("quit", "done")  # ``gone`` reasons of members that are nowhere else
+GONE_FOR_GOOD = sc.FOR_GOOD  # ``gone`` reasons of members that are nowhere else
 
 
 def need(world: int) -> int:

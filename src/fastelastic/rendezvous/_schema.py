@@ -30,7 +30,8 @@ Round ``r``:
   (abandoned: everyone re-joins ``r + 1``; also appended by the server when a joined node's
   connection closes). A ``C;`` appended by ``set_closed`` means closed. Text after the first
   newline is not part of the verdict, so late appends never corrupt a complete outcome.
-* ``gone`` (:py:attr:`RoundKeys.gone`): ``<rank>:<why>;`` entries, first one per rank wins:
+* ``gone`` (:py:attr:`RoundKeys.gone`): ``<rank>:<why>;`` entries, the first one per rank wins
+  but ``quit`` and ``done`` win over the others (:func:`parse_gone`):
   ``closed`` (the server, when a member's connection closed), ``done`` (its workers finished;
   its later exit is no loss), ``left`` (it re-joins), ``quit`` (it leaves for good: preempted),
   ``silent`` (a peer saw its counter stand still for the detection window).
@@ -205,15 +206,23 @@ def parse_outcome(raw: bytes) -> Outcome:
     raise RendezvousStateError(f"corrupt rendezvous outcome {raw[:40]!r}")
 
 
+FOR_GOOD = ("quit", "done")  # ``gone`` reasons of a member that is nowhere else
+
+
 def parse_gone(raw: bytes) -> dict[int, str]:
-    """``gone``'s ``<rank>:<why>;`` entries: the first reason given for each rank."""
+    """``gone``'s ``<rank>:<why>;`` entries: for each rank the first reason given, except
+    that a later ``quit`` or ``done`` (it is nowhere else) wins over ``left``, ``closed`` or
+    ``silent`` (it may be): a node SIGTERMed while it re-joins has written ``left`` first."""
     out: dict[int, str] = {}
     for entry in raw.split(b";"):
         rank, _, why = entry.partition(b":")
         try:
-            out.setdefault(int(rank), why.decode("ascii", "replace"))
+            r = int(rank)
         except ValueError:
             continue
+        reason = why.decode("ascii", "replace")
+        if r not in out or (reason in FOR_GOOD and out[r] not in FOR_GOOD):
+            out[r] = reason
     return out
 
 
