@@ -542,3 +542,38 @@ def test_shutdown_closes_the_second_connection_the_handler_made(server):
     while server.server.num_connections > base and time.monotonic() < deadline:
         time.sleep(0.01)  # bounded: the server sees the close asynchronously
     assert server.server.num_connections == base
+
+
+class _Term(Exception):
+    """What the agent's SIGTERM handler raises (torch's SignalException), here from SIGALRM."""
+
+
+@pytest.mark.timeout(60)
+def test_a_signal_during_a_rendezvous_wait_still_announces_the_leave(server, nodes):
+    """A SIGTERM that lands while next_rendezvous waits breaks the handler's connection (the
+    request was cut short); the leave the agent then announces must still reach the round:
+    ``<rank>:quit;`` in its gone, so nobody counts this node as alive elsewhere."""
+    a, b = (_handler(server.port, 2, 2) for _ in range(2))
+    nodes.start(0, lambda i: a.next_rendezvous())
+    nodes.start(1, lambda i: b.next_rendezvous())
+    nodes.join(30)
+    assert not nodes.errors
+    rank = a._m.member[1]
+
+    def term(signum, frame):
+        raise _Term()
+
+    old = signal.signal(signal.SIGALRM, term)
+    try:
+        # a re-joins (b does not: round 1 waits for it) and is signalled there
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        with pytest.raises(_Term):
+            a.next_rendezvous()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    with pytest.raises(StoreConnectionError):
+        a._store.get(f"fe.rdzv.{RUN}/0/res")  # the signal broke the handler's connection
+    a.leave()
+    gone = server.get(f"fe.rdzv.{RUN}/0/gone")
+    assert b"%d:left;" % rank in gone and b"%d:quit;" % rank in gone, gone

@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 DEFAULT_PORT = 29400
 _LINGER_S = 10.0  # at most this long the host's store outlives its own shutdown
+_LEAVE_CONNECT_S = 2.0  # at most this long a leave waits for a connection of its own
 DEFAULT_KEEP_ALIVE_INTERVAL = 1.0  # seconds
 DEFAULT_KEEP_ALIVE_MAX_ATTEMPT = 5  # detection window: interval * attempts = 5 s (torch: 15 s)
 
@@ -403,8 +404,26 @@ class FastRendezvousHandler(RendezvousHandler):
         self._m.leaving = True
         try:
             self._run(self._m.leave(for_good=True), self._store)
+            return
         except (RendezvousConnectionError, StoreError) as e:
-            log.warning("rendezvous %s: could not announce leaving: %s", self._run_id, e)
+            first = e
+        # The signal that brought us here may have landed in a rendezvous wait: the request
+        # was cut short and the connection given up (KVConn). Say it on a connection of its
+        # own, made within a short bound (a lost host must not hold up the shutdown).
+        fresh = None
+        try:
+            self._store.set_timeout(timedelta(seconds=min(self._window, _LEAVE_CONNECT_S)))
+            fresh = self._store.clone()
+            self._m.leaving = True
+            self._run(self._m.leave(for_good=True), fresh)
+            fresh.check([self._m.keys.closed])  # a round trip: the writes are in
+        except (RendezvousConnectionError, StoreError, OSError, AttributeError) as e:
+            log.warning("rendezvous %s: could not announce leaving: %s (then: %s)",
+                        self._run_id, first, e)
+        finally:
+            if fresh is not None:
+                with contextlib.suppress(Exception):
+                    fresh.close()
 
     def wait_members(self, store: Any, keys: list[str], deadline: float) -> None:
         """Waits for ``keys`` (written by other members) unless a member is lost first.
