@@ -577,3 +577,42 @@ def test_a_signal_during_a_rendezvous_wait_still_announces_the_leave(server, nod
     a.leave()
     gone = server.get(f"fe.rdzv.{RUN}/0/gone")
     assert b"%d:left;" % rank in gone and b"%d:quit;" % rank in gone, gone
+
+
+@pytest.mark.timeout(60)
+def test_two_threads_that_lose_the_store_at_once_move_the_rendezvous_once(caplog, nodes):
+    """Moves are serialised: the membership check of one thread and another call that both
+    failed on the lost store move the rendezvous once (to the next candidate, epoch 1), not
+    once each (the second, seeing the first one's new store as its own, moved on again:
+    epoch 2 on the third candidate)."""
+    from fastelastic.rendezvous.fast_rendezvous import create_fast_handler
+
+    stores = [TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                       timeout=timedelta(seconds=30)) for _ in range(3)]
+    try:
+        endpoint = ",".join(f"127.0.0.1:{s.port}" for s in stores)
+        params = RendezvousParameters("c10d", endpoint, RUN, 1, 1, is_host=False,
+                                      read_timeout=5, last_call_timeout=1)
+        h = create_fast_handler(params)
+        _MADE.append(weakref.ref(h))
+        assert h.next_rendezvous().world_size == 1 and h._index == 0
+        stores[0].shutdown_server()                # the live store's host is lost
+        failed = h._store
+        real, arrived = h._move, threading.Barrier(2, timeout=10)
+
+        def move_together(why, store):             # both failed before either moves
+            arrived.wait()
+            return real(why, store)
+
+        h._move = move_together
+        nodes.start(0, lambda i: h.lost_members())
+        nodes.start(1, lambda i: h._move(StoreConnectionError("lost"), failed))
+        nodes.join(30)
+        assert not nodes.errors, nodes.errors
+        assert (h._index, h._epoch) == (1, 1)
+        assert stores[1].add(f"fe.rdzv.{RUN}/epoch", 0) == 1
+        assert stores[2].add(f"fe.rdzv.{RUN}/epoch", 0) == 0
+        assert sum("moved to" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        for s in stores[1:]:
+            s.shutdown_server()

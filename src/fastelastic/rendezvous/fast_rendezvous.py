@@ -141,6 +141,7 @@ class FastRendezvousHandler(RendezvousHandler):
         self._wstore = WorkerStoreHost(self._local_addr)
         self._candidates = candidates
         self._index, self._epoch = -1, 0  # the live candidate and its epoch
+        self._move_lock = threading.RLock()  # one move at a time (see _move)
 
     # ------------------------------------------------------------------ running the protocol
 
@@ -288,17 +289,30 @@ class FastRendezvousHandler(RendezvousHandler):
         store's host is lost (bounded by the number of candidates)."""
         tries = len(self._candidates.endpoints) if self._candidates is not None else 1
         for left in range(tries - 1, -1, -1):
+            store = self._store
             try:
                 return self._next_rendezvous()
             except (RendezvousConnectionError, StoreTimeoutError) as e:
                 if not left:
                     raise
-                self._move(e)
+                self._move(e, store)
         raise AssertionError("unreachable")
 
-    def _move(self, why: BaseException) -> None:
+    def _move(self, why: BaseException, failed: Any) -> bool:
         """The live store's host is lost: connect to the next live candidate, raise its epoch
-        past the lost one's, and start the rounds over there (see :mod:`._failover`)."""
+        past the lost one's, and start the rounds over there (see :mod:`._failover`).
+
+        ``failed`` is the store client the failure came from. Moves are serialised
+        (``_move_lock``): when another call moved while this one failed, the failure was the
+        old store's and this one does not move again (False)."""
+        assert self._candidates is not None
+        with self._move_lock:
+            if self._store is not failed:
+                return False
+            self._move_now(why)
+            return True
+
+    def _move_now(self, why: BaseException) -> None:
         assert self._candidates is not None
         old, lost = self._store, self._candidates.name(self._index) if self._index >= 0 else "?"
         self._stop_heartbeats()
@@ -375,11 +389,14 @@ class FastRendezvousHandler(RendezvousHandler):
             return []
         if self._candidates is None:
             return self._side_call(self._m.lost_members())
+        store, lost = self._store, self._candidates.name(self._index)
         try:
             return self._watchful(self._m.lost_members())
         except (RendezvousConnectionError, StoreTimeoutError) as e:
-            lost = self._candidates.name(self._index)
-            self._move(e)
+            if self._owner is not None and self._owner != threading.get_ident():
+                # a rendezvous runs in another thread: it moves, on its own failure
+                return [(-1, f"the rendezvous store's host {lost} was lost ({e})")]
+            self._move(e, store)
             return [(-1, f"the rendezvous store's host {lost} was lost ({e}); the "
                          f"rendezvous moved to {self._candidates.name(self._index)}")]
 
