@@ -69,20 +69,24 @@ class Sim:
         self._seq = itertools.count()
         self._beat = itertools.count(1)
         self.moved_on = False  # another candidate has a higher epoch (``moved_elsewhere``)
+        self.writes: list[tuple[float, str, list[str]]] = []  # (when, request, keys written)
 
     # ------------------------------------------------------------------ scripting
 
     def at(self, t: float, fn: Callable[[], None]) -> None:
         heapq.heappush(self._events, (t, next(self._seq), fn))
 
-    def start(self, t: float = 0.0, node_rank: int = -1, moved_from: int = 0) -> Node:
+    def start(self, t: float = 0.0, node_rank: int = -1, moved_from: int = 0,
+              proposed: int = 0) -> Node:
         """A node whose agent starts at ``t``: joins, trains, re-joins when a member is
         lost or a node waits, until the rendezvous closes. ``moved_from``: it was a member
-        of a world of that size on a store that was lost (this store is the successor)."""
+        of a world of that size on a store that was lost (this store is the successor);
+        ``proposed``: the epoch it proposes here (its move is committed by a round here)."""
         node = Node(len(self.nodes), Machine(self.cfg, self.clock), node_rank)
-        if moved_from:
-            node.m.member = (0, node_rank, moved_from)
-            node.m.moved()
+        if moved_from or proposed:
+            if moved_from:
+                node.m.member = (0, node_rank, moved_from)
+            node.m.moved(proposed)
         self.nodes.append(node)
         self.at(t, lambda: self._launch(node))
         return node
@@ -225,6 +229,8 @@ class Sim:
     def _apply(self, node: Node, op: tuple[Any, ...]) -> tuple[str, Any]:
         name, d, now = op[0], self.data, self.clock.t
         node.requests[name] += 1
+        if name in ("set", "append", "multi_set") or (name == "add" and op[2]):
+            self.writes.append((now, name, list(op[1]) if name == "multi_set" else [op[1]]))
         if name == "add":
             v = int(d.get(op[1], b"0")) + op[2]
             d[op[1]] = b"%d" % v

@@ -88,6 +88,8 @@ class Case:
     members: list[set[int]] | None = None  # the nodes of each complete round
     moved: int = 0  # the nodes were members of a world of this size on a lost store
     fresh: list[int] = field(default_factory=list)  # ...except these (new nodes)
+    proposed: int = 0  # the epoch the movers propose on this store
+    epoch: int | None = None  # the store's committed epoch at the end (None: not checked)
 
 
 CASES = [
@@ -164,6 +166,19 @@ CASES = [
     Case("moved: a late mover is a new node to the world formed here: admitted next round",
          "1:4", [0, 0, 0, 60], moved=4, conf={"can_move": True},
          rounds=[(3, 0, 30), (4, 60, 61)], members=[{0, 1, 2}, {0, 1, 2, 3}]),
+    # the epoch is a commit: it rises with the first round on the successor that passes the
+    # majority rule, in the publisher's multi_set (see test_the_epoch_rises_only_with_a_round)
+    Case("moved: a majority of the world commits the epoch it proposed with its first round",
+         "1:4", [0, 0, 0.5], moved=4, proposed=2, conf={"can_move": True},
+         rounds=[(3, 0.5, 0.5)], epoch=2),
+    Case("moved: a node that moved alone (a cut link) never commits its epoch", "1:4", [0],
+         moved=4, proposed=1, conf={"can_move": True}, until=700,
+         errors={0: "RendezvousTimeoutError"}, epoch=0),
+    Case("moved: a fresh node publishing the movers' first round commits their epoch",
+         "1:4", [0, 0, 0, 0], moved=4, proposed=1, fresh=[0], conf={"can_move": True},
+         rounds=[(4, 0, 30)], epoch=1),
+    Case("moved: a new job's round commits no epoch", "1:4", [0, 0, 0, 0],
+         conf={"can_move": True}, rounds=[(4, 0, 0)], epoch=0),
     # where the last world formed, when the rendezvous can move (``_majority.away``)
     Case("split: the host's side alone (1 of 4, the 3 others cut) never trains alone", "1:4",
          [0, 0, 0, 0], [(100, "cut", i) for i in (1, 2, 3)], conf={"can_move": True},
@@ -203,7 +218,8 @@ CASES = [
 def _run(case: Case) -> Sim:
     lo, hi = (int(x) for x in case.nodes.split(":"))
     sim = Sim(lo, hi, **case.conf)
-    nodes = [sim.start(t, node_rank=i, moved_from=0 if i in case.fresh else case.moved)
+    nodes = [sim.start(t, node_rank=i, moved_from=0 if i in case.fresh else case.moved,
+                       proposed=0 if i in case.fresh else case.proposed)
              for i, t in enumerate(case.starts)]
     closer = sim.start(10**9)  # never launched: only closes
     for t, action, i in case.script:
@@ -244,6 +260,8 @@ def test_scenario(case):
         assert lo <= when <= hi, f"a world of {world} formed at {when:.2f}s, not in [{lo}, {hi}]"
     errors = {n.id: type(n.error).__name__ for n in sim.nodes if n.error is not None}
     assert errors == case.errors
+    if case.epoch is not None:
+        assert int(sim.data.get("fe.rdzv.sim/epoch", b"0")) == case.epoch
     if case.restarts is not None:
         assert {i: sim.nodes[i].restarts for i in case.restarts} == case.restarts
     if case.members is not None:
@@ -332,3 +350,17 @@ def test_gone_quit_or_done_wins_over_a_reason_that_says_the_node_may_be_elsewher
 
     raw = b"2:left;2:quit;3:closed;3:left;4:silent;4:done;5:quit;5:closed;6:done;6:quit;"
     assert parse_gone(raw) == {2: "quit", 3: "closed", 4: "done", 5: "quit", 6: "done"}
+
+
+def test_the_epoch_rises_only_with_a_round():
+    """The epoch is written by one request only: the multi_set that publishes the first round
+    on the successor (its members' ``who`` entries), just before that round's outcome."""
+    sim = Sim(1, 4, can_move=True)
+    for i in range(3):
+        sim.start(0, node_rank=i, moved_from=4, proposed=3)
+    sim.run(60)
+    assert sim.worlds() == [3]
+    epoch_writes = [(t, keys) for t, _, keys in sim.writes if "fe.rdzv.sim/epoch" in keys]
+    assert len(epoch_writes) == 1, epoch_writes
+    assert any("/0/who/" in k for k in epoch_writes[0][1])
+    assert sim.data["fe.rdzv.sim/epoch"] == b"3"

@@ -114,6 +114,7 @@ class Machine:
         self.spare_ready = False  # a node waits behind this node's full round
         self.path: list[Phase] = []  # the phases of the last attempt, for reports and tests
         self.carried = 0  # the world this node had before the rendezvous moved (see moved)
+        self.proposed = 0  # the epoch this node proposes here after a move (see moved)
         self.no_quorum = False  # a round here failed the majority rule: no early seal now
         self._phases: dict[Phase, Callable[[_Attempt], Proto[Event]]] = {
             P.TICKET: self._ticket, P.RECORD: self._record, P.PUBLISH_GATE: self._full_gate,
@@ -123,15 +124,24 @@ class Machine:
         }
         self._identity = (-1, "", 0, b"")
 
-    def moved(self) -> None:
+    def moved(self, proposed: int = 0) -> None:
         """The rendezvous moved to a successor store (its host was lost): rounds start over
         there. This node's world comes along: the first round there needs a majority of it
-        (:mod:`._majority`) and is sealed once all of it but the lost host is back."""
+        (:mod:`._majority`) and is sealed once all of it but the lost host is back. That round
+        commits ``proposed`` as the store's epoch (in the record: any publisher commits it)."""
         if self.member is not None:
             self.carried = self.member[2]
             self._identity = (self.member[1], *self._identity[1:])
+        self.proposed = max(self.proposed, proposed)
         self.member = self.watch = self.prev_watch = self.last_seen = None
         self.leaving = self.spare_ready = False
+
+    def back(self) -> None:
+        """A mover went back to the store it left, where its world went on without it: it
+        joins there as a new node (no world carried, no epoch proposed)."""
+        self.moved()
+        self.carried = self.proposed = 0
+        self.no_quorum = False
 
     @property
     def quorum(self) -> int:
@@ -169,7 +179,7 @@ class Machine:
             seat = yield from self._attempt(a)
             deadline = a.deadline  # a spare's join timeout starts when its round is over
             if seat is not None:
-                self.member, self.carried = (r, seat.rank, seat.world), 0
+                self.member, self.carried, self.proposed = (r, seat.rank, seat.world), 0, 0
                 self.no_quorum = False
                 k = a.k
                 if self.cfg.hooks:  # our death: we left, the round is over, and why
@@ -215,7 +225,7 @@ class Machine:
         member_of, pref = self.member[:2] if self.member is not None else (-1, node_rank)
         # The record; a placeholder for our seat, which the publisher overwrites before it
         # decides res; and the keep-alive counter, bumped from the ticket on.
-        rec = sc.encode_record(pref, addr, pid, wstore, self.quorum, member_of)
+        rec = sc.encode_record(pref, addr, pid, wstore, self.quorum, member_of, self.proposed)
         yield _rq("multi_set", [k.record(t), k.seat(t), k.beat(t)], [rec, b"-1", b"0"])
         yield _rq("beat", k.beat(t))
         if t == cfg.max_nodes:
@@ -469,6 +479,10 @@ class Machine:
         identity = by_rank == list(range(1, world + 1))
         record_of = dict(zip(tickets, records, strict=True))
         keys, vals = [k.gone], [b""]
+        epoch = max(map(sc.record_epoch, records), default=0) if a.last is None else 0
+        if epoch:  # the first round here passing the majority rule: the move commits with it
+            keys.append(self.keys.epoch)
+            vals.append(b"%d" % epoch)
         for rank, ticket in enumerate(by_rank):
             keys.append(k.who(rank))
             vals.append(b"%d|%s" % (ticket, record_of[ticket]))

@@ -7,7 +7,12 @@ Run-wide:
 * ``open``: the round new nodes should join (set by each round's publisher; a hint).
 * ``closed``: exists once the rendezvous is closed.
 * ``epoch``: how many times the rendezvous moved to a successor store (``--rdzv-endpoint``
-  with several candidates): the live store is the reachable one with the highest epoch.
+  with several candidates): the live store is the reachable one with the highest epoch. It is
+  a commit, not an intention: it rises only in the ``multi_set`` that publishes the first round
+  on the successor that passes the majority rule (the epoch the movers proposed, from their
+  records), so a node that moved alone (a cut link) never makes a store look live.
+* ``moving``: the provisional mark of a node that moved here, ``<epoch it proposes>``; no node
+  follows it (for operators and logs).
 
 Round ``r``:
 
@@ -16,9 +21,10 @@ Round ``r``:
   coordinator seals the round with ``add(t, SEAL)``: the value it gets back minus ``SEAL`` is
   the final count, and every later ticket is above ``SEAL``.
 * ``n/<ticket>`` (:py:meth:`RoundKeys.record`): the node's record,
-  ``pref|addr|pid|wstore|quorum|from`` (preferred rank, address, pid, its workers' store
+  ``pref|addr|pid|wstore|quorum|from|epoch`` (preferred rank, address, pid, its workers' store
   address, the fewest members it accepts: a majority of its last world after a move, else 0;
-  the round of this store it was a member of, -1 for none).
+  the round of this store it was a member of, -1 for none; the epoch it proposes after a
+  move, else 0).
 * ``rank/<ticket>`` (:py:meth:`RoundKeys.seat`): the node's seat, ``<rank>|<tickets of the
   peers it watches>``; ``-1`` until the publisher writes it (and for a node not admitted).
 * ``who/<rank>`` (:py:meth:`RoundKeys.who`): ``<ticket>|<record>`` of each member, by rank.
@@ -62,6 +68,7 @@ class Keys:
         self.open = self.base + "open"
         self.closed = self.base + "closed"
         self.epoch = self.base + "epoch"
+        self.moving = self.base + "moving"
 
     def round(self, r: int) -> RoundKeys:
         return RoundKeys(self.base, r)
@@ -103,8 +110,19 @@ class RoundKeys:
 
 
 def encode_record(pref: int, addr: str, pid: int, wstore: bytes, quorum: int = 0,
-                  member_of: int = -1) -> bytes:
-    return b"%d|%s|%d|%s|%d|%d" % (pref, addr.encode(), pid, wstore, quorum, member_of)
+                  member_of: int = -1, epoch: int = 0) -> bytes:
+    return b"%d|%s|%d|%s|%d|%d|%d" % (pref, addr.encode(), pid, wstore, quorum, member_of,
+                                      epoch)
+
+
+def record_epoch(raw: bytes) -> int:
+    """The epoch a node that moved here proposes (0: none): committed with the first round
+    here that passes the majority rule."""
+    parts = raw.split(b"|")
+    try:
+        return int(parts[6]) if len(parts) > 6 else 0
+    except ValueError as e:
+        raise RendezvousStateError(f"corrupt node record {raw[:40]!r}") from e
 
 
 def record_member_of(raw: bytes) -> int:
