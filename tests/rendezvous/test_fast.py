@@ -618,3 +618,35 @@ def test_two_threads_that_lose_the_store_at_once_move_the_rendezvous_once(caplog
     finally:
         for s in stores[1:]:
             s.shutdown_server()
+
+
+@pytest.mark.timeout(60)
+def test_a_node_that_gives_up_never_closes_a_store_it_formed_no_world_on():
+    """A node that moved alone (its move not committed) and gives up (join timeout, signal)
+    leaves that store open: the nodes started later are not told the job is closed. On the
+    store where it was a member of a round, its shutdown closes the rendezvous as before."""
+    from fastelastic.rendezvous.fast_rendezvous import create_fast_handler
+
+    stores = [TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                       timeout=timedelta(seconds=30)) for _ in range(3)]
+    closed = f"fe.rdzv.{RUN}/closed"
+    try:
+        endpoint = ",".join(f"127.0.0.1:{s.port}" for s in stores)
+        params = RendezvousParameters("c10d", endpoint, RUN, 1, 1, is_host=False,
+                                      read_timeout=5, last_call_timeout=1)
+        moved = create_fast_handler(params)
+        stays = create_fast_handler(RendezvousParameters(  # a job of its own on the stores
+            "c10d", endpoint, RUN + "2", 1, 1, is_host=False, read_timeout=5,
+            last_call_timeout=1))
+        _MADE.extend([weakref.ref(moved), weakref.ref(stays)])
+        assert moved.next_rendezvous().world_size == 1
+        moved._move(StoreConnectionError("cut"), moved._store)   # alone, to candidate 1
+        assert moved._live.index == 1 and not moved._live.formed
+        moved.shutdown()
+        assert not stores[1].check([closed])
+        assert stays.next_rendezvous().world_size == 1
+        stays.shutdown()
+        assert stores[0].check([f"fe.rdzv.{RUN}2/closed"])
+    finally:
+        for s in stores:
+            s.shutdown_server()
