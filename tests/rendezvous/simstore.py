@@ -21,7 +21,7 @@ from fastelastic.errors import RendezvousConnectionError, RendezvousError
 from fastelastic.rendezvous._round import Config, Machine, Seat
 
 MAX_STEPS = 2_000_000
-LOCAL = ("beat", "stop_beats", "sleep", "moved_elsewhere")  # never reach the store
+LOCAL = ("beat", "stop_beats", "sleep", "moved_elsewhere", "gone_elsewhere")  # not the store
 
 
 class SimClock:
@@ -69,6 +69,9 @@ class Sim:
         self._seq = itertools.count()
         self._beat = itertools.count(1)
         self.moved_on = False  # another candidate has a higher epoch (``moved_elsewhere``)
+        # what the other candidates say of members whose connection closed (``gone_elsewhere``):
+        # "" proves them gone (all refuse or have no mark of them); by default one is silent
+        self.elsewhere = "a candidate did not answer (timed out)"
         self.writes: list[tuple[float, str, list[str]]] = []  # (when, request, keys written)
 
     # ------------------------------------------------------------------ scripting
@@ -275,6 +278,8 @@ class Sim:
             return "block", ("wait", list(op[1]), now + op[2])
         if name == "sleep":
             return "block", ("sleep", [], now + op[1])
+        if name == "gone_elsewhere":
+            return "now", self.elsewhere
         if name == "moved_elsewhere":
             if self.moved_on:  # the real handler moves there (``_failover``); here: its cue
                 raise RendezvousConnectionError("the rendezvous moved on")

@@ -612,7 +612,7 @@ def test_two_threads_that_lose_the_store_at_once_move_the_rendezvous_once(caplog
         assert (h._live.index, h._live.proposed) == (1, 1)
         # the move is proposed (a mark), not committed: no round formed there yet
         assert [s.add(f"fe.rdzv.{RUN}/epoch", 0) for s in stores[1:]] == [0, 0]
-        assert stores[1].get(f"fe.rdzv.{RUN}/moving") == b"1"
+        assert stores[1].get(f"fe.rdzv.{RUN}/moving") == b"1||%d;" % os.getpid()  # one mark
         assert not stores[2].check([f"fe.rdzv.{RUN}/moving"])
         assert sum("moved to" in r.getMessage() for r in caplog.records) == 1
     finally:
@@ -649,4 +649,39 @@ def test_a_node_that_gives_up_never_closes_a_store_it_formed_no_world_on():
         assert stores[0].check([f"fe.rdzv.{RUN}2/closed"])
     finally:
         for s in stores:
+            s.shutdown_server()
+
+
+@pytest.mark.timeout(60)
+def test_the_proof_that_lost_members_are_nowhere_else():
+    """``gone_elsewhere``: proven when every other candidate refuses the connection or answers
+    without a mark of them; a mark of one of them, or a candidate that does not answer (it
+    accepts and never replies: a frozen host), blocks it and says why."""
+    import socket
+
+    from fastelastic.rendezvous._failover import Candidates
+
+    live, other = (TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                            timeout=timedelta(seconds=30)) for _ in range(2))
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    dead_port = dead.getsockname()[1]
+    dead.close()                                   # nothing listens: refused
+    frozen = socket.socket()
+    frozen.bind(("127.0.0.1", 0))
+    frozen.listen(8)                               # accepts in the kernel, never answers
+    try:
+        ports = [live.port, dead_port, other.port]
+        c = Candidates(RUN, [("127.0.0.1", p) for p in ports], False, timedelta(seconds=5))
+        idents = ["10.0.0.1|11", "10.0.0.2|22"]
+        assert c.gone_elsewhere(0, idents) == ""
+        other.append(f"fe.rdzv.{RUN}/moving", b"1|10.0.0.2|22;")
+        assert c.gone_elsewhere(0, idents) == f"['10.0.0.2|22'] moved to 127.0.0.1:{other.port}"
+        c.endpoints[2] = ("127.0.0.1", frozen.getsockname()[1])
+        t0 = time.monotonic()
+        assert "did not answer" in c.gone_elsewhere(0, idents)
+        assert time.monotonic() - t0 < 10
+    finally:
+        frozen.close()
+        for s in (live, other):
             s.shutdown_server()

@@ -208,6 +208,21 @@ CASES = [
          [(100, "kill", i) for i in (1, 2, 3)] + [(100, "moved_on", 0)],
          conf={"can_move": True}, rounds=[(4, 0, 0)],
          errors={0: "RendezvousConnectionError"}),
+    # a majority lost at once (a rack): proven gone where their connections closed, if every
+    # other candidate refuses or has no mark of them ("proven"); else blocked (the default)
+    Case("rack loss: 3 of 4 killed at once, proven gone: the host goes on, then a world of 4 "
+         "with 3 replacements", "1:4", [0, 0, 0, 0, 110, 110, 110],
+         [(100, "kill", i) for i in (1, 2, 3)] + [(0, "proven", 0)], conf={"can_move": True},
+         rounds=[(4, 0, 0), (1, 100, 101), (4, 110, 111)],
+         members=[{0, 1, 2, 3}, {0}, {0, 4, 5, 6}]),
+    Case("rack loss, proof blocked (a candidate does not answer): nobody trains until the join "
+         "timeout", "1:4", [0, 0, 0, 0, 110, 110, 110], [(100, "kill", i) for i in (1, 2, 3)],
+         conf={"can_move": True}, until=800, rounds=[(4, 0, 0)],
+         errors={i: "RendezvousTimeoutError" for i in (0, 4, 5, 6)}),
+    Case("3 of 4 said they moved before their connections closed: no proof, no round",
+         "1:4", [0, 0, 0, 0], [(100, "moves", i) for i in (1, 2, 3)] + [(0, "proven", 0)],
+         conf={"can_move": True}, until=800, rounds=[(4, 0, 0)],
+         errors={0: "RendezvousTimeoutError"}),
     Case("split: a spare beside a majority of the world away does not make it a majority",
          "1:4", [0, 0, 0, 0, 1], [(100, "cut", i) for i in (1, 2, 3)],
          conf={"can_move": True}, until=800, rounds=[(4, 0, 0)],
@@ -243,6 +258,11 @@ def _run(case: Case) -> Sim:
             sim.kill(t + 0.1, node)
         elif action == "moved_on":
             sim.at(t, lambda: setattr(sim, "moved_on", True))
+        elif action == "proven":
+            sim.elsewhere = ""
+        elif action == "moves":  # it says it moves, then closes its connection
+            sim.at(t, lambda n=node: (sim._stop(n), sim.call(n, n.m.moving())))
+            sim.kill(t + 0.1, node)
         elif action == "stray":
             sim.at(t, lambda: sim.data.__setitem__("fe.rdzv.sim/0/t", b"1"))
         else:
@@ -364,3 +384,15 @@ def test_the_epoch_rises_only_with_a_round():
     assert len(epoch_writes) == 1, epoch_writes
     assert any("/0/who/" in k for k in epoch_writes[0][1])
     assert sim.data["fe.rdzv.sim/epoch"] == b"3"
+
+
+def test_a_blocked_proof_names_the_rule_and_the_way_out():
+    sim = Sim(1, 4, can_move=True)
+    nodes = [sim.start(0, node_rank=i) for i in range(4)]
+    for i in (1, 2, 3):
+        sim.kill(100, nodes[i])
+    sim.run(800)
+    err = str(nodes[0].error)
+    assert "did not complete within 600 seconds: ranks [1, 2, 3] of round 0" in err, err
+    assert "a candidate did not answer" in err and "majority rule" in err, err
+    assert "restart the job with the nodes that are left" in err, err

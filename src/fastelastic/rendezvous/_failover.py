@@ -87,6 +87,7 @@ class Candidates:
         self.key = f"fe.rdzv.{run_id}/epoch"
         self.moving_key = f"fe.rdzv.{run_id}/moving"
         self.open_key = f"fe.rdzv.{run_id}/open"
+        self.me = ""  # ``<addr>|<pid>`` as this node's ``who`` entries name it (its marks)
         self.endpoints = endpoints
         self.read_timeout = read_timeout
         self.token = token
@@ -151,8 +152,8 @@ class Candidates:
             other.close()
         epoch = -neg
         proposed = at_least if epoch < at_least else 0
-        if proposed:
-            client.set(self.moving_key, b"%d" % proposed)
+        if exclude >= 0 or proposed:  # a move: the mark that tells the proof this node is here
+            client.append(self.moving_key, b"%d|%s;" % (proposed or epoch, self.me.encode()))
         client.set_timeout(self.read_timeout)
         return client, i, epoch, proposed
 
@@ -250,6 +251,35 @@ class Candidates:
                 c.close()
         found.sort(key=lambda f: (f[0], f[1]))
         return found, errors
+
+    def gone_elsewhere(self, index: int, idents: list[str]) -> str:
+        """Whether the members ``idents`` (``<addr>|<pid>``), whose connections closed on
+        candidate ``index``, are proven to be nowhere else: "" when every other candidate
+        refuses the connection or answers without a mark of them; else why not (a timeout or
+        no route blocks the proof, as does a mark)."""
+        from fastelastic.store import TCPStore
+
+        for i, (host, port) in enumerate(self.endpoints):
+            if i == index:
+                continue
+            try:
+                socket.create_connection((host, port), timeout=PROBE_S).close()
+            except ConnectionRefusedError:
+                continue  # nothing listens there: no store they could be on
+            except OSError as e:
+                return f"{self.name(i)} did not answer ({e})"
+            try:
+                c = TCPStore(host, port, timeout=timedelta(seconds=PROBE_S), token=self.token)
+                try:
+                    marks = bytes(c.get(self.moving_key)) if c.check([self.moving_key]) else b""
+                finally:
+                    c.close()
+            except (StoreError, OSError) as e:
+                return f"{self.name(i)} did not answer ({e})"
+            moved = [x for x in idents if b"|%s;" % x.encode() in marks]
+            if moved:
+                return f"{moved} moved to {self.name(i)}"
+        return ""
 
     def close(self) -> None:
         if self.standby is not None:

@@ -11,8 +11,9 @@ Run-wide:
   a commit, not an intention: it rises only in the ``multi_set`` that publishes the first round
   on the successor that passes the majority rule (the epoch the movers proposed, from their
   records), so a node that moved alone (a cut link) never makes a store look live.
-* ``moving``: the provisional mark of a node that moved here, ``<epoch it proposes>``; no node
-  follows it (for operators and logs).
+* ``moving``: the provisional marks of the nodes that moved here, ``<epoch it proposes>|<addr>|
+  <pid>;`` each; no node follows them. Where a world formed, a member whose connection closed
+  and whom no other candidate has a mark of is proven gone (``_majority``).
 
 Round ``r``:
 
@@ -40,7 +41,9 @@ Round ``r``:
   but ``quit`` and ``done`` win over the others (:func:`parse_gone`):
   ``closed`` (the server, when a member's connection closed), ``done`` (its workers finished;
   its later exit is no loss), ``left`` (it re-joins), ``quit`` (it leaves for good: preempted),
-  ``silent`` (a peer saw its counter stand still for the detection window).
+  ``silent`` (a peer saw its counter stand still for the detection window), ``moved`` (it
+  moves to another candidate on purpose: said before it closes anything, so a ``closed``
+  without it is a death, see :func:`._majority.proof_candidates`).
 * ``left/<rank>`` (:py:meth:`RoundKeys.left`): the member left the round (re-joined, left,
   died, or was found silent). The next round is sealed once every member has left.
 * ``broken`` (:py:attr:`RoundKeys.broken`): the round is over (a member left or was lost); ``C``
@@ -205,6 +208,12 @@ class Outcome(NamedTuple):
     wstore: bytes = b""  # rank 0's workers' store address
     identity: bool = False  # every node's rank is its ticket - 1 (no seat to read)
     no_quorum: bool = False  # abandoned by a majority rule (a moved world, or a split)
+    why: str = ""  # the majority rule's objection (its second line), for the timeout's error
+
+
+def encode_no_quorum(why: str) -> bytes:
+    """``DQ;`` with the objection on its own line (appends that follow stay after it)."""
+    return NO_QUORUM + b"\n" + why.replace("\n", " ").encode("utf-8", "replace") + b"\n"
 
 
 def parse_outcome(raw: bytes) -> Outcome:
@@ -220,7 +229,9 @@ def parse_outcome(raw: bytes) -> Outcome:
     if b"C" in head:
         return Outcome("C")
     if head.startswith(b"D"):
-        return Outcome("D", no_quorum=head.startswith(NO_QUORUM[:2]))
+        no_quorum = head.startswith(NO_QUORUM[:2])
+        why = rest.partition(b"\n")[0].decode("utf-8", "replace") if no_quorum else ""
+        return Outcome("D", no_quorum=no_quorum, why=why)
     raise RendezvousStateError(f"corrupt rendezvous outcome {raw[:40]!r}")
 
 

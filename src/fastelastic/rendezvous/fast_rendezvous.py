@@ -177,6 +177,9 @@ class FastRendezvousHandler(RendezvousHandler):
         if name == "on_disconnect":
             ops.on_disconnect(store, op[1], op[2])
             return None
+        if name == "gone_elsewhere":  # the proof of _majority (only when the rendezvous can move)
+            assert self._candidates is not None
+            return self._candidates.gone_elsewhere(self._live.index, op[1])
         if name == "moved_elsewhere":  # one endpoint: nowhere else to be
             if self._candidates is not None:
                 self._candidates.check(self._live)
@@ -324,6 +327,8 @@ class FastRendezvousHandler(RendezvousHandler):
         c, live, member = self._candidates, self._live, self._m.member
         lost = c.name(live.index) if live.index >= 0 else "?"
         self._stop_heartbeats()
+        with contextlib.suppress(RendezvousConnectionError, StoreError):  # before any close
+            self._run(self._m.moving(), self._store)
         self._switch(*c.move(live, member[0] if member is not None else None))
         new = self._live
         self._m.moved(new.proposed)
@@ -590,6 +595,7 @@ def create_fast_handler(params: RendezvousParameters) -> FastRendezvousHandler:
     if "," in (params.endpoint or ""):
         candidates = Candidates(params.run_id, endpoints, params.get_as_bool("is_host"),
                                 read_timeout, token_from(params))
+        candidates.me = f"{params.local_addr or ''}|{os.getpid()}"  # as its who entries say
         client, index, epoch, proposed = candidates.connect()
         server = candidates.standby
         host = endpoints[index][0]
