@@ -1,5 +1,7 @@
-"""Issue 27's partial cut, in simulated hosts: a node that moved alone must not make a store
-look live to the nodes started after it.
+"""Issue 27's partial cut and rack loss, in simulated hosts (network namespaces).
+
+The partial cut: a node that moved alone must not make a store look live to the nodes started
+after it.
 
 4 nodes x 2 gloo workers (``gworker.py``), ``--nnodes 1:4 --preload torch``, three candidates
 (nodes 0-2), ``--rdzv-conf last_call_timeout=1`` (the defaults otherwise). Once a world of 8
@@ -11,6 +13,12 @@ Before the epoch was a commit, node 3's move raised node 1's epoch at once: the 
 followed it there and formed a world of 2 of its own, training beside the world of 6 on node
 0's store until the end of the watch. Now: never two worlds training at once (from the
 workers' own steps), and the replacement trains in a world of 8 within 45 s of its start.
+
+The rack loss (same setup): nodes 1-3 are SIGKILLed at once (their hosts stay up) and three
+replacements start on new hosts. Before, node 0 and the replacements waited for the join
+timeout ("may be alive elsewhere" every 5 s); now the lost members are proven gone (their
+connections closed on node 0's store, the other candidates refuse the connection) and a world
+of 8 with the replacements trains within 60 s of their start.
 """
 
 from __future__ import annotations
@@ -126,4 +134,25 @@ def test_a_node_cut_from_the_store_alone_never_makes_a_second_world(tmp_path):
         assert "epoch 1 proposed" in job.log(3) and "went back to it" in job.log(3), job.tail()
         print(f"partial cut: worlds since the cut: "
               f"{[(w, sorted(n)) for lo, hi, w, n in worlds.values() if hi > t_cut]}")
+    assert c.leftovers() == {}
+
+
+@pytest.mark.timeout(420)
+def test_a_rack_lost_at_once_is_proven_gone_and_replaced(tmp_path):
+    with cluster_or_skip(7, "rk") as c:
+        job = TorchJob(c, tmp_path, "1:4", candidates=3, last_call=1)
+        for i in range(4):
+            job.start(i)
+        job.wait_steps({0, 1, 2, 3}, 8, 0.0, timeout=180)
+        for i in (1, 2, 3):  # at once: nobody acts between the first death and the last
+            c.freeze(i)
+        for i in (1, 2, 3):
+            c.kill(i)
+        t_new = time.time()
+        for i in (4, 5, 6):
+            job.start(i)
+        got = job.wait_steps({0, 4, 5, 6}, 8, t_new, timeout=60)
+        took = max(got.values()) - t_new
+        print(f"rack loss: a world of 8 with the replacements {took:.1f}s after their start")
+        assert not two_worlds_at_once(job.worlds()), f"{job.worlds()}\n{job.tail(3000)}"
     assert c.leftovers() == {}
