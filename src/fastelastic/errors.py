@@ -86,6 +86,14 @@ class LaunchError(FastElasticError):
     """The launcher was given a configuration it cannot run."""
 
 
+class NumaBindingError(FastElasticError, RuntimeError):
+    """``--numa-binding`` / ``numa_options`` cannot bind a worker (its text is one line).
+
+    torch fails in the same cases (a ``RuntimeError``, ``AssertionError`` or ``ValueError`` from
+    ``torch.numa.binding``); with ``should_fall_back_if_binding_fails`` the worker runs unbound.
+    """
+
+
 # --------------------------------------------------------------------------- multiprocessing
 
 

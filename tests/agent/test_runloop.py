@@ -134,3 +134,36 @@ def test_final_and_member_states():
     assert set(TRANSITIONS) == set(S)
     for targets in TRANSITIONS.values():  # every non-final state can end (a signal, an error)
         assert not targets or S.ENDED in targets
+
+
+@pytest.mark.parametrize("current,new", list(itertools.product(list(AgentState), repeat=2)))
+def test_a_step_records_its_state_and_says_whether_the_loop_would_move_so(current, new):
+    from fastelastic.agent.server._runloop import step
+
+    state, in_order = step(current, new)
+    assert state is new  # never refused, whatever the order
+    assert in_order == (new is current or new in TRANSITIONS[current])
+
+
+def test_no_import_circle_between_the_agent_and_its_run_loop():
+    """``_runloop`` and ``api`` used to import each other; it worked only because the package
+    imported ``api`` first. Each imports alone in a fresh interpreter now, and the state types
+    live in a leaf module that imports nothing of the agent."""
+    import ast
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import fastelastic.agent.server._states as states
+
+    tree = ast.parse(Path(states.__file__).read_text())
+    imported = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    assert not [m for m in imported if m.startswith("fastelastic")], imported
+    for first in ("_runloop", "_states", "api"):
+        code = (f"import importlib; importlib.import_module('fastelastic.agent.server.{first}');"
+                "from fastelastic.agent.server import api, _runloop;"
+                "assert _runloop.WorkerState is api.WorkerState")
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 0, done.stderr

@@ -351,3 +351,50 @@ def test_run_returns_none_on_a_graceful_rendezvous_exit(store_server, tmp_path):
     agent = PopenAgent(make_spec(handler, f"open({str(marker)!r}, 'w')", nproc=1))
     assert agent.run() is None
     assert handler.rounds == 1 and not marker.exists() and agent.procs == {}
+
+
+class FakeWorkersAgent(SimpleElasticAgent):
+    """torch's own launcher tests drive the protected steps in their own order with an agent
+    like this one (no real workers; ids are global ranks)."""
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.stopped = self.started = 0
+
+    def _start_workers(self, wg):
+        self.started += 1
+        return {w.local_rank: w.global_rank for w in wg.workers}
+
+    def _stop_workers(self, wg, is_restart=False):
+        wg.group_rank = wg.group_world_size = None
+        self.stopped += 1
+
+    def _monitor_workers(self, wg):
+        return RunResult(WorkerState.HEALTHY)
+
+    def _shutdown(self, death_sig=signal.SIGTERM, timeout=30):
+        pass
+
+
+def test_protected_steps_out_of_order_are_recorded_not_refused(store_server):
+    """A fresh agent restarted three times (torch's ``test_restart_workers``; it raised
+    ``AssertionError: agent state INIT -> STOPPING`` while the states were checked)."""
+    from fastelastic.agent.server._runloop import AgentState
+
+    rdzv = StoreRendezvous(store_server, 0, 1)
+    agent = FakeWorkersAgent(make_spec(rdzv, "pass", nproc=3))
+    wg = agent.get_worker_group()
+    for i in range(3):
+        agent._restart_workers(wg)
+        assert wg.state == WorkerState.HEALTHY
+        assert wg.group_rank == 0 and wg.group_world_size == 1
+        assert [w.id for w in wg.workers] == [0, 1, 2]
+        assert agent._agent_state is AgentState.RUNNING
+        assert (agent.started, agent.stopped) == (i + 1, i + 1)
+    # a step into a state the run loop never goes to from here is recorded too
+    agent._enter_step(AgentState.EXIT_BARRIER)
+    agent._rendezvous(wg)
+    assert agent._agent_state is AgentState.RENDEZVOUS
+    # the run loop's own decisions are still checked
+    with pytest.raises(AssertionError, match="RENDEZVOUS -> SUCCEEDED"):
+        agent._set_state(AgentState.SUCCEEDED)

@@ -133,5 +133,8 @@ elif MODE == "grandchild":
     child = subprocess.Popen(["sleep", "60"])
     _write(f"{RANK}.pid", {"pid": os.getpid(), "ppid": os.getppid(), "grandchild": child.pid})
     _block()
+elif MODE == "orphan":  # leaves a grandchild in its process group and exits at once
+    child = subprocess.Popen(["sleep", "60"])
+    _write(f"{RANK}.pid", {"pid": os.getpid(), "ppid": os.getppid(), "grandchild": child.pid})
 else:
     raise SystemExit(f"unknown mode {MODE}")

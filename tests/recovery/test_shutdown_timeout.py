@@ -17,7 +17,10 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 WORKER = HERE / "stubborn_worker.py"
 TIMEOUT_S = 2
-MARGIN_S = 3.0  # shared machines: the stop may end this much after the timeout
+# shared machines: the stop may end this much after the timeout. Fixed, not a same-run
+# baseline: the property is "the agent stops at the shutdown timeout, not at torch's 30 s
+# default or never", checked beside torchrun in the same test
+MARGIN_S = 3.0
 
 LAUNCHERS = {"fastrun": [sys.executable, "-m", "fastelastic.run"],
              "torchrun": [sys.executable, "-m", "torch.distributed.run"]}

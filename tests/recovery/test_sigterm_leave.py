@@ -138,6 +138,6 @@ def test_sigterm_leave_survivors_train_again_at_once(tmp_path):
 
 @pytest.mark.timeout(180)
 def test_sigterm_leave_at_torch_default_timeouts(tmp_path):
-    """No timeouts in --rdzv-conf (last call 30 s, join 600 s): no wait for a last call."""
-    took = _leave_and_reform(tmp_path, "")
-    assert took < 30
+    """No timeouts in --rdzv-conf (last call 30 s, join 600 s): no wait for a last call
+    (``_leave_and_reform`` asserts TARGET_S + MARGIN_S, far below the 30 s last call)."""
+    _leave_and_reform(tmp_path, "")

@@ -178,3 +178,19 @@ def test_c10d_v2_handler_answers_to_its_name(tmp_path, store_type):
         assert handler.get_backend() == "c10d-v2"
     finally:
         handler.shutdown()
+
+
+def test_each_rendezvous_module_logs_under_a_child_of_fast_rendezvous_logger():
+    """A logger per module (their records tell where they come from), each a child of the
+    name they all used before, so users' logging configs for that name keep working."""
+    import importlib
+    import logging
+
+    parent = "fastelastic.rendezvous.fast_rendezvous"
+    names = set()
+    for mod in ("_failover", "_liveness", "_round", "_store_hosting", "_worker_store"):
+        log = importlib.import_module(f"fastelastic.rendezvous.{mod}").log
+        assert log.name.startswith(parent + "."), log.name
+        assert log.parent is logging.getLogger(parent) and log.propagate
+        names.add(log.name)
+    assert len(names) == 5

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -527,9 +529,9 @@ def test_a_re_forming_round_is_sealed_only_after_every_returning_member_has_a_ti
         h.shutdown()
 
 
-def test_shutdown_closes_the_second_connection_the_handler_made(server):
+def test_shutdown_closes_every_connection_the_handler_made(server):
     """While a rendezvous holds the handler's connection, another thread's call goes over a
-    second connection the handler makes; the handler owns it and closes it at shutdown."""
+    second connection the handler makes; the handler owns both and closes them at shutdown."""
     h = _handler(server.port, 1, 1)
     base = server.server.num_connections
     with h._lock:  # as next_rendezvous holds it during a long wait
@@ -539,10 +541,64 @@ def test_shutdown_closes_the_second_connection_the_handler_made(server):
     assert server.server.num_connections == base + 1  # the second connection, kept for reuse
     assert h.shutdown()
     deadline = time.monotonic() + 10
-    while server.server.num_connections > base and time.monotonic() < deadline:
+    while server.server.num_connections > base - 1 and time.monotonic() < deadline:
         time.sleep(0.01)  # bounded: the server sees the close asynchronously
-    assert server.server.num_connections == base
+    assert server.server.num_connections == base - 1  # its own connection closed too
 
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_refused(port: int, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), 1).close()
+        except ConnectionRefusedError:
+            return
+        time.sleep(0.01)  # bounded: the server closes its listener asynchronously
+    raise AssertionError(f"127.0.0.1:{port} still accepts connections")
+
+
+@pytest.mark.parametrize("path", ["closed", "could-not-close"])
+def test_shutdown_closes_the_store_the_handler_hosts_on_every_path(path, monkeypatch):
+    """An in-process launch kept the hosted store's port (and its client) until garbage
+    collection when the handler had one endpoint, or when closing failed."""
+    port = _free_port()
+    params = RendezvousParameters(backend="c10d", endpoint=f"127.0.0.1:{port}",
+                                  run_id="owned", min_nodes=1, max_nodes=1, is_host="true",
+                                  read_timeout="5")
+    h = get_rendezvous_handler(params)
+    assert h.next_rendezvous().world_size == 1
+    if path == "could-not-close":
+        def fail() -> None:
+            raise RendezvousConnectionError("injected: the store did not answer")
+
+        monkeypatch.setattr(h, "set_closed", fail)
+    assert h.shutdown() is (path == "closed")
+    _wait_refused(port)
+    with pytest.raises(StoreConnectionError):
+        TCPStore("127.0.0.1", port, timeout=0.5)
+    h.shutdown()  # idempotent
+    assert h.is_closed()  # as torch's: closed for good, without its store
+    with pytest.raises(RendezvousClosedError):
+        h.next_rendezvous()
+
+
+def test_a_normal_end_is_quiet_on_the_node_whose_store_host_left_first(server, caplog):
+    """At a normal end the host closes the rendezvous and exits; a node that shuts down after
+    it cannot reach the store. That used to be a warning in every such job's log."""
+    caplog.set_level(logging.INFO, logger="fastelastic.rendezvous")
+    h = _handler(server.port, 1, 1)
+    assert h.next_rendezvous().world_size == 1
+    server.shutdown_server()  # the host is gone
+    assert h.shutdown() is False
+    said = [r for r in caplog.records if "shutdown" in r.getMessage() or "gone" in r.getMessage()]
+    assert said and all(r.levelno < logging.WARNING for r in said), [
+        (r.levelname, r.getMessage()) for r in said]
 
 class _Term(Exception):
     """What the agent's SIGTERM handler raises (torch's SignalException), here from SIGALRM."""

@@ -22,6 +22,7 @@ from fastelastic.agent.server.local_elastic_agent import LocalElasticAgent
 from fastelastic.errors import SignalException
 from fastelastic.multiprocessing import DefaultLogsSpecs, LogsSpecs
 from fastelastic.multiprocessing.errors import ChildFailedError
+from fastelastic.numa import as_numa_options
 from fastelastic.rendezvous import RendezvousParameters
 from fastelastic.rendezvous import registry as rdzv_registry
 from fastelastic.rendezvous.utils import parse_rendezvous_endpoint
@@ -54,7 +55,8 @@ class LaunchConfig:
         metrics_cfg: passed to ``fastelastic.metrics.initialize_metrics``.
         local_addr: this node's address for the rendezvous (default: its FQDN).
         event_log_handler: name of a registered ``fastelastic.events`` handler.
-        numa_options: NUMA binding options passed through to the agent.
+        numa_options: NUMA binding (``--numa-binding``): a mode name or a ``NumaOptions``
+            (fastelastic's or torch's, read by its attributes); see :mod:`fastelastic.numa`.
         signals_to_handle: signals forwarded to the workers (comma separated names).
         duplicate_stdout_filters: stdout lines matching any of these also go to a file.
         duplicate_stderr_filters: stderr lines matching any of these also go to a file.
@@ -106,6 +108,8 @@ class LaunchConfig:
             self.shutdown_timeout = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
         elif self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be non-negative, got {self.shutdown_timeout}")
+        # a mode name, ours or torch's NumaOptions (read by its attributes); a bad one fails here
+        self.numa_options = as_numa_options(self.numa_options)
 
 
 class elastic_launch:  # noqa: N801 - torch's spelling

@@ -208,7 +208,9 @@ def get_args_parser(prog: str = "fastrun") -> ArgumentParser:
     a("--logs-specs", "--logs_specs", default=None, type=str,
       help="Name of a torchrun.logs_specs entry point providing the LogsSpecs class.")
     a("--numa-binding", "--numa_binding", type=str, choices=NUMA_MODES, default=None,
-      help="Bind workers to the CPUs near their GPU.")
+      help="Bind the worker of local rank i to CPUs near GPU i, as torchrun (no numactl "
+      "needed). A worker that cannot be bound fails the launch; FASTELASTIC_NUMA_FALLBACK=1 "
+      "runs it unbound, with a warning.")
     a("--signals-to-handle", "--signals_to_handle", action=env, type=str,
       default="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
       help="Signals the launcher forwards to the workers, comma separated.")

@@ -205,6 +205,7 @@ def run_and_report(fn: Callable[[], Any], parser: ArgumentParser) -> int:
     Returns:
         0 on success, 1 on a failed job, 2 on a configuration error, 128+N on signal N.
     """
+    from fastelastic.errors import NumaBindingError
     from fastelastic.multiprocessing.api import SignalException
     from fastelastic.multiprocessing.errors import ChildFailedError
 
@@ -223,6 +224,9 @@ def run_and_report(fn: Callable[[], Any], parser: ArgumentParser) -> int:
     except ValueError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
+    except NumaBindingError as e:  # torch's outcome (a failed launch), in one line
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 1
     except Exception as e:
         line = _store_error_line(e)
         if line is None:

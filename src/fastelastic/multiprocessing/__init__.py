@@ -76,7 +76,9 @@ def start_processes(
         logs_specs: log destinations: ``log_dir``, ``redirects``, ``tee``.
         log_line_prefixes: header of tee'd lines by local rank.
         start_method: ``spawn``, ``fork`` or ``forkserver`` (functions only).
-        numa_options: accepted for torch compatibility; NUMA binding is not applied.
+        numa_options: NUMA binding (torch's ``NumaOptions`` or ours, or a mode name): local
+            rank ``i`` runs on the CPUs torch would choose for GPU ``i`` (see
+            :mod:`fastelastic.numa`); the chosen sets are the context's ``numa_cpus``.
         duplicate_stdout_filters: copy matching tee'd stdout lines to ``filtered_stdout.log``.
         duplicate_stderr_filters: copy matching tee'd stderr lines to ``filtered_stderr.log``.
         zygote: a started :class:`~fastelastic.multiprocessing._zygote.Zygote` (fastelastic):
@@ -87,6 +89,7 @@ def start_processes(
 
     Raises:
         RuntimeError: ``args`` or ``envs`` do not cover every local rank.
+        NumaBindingError: a worker cannot be bound (and no fallback); nothing was started.
         ValueError: unknown ``start_method``.
     """
     nprocs = len(args)

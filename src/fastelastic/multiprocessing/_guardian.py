@@ -5,8 +5,10 @@ session so terminal signals and group kills aimed at the agent do not reach it).
 holds the only write end of a pipe whose read end is the guardian's stdin, and sends
 ``+pid``/``-pid`` lines as worker groups start and are cleaned up. When the agent exits or is
 SIGKILLed the kernel closes the write end; the guardian reads EOF and SIGKILLs every process
-group still registered (grandchildren included) and each leader through a pidfd (in case it
-had not become a group leader yet), then exits. Forked children close their inherited copy of
+group still registered whose leader is not reaped yet (grandchildren included: while the leader
+is unreaped its pid, so its group id, cannot be reused; the agent unregisters a group before
+it reaps it) and each leader through a pidfd (in case it had not become a group leader yet),
+then exits. Forked children close their inherited copy of
 the write end (``os.register_at_fork``) so they cannot keep the pipe open.
 
 The handle keeps the set of registered pids: a guardian that died (killed by someone) is
@@ -51,8 +53,10 @@ while True:
             if fd >= 0:
                 os.close(fd)
 for pid, fd in groups.items():
-    try:
-        os.killpg(pid, signal.SIGKILL)
+    try:  # the group only while its leader is unreaped: its id cannot be another's then
+        if fd >= 0:
+            signal.pidfd_send_signal(fd, 0)
+            os.killpg(pid, signal.SIGKILL)
     except OSError:
         pass
     if fd >= 0:
@@ -99,8 +103,10 @@ class _Guardian:
                 self._live.clear()
             if add:
                 self._live[pid] = None
+            elif pid in self._live:
+                del self._live[pid]
             else:
-                self._live.pop(pid, None)
+                return  # not registered (or unregistered already): nothing to say
             if self._wfd < 0 or (self._proc is not None and self._proc.poll() is not None):
                 if self._wfd >= 0:
                     logger.warning("worker guardian exited; starting a new one")

@@ -51,6 +51,25 @@ def _kill_grace() -> float:
 _DRAIN_S = 2.0
 
 
+def _open_pidfd(pid: int) -> int:
+    """A pidfd of ``pid``, or -1 when it is gone (reaped) already."""
+    try:
+        return os.pidfd_open(pid)
+    except ProcessLookupError:
+        return -1
+
+
+def _unreaped(pidfd: int) -> bool:
+    """True while the process behind ``pidfd`` is alive or a zombie (not reaped)."""
+    if pidfd < 0:
+        return False
+    try:
+        signal.pidfd_send_signal(pidfd, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def _signal_exception(sig: signal.Signals) -> SignalException:
     return SignalException(f"Process {os.getpid()} got signal: {sig}", sigval=sig)
 
@@ -218,6 +237,9 @@ class PContext(abc.ABC):
         )
         self._monitor: PidfdMonitor | None = None
         self._pids: dict[int, int] = {}  # local rank -> pid (== its process group id)
+        # local rank -> a pidfd of its leader: while the leader is not reaped its pid, and so
+        # its group id, cannot be reused, so signalling the group reaches only ours
+        self._leader_fds: dict[int, int] = {}
         self._rank_of: dict[int, int] = {}
         self._exitcodes: dict[int, int | None] = {}  # None: the exit status is unknown
         self._resolving: set[int] = set()  # ranks whose exit is being read (outside _lock)
@@ -264,6 +286,7 @@ class PContext(abc.ABC):
             self._monitor.add(pid, reap=False)
             self._rank_of[pid] = rank
             self._pids[rank] = pid
+            self._leader_fds[rank] = _open_pidfd(pid)
         guardian.register(pid)
 
     # ------------------------------------------------------------------ waiting
@@ -470,7 +493,14 @@ class PContext(abc.ABC):
     # ------------------------------------------------------------------ stopping
 
     def _signal_group(self, rank: int, sig: int) -> None:
+        """Signals rank's process group (grandchildren too), only while the group is provably
+        ours: its leader is alive or a zombie nobody reaped (the zygote reaps its workers only
+        once ``_reap`` says so; plain workers are reaped by ``_reap`` itself)."""
         pid = self._pids[rank]
+        if not _unreaped(self._leader_fds.get(rank, -1)):
+            logger.debug("process group %s not signalled: its leader was reaped, so the id may "
+                         "be another group's now", pid)
+            return
         try:
             os.killpg(pid, sig)
         except ProcessLookupError:
@@ -538,6 +568,7 @@ class PContext(abc.ABC):
             self._signal_group(rank, signal.SIGKILL)
         for rank in self._wait_ranks(set(self._pids), time.monotonic() + _kill_grace()):
             self.stuck_pids[rank] = "unknown"
+        self._forget_dead()
         self._reap()
 
     def _stop_processes(self, sig: int, timeout: float) -> None:
@@ -581,17 +612,26 @@ class PContext(abc.ABC):
                     grace,
                     state,
                 )
+        self._forget_dead()
         self._reap()
 
     @abc.abstractmethod
     def _reap(self) -> None:
         """Reaps the exited processes (context specific)."""
 
-    def _release(self) -> None:
+    def _forget_dead(self) -> None:
+        """Takes the groups known dead and SIGKILLed off the guardian's list, before their
+        leaders are reaped (after it the guardian could no longer prove a group ours)."""
         for rank, pid in self._pids.items():
-            # only groups known dead and SIGKILLed leave the guardian's list
             if rank not in self.stuck_pids and rank in self._exitcodes:
                 guardian.unregister(pid)
+
+    def _release(self) -> None:
+        self._forget_dead()  # idempotent: after a stop that was cut short too
+        for fd in self._leader_fds.values():
+            if fd >= 0:
+                os.close(fd)
+        self._leader_fds.clear()
         # a survivor keeps its pipes open: waiting for their EOF would only add _DRAIN_S
         if not self._pump.drain(0.2 if self.stuck_pids else _DRAIN_S):
             self._pump.stop()

@@ -39,6 +39,24 @@ def _rebind(name: str, fd: int) -> None:
         setattr(sys, name, open(fd, "w", buffering=1, closefd=False, errors="backslashreplace"))  # noqa: SIM115
 
 
+def bind_all_threads(cpus: frozenset[int]) -> None:
+    """Binds this process's threads to ``cpus``: the calling one, and every other one that
+    still has the calling thread's former affinity (one bound elsewhere on purpose keeps its
+    own, as torch does; a thread that ended meanwhile is skipped)."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return
+    for tid in tids:
+        try:
+            if os.sched_getaffinity(int(tid)) == before:
+                os.sched_setaffinity(int(tid), cpus)
+        except (OSError, ValueError):
+            continue
+
+
 def worker_main(
     fn: Callable[..., Any],
     args: tuple,
@@ -49,12 +67,18 @@ def worker_main(
     agent_pid: int,
     pdeathsig: bool,
     reset_signals: tuple[int, ...],
+    cpus: frozenset[int] | None = None,
 ) -> None:
-    """Runs ``fn(*args)`` in a fresh process group and stores its return value in ``ret_path``."""
+    """Runs ``fn(*args)`` in a fresh process group and stores its return value in ``ret_path``.
+
+    With ``cpus`` (NUMA binding) every thread of the child is bound to them before ``fn`` runs.
+    """
     try:
         os.setpgid(0, 0)
     except OSError:
         pass
+    if cpus:
+        bind_all_threads(cpus)
     if pdeathsig:
         set_pdeathsig(signal.SIGKILL, agent_pid)
     for sig in reset_signals:

@@ -28,6 +28,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from fastelastic._native.procmon import set_pdeathsig
 from fastelastic.multiprocessing._guardian import guardian
 from fastelastic.multiprocessing._pcontext import _KILL_GRACE_S
 from fastelastic.multiprocessing.api import SubprocessContext, _close_fds
+from fastelastic.numa import bind_local_ranks
 
 __all__ = [
     "PRELOAD_ENV",
@@ -58,6 +60,9 @@ _SUPPORTED_OPTIONS = ("-u",)
 _PYTHON_RE = re.compile(r"^python[0-9.]*$")
 _MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 _REPLY_TIMEOUT_S = 30.0
+# close() waits this long for the supervisor (which gives a zygote _KILL_GRACE_S, then
+# SIGKILL), then SIGKILLs the zygote itself and waits as long again
+_CLOSE_JOIN_S = _KILL_GRACE_S + 5.0
 _MAX_EARLY_DEATHS = 3
 _LOST = object()  # the zygote died before it reported this worker's exit
 
@@ -184,7 +189,9 @@ class Zygote:
         modules: the modules to import once.
         command: the workers' Python command (gives the interpreter, its options and
             ``sys.path[0]`` for the imports).
-        ready_timeout: the longest a spawn waits for the imports before starting plainly.
+        ready_timeout: the longest the imports may take, counted from ``start()`` (and from
+            the relaunch of a zygote that had been ready). Past it the zygote is given up at
+            once, killed, and every worker starts plainly: no later wait waits again.
     """
 
     def __init__(
@@ -196,6 +203,7 @@ class Zygote:
         self._cond = threading.Condition()
         self._spawn_lock = threading.Lock()  # one spawn request at a time
         self._state = ZygoteState.NEW
+        self._ready_by = float("inf")  # monotonic deadline of the imports while STARTING
         self._reason = ""
         self._gen = 0  # the zygote process's generation (one per launch)
         self._sock: socket.socket | None = None  # the live generation's, while it is usable
@@ -233,6 +241,9 @@ class Zygote:
         """
         if new not in _TRANSITIONS[self._state]:
             raise RuntimeError(f"zygote: no transition {self._state.value} -> {new.value}")
+        if new is ZygoteState.STARTING and self._state is not ZygoteState.STARTING:
+            # a zygote dying before it is ready is relaunched within the same allowance
+            self._ready_by = time.monotonic() + self._ready_timeout
         self._state = new
         if new is ZygoteState.UNUSABLE:
             self._reason = reason
@@ -315,11 +326,16 @@ class Zygote:
         logger.info("worker zygote %s started: importing %s", proc.pid, ",".join(self.modules))
         return gen, parent, proc
 
-    def _give_up(self, reason: str) -> None:
+    def _give_up(self, reason: str, kill: bool = False) -> None:
+        """Marks the zygote unusable; ``kill``: and SIGKILLs the live one (the supervisor
+        then sees its socket end, reaps it and launches no other)."""
         with self._cond:
             if self._state in (ZygoteState.CLOSED, ZygoteState.UNUSABLE):
                 return
             self._set_state(ZygoteState.UNUSABLE, reason)
+            proc = self._proc if kill else None
+            if proc is not None and proc.returncode is None:
+                proc.kill()  # it is the supervisor's child, not reaped yet (we hold the lock)
         logger.warning("--preload: starting workers plainly: %s", reason)
 
     def _read(self, sock: socket.socket, proc: subprocess.Popen) -> None:
@@ -377,9 +393,11 @@ class Zygote:
         return True
 
     def close(self) -> None:
-        """Stops the zygote (it SIGKILLs any worker it still has) and waits for it.
+        """Stops the zygote (it SIGKILLs any worker it still has) and waits for it, boundedly.
 
-        No zygote process outlives this call, whatever the supervisor was doing.
+        No zygote process outlives this call, whatever the supervisor was doing, unless it
+        survives SIGKILL (uninterruptible sleep): then it is logged and left behind after
+        ``2 * _CLOSE_JOIN_S``.
         """
         with self._cond:
             if self._state is ZygoteState.CLOSED:
@@ -391,8 +409,18 @@ class Zygote:
                 except OSError:
                     pass
             thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join()
+        if thread is None or thread is threading.current_thread():
+            return
+        thread.join(_CLOSE_JOIN_S)
+        if thread.is_alive():  # a zygote that cannot be reaped (uninterruptible sleep...)
+            with self._cond:
+                proc = self._proc
+                if proc is not None and proc.returncode is None:
+                    proc.kill()
+            thread.join(_CLOSE_JOIN_S)
+        if thread.is_alive():
+            logger.warning("worker zygote %s: its supervisor did not finish within %gs of "
+                           "close(); leaving it behind", self.pid, 2 * _CLOSE_JOIN_S)
 
     # ------------------------------------------------------------------ workers
 
@@ -402,14 +430,23 @@ class Zygote:
             logger.warning("--preload: starting a worker plainly: %s", reason)
 
     def wait_ready(self, timeout: float | None = None) -> bool:
-        """Waits (up to ``timeout``, default ``ready_timeout``) for the imports of a zygote that
-        is still starting; True if it is ready."""
+        """Waits for the imports of a zygote that is still starting; True if it is ready.
+
+        Waits up to ``timeout``, or (None) until the ready deadline: a zygote still starting
+        then is given up and killed, so every later wait returns at once.
+        """
         with self._cond:
+            until = self._ready_by if timeout is None else time.monotonic() + timeout
+            wait = min(until, self._ready_by) - time.monotonic()
             self._cond.wait_for(
                 lambda: self._state is not ZygoteState.STARTING,
-                self._ready_timeout if timeout is None else timeout,
+                None if wait == float("inf") else max(0.0, wait),
             )
-            return self._state is ZygoteState.READY
+            late = self._state is ZygoteState.STARTING and time.monotonic() >= self._ready_by
+        if late:
+            self._give_up(f"its imports did not finish within the ready timeout "
+                          f"({self._ready_timeout:g}s); the zygote was killed", kill=True)
+        return self._state is ZygoteState.READY
 
     def _send(self, data: bytes, fds: tuple[int, ...] = ()) -> int:
         """Sends one message to the live zygote (call with ``_cond`` held); its generation.
@@ -427,7 +464,7 @@ class Zygote:
     def spawn(self, request: dict[str, Any], fds: tuple[int, int, int]) -> int | str:
         """Forks one worker; returns its pid, or why to start it plainly instead.
 
-        Waits (up to ``ready_timeout``) for the imports of a zygote that is still starting.
+        Waits for the imports of a zygote that is still starting, until the ready deadline.
         """
         data = pickle.dumps(("spawn", request), protocol=pickle.HIGHEST_PROTOCOL)
         if len(data) > _MAX_MSG:
@@ -471,6 +508,17 @@ class Zygote:
                 self._send(pickle.dumps(("ack", pid)))
             except OSError:
                 pass  # the zygote is gone (the worker died with it) or hung (it is killed)
+
+    def release(self, pids: list[int]) -> None:
+        """Tells the zygote the agent is done with these exited workers' process groups: it
+        reaps them only now, so their ids stay ours while the agent may signal the groups."""
+        if not pids:
+            return
+        with self._cond:
+            try:
+                self._send(pickle.dumps(("reap", list(pids))))
+            except OSError:
+                pass  # the zygote is gone: its zombies went to init, which reaped them
 
     def exit_status(self, pid: int, timeout: float) -> int | None:
         """The exit code of worker ``pid`` (``-signal`` if killed), as its zygote reported.
@@ -535,11 +583,13 @@ class ZygoteContext(SubprocessContext):
             "cwd": os.getcwd(),
             "path0": cmd.path0(),
             "sigign": _ignored_signals_mask(),
+            "cpus": sorted(self.numa_cpus.get(rank, ())) or None,  # NUMA binding
         }
 
     def _start(self) -> None:
         if self.subprocess_handlers or self._zpids:
             raise ValueError("The subprocess handlers already started (start() called twice?)")
+        self.numa_cpus = bind_local_ranks(self._numa_options, self.nprocs)
         for rank in range(self.nprocs):
             cmd = python_command(self.entrypoint, self.args[rank])
             forked = isinstance(cmd, PythonCommand) and self._zygote.matches(cmd)
@@ -580,6 +630,10 @@ class ZygoteContext(SubprocessContext):
         if rank in self.subprocess_handlers:
             return super()._unknown_exit(rank)
         return f"its zygote did not report its exit within {_KILL_GRACE_S:g}s"
+
+    def _reap(self) -> None:
+        super()._reap()  # the ranks started plainly
+        self._zygote.release([pid for rank, pid in self._zpids.items() if rank in self._exitcodes])
 
     def _release(self) -> None:
         try:

@@ -39,7 +39,12 @@ _STARTUP_ENV = ("LD_PRELOAD", "LD_LIBRARY_PATH")  # also every PYTHON* variable
 
 
 def _send(sock, msg):
-    sock.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+    """Sends one message; a gone agent is not an error here (the next receive sees its EOF and
+    ends the zygote: e.g. a launch that failed while the zygote was still importing)."""
+    try:
+        sock.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+    except ConnectionError:
+        pass
 
 
 def _startup_env(env):
@@ -96,6 +101,12 @@ def _ignored_from_mask(mask):
 def _child(req, fds, zygote_pid, closing):
     """In the forked child: becomes the worker described by ``req``; returns the job."""
     os.setpgid(0, 0)
+    if req.get("cpus"):
+        # NUMA binding, before anything runs (the zygote forks with one thread, so this binds
+        # the whole worker). torch's intra-op thread count needs no fixing: the zygote only
+        # forks when torch's import started no OpenMP pool, i.e. with OMP_NUM_THREADS=1 in
+        # its environment, which decides that count in a plain worker as well (tested).
+        os.sched_setaffinity(0, req["cpus"])
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG: die with the zygote
     if os.getppid() != zygote_pid:
@@ -161,13 +172,24 @@ def _serve(cfg):
     me = os.getpid()
     sel = selectors.DefaultSelector()
     sel.register(ctl, selectors.EVENT_READ)
-    kids = {}  # pid -> [pidfd, acked, exited]
+    # pid -> [pidfd, acked, exited, reported]. An exited worker stays a zombie (its status is
+    # read with WNOWAIT) until the agent says "reap": its pid, and so its process group id,
+    # cannot be reused while the agent may still signal the group (grandchildren included).
+    kids = {}
+
+    def report(pid):
+        entry = kids[pid]
+        if entry[1] and entry[2] and not entry[3]:
+            entry[3] = True
+            info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+            code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+            _send(ctl, ("exit", pid, code))
 
     def reap(pid):
-        fd = kids.pop(pid)[0]
-        _, status = os.waitpid(pid, 0)
-        os.close(fd)
-        _send(ctl, ("exit", pid, os.waitstatus_to_exitcode(status)))
+        entry = kids.pop(pid, None)
+        if entry is not None:
+            os.waitpid(pid, 0)
+            os.close(entry[0])
 
     while True:
         for key, _ in sel.select():
@@ -175,8 +197,7 @@ def _serve(cfg):
                 pid = key.data
                 sel.unregister(key.fd)
                 kids[pid][2] = True
-                if kids[pid][1]:
-                    reap(pid)
+                report(pid)
                 continue
             try:
                 data, fds, flags, _ = socket.recv_fds(ctl, _MAX_MSG, 3)
@@ -194,8 +215,12 @@ def _serve(cfg):
                 entry = kids.get(msg[1])
                 if entry is not None:
                     entry[1] = True
-                    if entry[2]:
-                        reap(msg[1])
+                    report(msg[1])
+                continue
+            if msg[0] == "reap":  # the agent is done with these groups
+                for pid in msg[1]:
+                    if pid in kids and kids[pid][3]:
+                        reap(pid)
                 continue
             req = msg[1]
             reason = "truncated request" if flags & socket.MSG_TRUNC or len(fds) != 3 else ""
@@ -222,7 +247,7 @@ def _serve(cfg):
             for fd in fds:
                 os.close(fd)
             pidfd = os.pidfd_open(pid)
-            kids[pid] = [pidfd, False, False]
+            kids[pid] = [pidfd, False, False, False]
             sel.register(pidfd, selectors.EVENT_READ, pid)
             _send(ctl, ("spawned", pid))
 

@@ -32,6 +32,7 @@ from fastelastic.multiprocessing.subprocess_handler import (
     SubprocessHandler,
     get_subprocess_handler,
 )
+from fastelastic.numa import bind_local_ranks
 
 __all__ = [  # torch's api module also exports the log specs and ProcessFailure; so do we
     "DefaultLogsSpecs",
@@ -86,12 +87,14 @@ class MultiprocessContext(PContext):
         )
         self.start_method = start_method
         self._numa_options = numa_options
+        self.numa_cpus: dict[int, frozenset[int]] = {}  # local rank -> its CPUs (bound ranks)
         self._procs: dict[int, Any] = {}
         self._ret_dir = tempfile.mkdtemp(prefix="fastelastic-ret-")
 
     def _start(self) -> None:
         if self._procs:
             raise ValueError("The process context already started (start() called twice?)")
+        self.numa_cpus = bind_local_ranks(self._numa_options, self.nprocs)
         ctx = mp.get_context(self.start_method)
         on_main = threading.current_thread() is threading.main_thread()
         reset: tuple[int, ...] = ()
@@ -118,6 +121,7 @@ class MultiprocessContext(PContext):
                     os.getpid(),
                     on_main and self.start_method != "forkserver",
                     reset,
+                    self.numa_cpus.get(rank),
                 ),
                 name=f"{self.name}-{rank}",
                 daemon=False,
@@ -203,11 +207,13 @@ class SubprocessContext(PContext):
             duplicate_stderr_filters,
         )
         self._numa_options = numa_options
+        self.numa_cpus: dict[int, frozenset[int]] = {}  # local rank -> its CPUs (bound ranks)
         self.subprocess_handlers: dict[int, SubprocessHandler] = {}
 
     def _start(self) -> None:
         if self.subprocess_handlers:
             raise ValueError("The subprocess handlers already started (start() called twice?)")
+        self.numa_cpus = bind_local_ranks(self._numa_options, self.nprocs)
         for rank in range(self.nprocs):
             with self._signals.step():  # started and watched, or not started
                 out_fd, err_fd = self._child_stdio(rank)
@@ -227,6 +233,7 @@ class SubprocessContext(PContext):
             stderr=err_fd,
             local_rank_id=rank,
             numa_options=self._numa_options,
+            cpus=self.numa_cpus.get(rank, frozenset()),
         )
         self.subprocess_handlers[rank] = handler
         return handler.proc.pid

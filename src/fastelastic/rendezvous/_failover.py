@@ -39,7 +39,8 @@ def _is_mine(host: str) -> bool:
         except OSError:
             return False
 
-log = logging.getLogger("fastelastic.rendezvous.fast_rendezvous")
+# a child of fast_rendezvous's logger: logging configs written for that name keep working
+log = logging.getLogger("fastelastic.rendezvous.fast_rendezvous.failover")
 
 PROBE_S = 2.0  # seconds a candidate has to accept and answer a probe
 

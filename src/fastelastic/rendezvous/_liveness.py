@@ -16,7 +16,8 @@ from fastelastic.errors import StoreError
 
 from ._schema import SEAL, RoundKeys, parse_gone, who_parts
 
-log = logging.getLogger("fastelastic.rendezvous.fast_rendezvous")
+# a child of fast_rendezvous's logger: logging configs written for that name keep working
+log = logging.getLogger("fastelastic.rendezvous.fast_rendezvous.liveness")
 
 __all__ = ["BEATER", "Beats", "Deciders", "KeepAlive", "Watch", "lost_members"]
 

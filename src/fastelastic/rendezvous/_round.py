@@ -36,7 +36,8 @@ from ._schema import Seat
 
 __all__ = ["Config", "Event", "Machine", "Phase", "Seat", "transition"]
 
-log = logging.getLogger("fastelastic.rendezvous.fast_rendezvous")
+# a child of fast_rendezvous's logger: logging configs written for that name keep working
+log = logging.getLogger("fastelastic.rendezvous.fast_rendezvous.round")
 
 T = TypeVar("T")
 Proto = Generator[tuple[Any, ...], Any, T]  # yields a store request, is sent its reply

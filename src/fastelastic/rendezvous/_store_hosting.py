@@ -12,7 +12,8 @@ from fastelastic.errors import RendezvousConnectionError, StoreError
 
 from .utils import _matches_machine_hostname
 
-log = logging.getLogger("fastelastic.rendezvous.fast_rendezvous")
+# a child of fast_rendezvous's logger: logging configs written for that name keep working
+log = logging.getLogger("fastelastic.rendezvous.fast_rendezvous.store_hosting")
 
 
 def host_store(

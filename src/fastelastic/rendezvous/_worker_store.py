@@ -27,7 +27,8 @@ from fastelastic.errors import StoreError
 
 __all__ = ["WorkerStoreHost", "is_ip"]
 
-log = logging.getLogger("fastelastic.rendezvous.fast_rendezvous")
+# a child of fast_rendezvous's logger: logging configs written for that name keep working
+log = logging.getLogger("fastelastic.rendezvous.fast_rendezvous.worker_store")
 
 
 def is_ip(addr: str) -> bool:

@@ -17,6 +17,7 @@ from collections.abc import Generator, Iterator
 from typing import Any, TypeVar
 
 from fastelastic.errors import (
+    RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousMemberLostError,
     RendezvousTimeoutError,
@@ -51,6 +52,7 @@ DEFAULT_PORT = 29400
 _LINGER_S = 10.0  # at most this long the host's store outlives its own shutdown
 _MAX_HOPS = 64  # moves and returns of one next_rendezvous
 _LEAVE_CONNECT_S = 2.0  # at most this long a leave waits for a connection of its own
+_MEMBERS_LINGER_S = 2.0  # ... when no spare waits: for the members' own shutdowns
 DEFAULT_KEEP_ALIVE_INTERVAL = 1.0  # seconds
 DEFAULT_KEEP_ALIVE_MAX_ATTEMPT = 5  # detection window: interval * attempts = 5 s (torch: 15 s)
 
@@ -142,6 +144,7 @@ class FastRendezvousHandler(RendezvousHandler):
         self._candidates = candidates
         self._live = Live()  # where the rendezvous is (with candidates)
         self._move_lock = threading.RLock()  # one move at a time (see _move)
+        self._closed_owned = False  # shutdown() closed the connections and the hosted store
 
     # ------------------------------------------------------------------ running the protocol
 
@@ -263,6 +266,9 @@ class FastRendezvousHandler(RendezvousHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         """See base class."""
+        if self._closed_owned:
+            raise RendezvousClosedError(f"the handler of rendezvous '{self._run_id}' was shut "
+                                        "down")
         self._record(f"joining the next round of rendezvous '{self._run_id}'", NodeState.RUNNING)
         with self._lock:
             self._owner = threading.get_ident()
@@ -374,7 +380,10 @@ class FastRendezvousHandler(RendezvousHandler):
         )
 
     def is_closed(self) -> bool:
-        """See base class."""
+        """See base class. True once this handler was shut down (its connections are closed;
+        it closed the rendezvous, or its store was gone)."""
+        if self._closed_owned:
+            return True
         with self._conn() as store:
             return bool(self._run(_check(self._m.keys.closed), store))
 
@@ -486,44 +495,76 @@ class FastRendezvousHandler(RendezvousHandler):
     def shutdown(self) -> bool:
         """See base class: stops keep-alives and closes the rendezvous.
 
-        With several candidates, a node closes only a store it was a member of a round on: one
-        that gave up on a store it moved to alone (a cut link) must not close it for every
-        node started later."""
+        Then, on every path, closes what the handler owns: its connections and the store it
+        hosts (after the linger). With a single endpoint, a store whose host is gone cannot be
+        closed and admits nobody either: at a normal end the host closed the rendezvous and
+        left first, so this is said at INFO, not as a warning. With several candidates, a node
+        closes the rendezvous only on a store it was a member of a round on: one that gave up
+        on a store it moved to alone (a cut link) must not close it for every node started
+        later.
+        """
         self._stop_heartbeats()
         self._wstore.close()
         if self._candidates is not None and not self._live.formed:
             log.warning("rendezvous %s: not closing the store at %s: this node formed no world "
                         "on it", self._run_id, self._candidates.name(self._live.index))
-            self._close_side()
-            self._candidates.close()
+            self._close_owned(linger=False)
             return False
+        closed = False
         try:
             self.set_closed()
+            closed = True
         except (RendezvousConnectionError, StoreError) as e:
-            log.warning("rendezvous %s: shutdown could not close: %s", self._run_id, e)
-            self._close_side()
+            if isinstance(e, RendezvousConnectionError) and self._candidates is None and (
+                    self._server is None):
+                log.info("rendezvous %s: the store's host has gone; nothing is left to close "
+                         "(%s)", self._run_id, e)
+            else:
+                log.warning("rendezvous %s: shutdown could not close: %s", self._run_id, e)
             return False
-        self._linger()
-        self._close_side()
-        if self._candidates is not None:
-            self._candidates.close()
+        finally:
+            self._close_owned(linger=closed)
         return True
 
+    def _close_owned(self, linger: bool) -> None:
+        """Closes the handler's connections and (after the linger, when the rendezvous was
+        closed) the store it hosts; once."""
+        if self._closed_owned:
+            return
+        self._closed_owned = True
+        try:
+            if linger:
+                self._linger()
+        finally:
+            self._close_side()
+            with contextlib.suppress(Exception):
+                self._store.close()
+            stop = getattr(self._server, "shutdown_server", None)  # the store this node hosts
+            if stop is not None:
+                with contextlib.suppress(Exception):
+                    stop()
+            if self._candidates is not None:
+                self._candidates.close()
+
     def _linger(self) -> None:
-        """As the store's host, keeps it up (bounded) until the other nodes have gone, when
-        some wait for a next round (spares): they leave as soon as they read that the
-        rendezvous closed, and were the store to go first they would see a failure instead.
+        """As the store's host, keeps it up (bounded) until the other nodes have gone.
+
+        Nodes waiting for a next round (spares) leave as soon as they read that the
+        rendezvous closed; were the store to go first they would see a failure instead. The
+        members of the last round, at a normal end, are leaving the exit barrier and closing
+        the rendezvous themselves at the same moment: a store gone under them would be a
+        warning on every such node; they get ``_MEMBERS_LINGER_S``.
         """
         server = getattr(self._server, "server", None)
         if server is None or self._m.member is None:
             return
-        try:  # only nodes waiting for a next round need to read the end (a lost one never will)
-            if not self._run(self._m.has_waiters(), self._store):
-                return
+        try:
+            waiters = self._run(self._m.has_waiters(), self._store)
         except (RendezvousConnectionError, StoreError):
             return
         own = 1 + (self._side is not None and self._side is not self._store)
-        until = time.monotonic() + min(_LINGER_S, self._timeout.close.total_seconds())
+        bound = _LINGER_S if waiters else _MEMBERS_LINGER_S
+        until = time.monotonic() + min(bound, self._timeout.close.total_seconds())
         while server.num_connections > own and time.monotonic() < until:
             time.sleep(0.01)  # bounded: the server has no "connections dropped to N" event
 

@@ -16,7 +16,8 @@ Wire format, one JSON object per single-frame message (``v`` is the format versi
      "run_id": ..., "role": ..., "group_rank": int|null, "state": "INIT"|"HEALTHY"|...,
      "world_size": int|null, "group_world_size": int|null, "local_world_size": int,
      "restarts": int, "max_restarts": int, "workers_alive": int, "last_event": str,
-     "seq": int, "time": float (epoch seconds, for display), "event": {...} (kind=event only)}
+     "seq": int, "time": float (epoch seconds, for display), "event": {...} (kind=event only),
+     "numa": "MODE: RANK->CPUS ..." (with --numa-binding only: each local rank's CPUs)}
 """
 
 from __future__ import annotations
@@ -89,6 +90,9 @@ def agent_status(agent: Any, spec: Any = None) -> dict[str, Any]:
         except Exception:  # noqa: BLE001
             alive = 0
     st["workers_alive"] = alive
+    numa = getattr(agent, "numa_binding", None)
+    if isinstance(numa, str):
+        st["numa"] = numa
     return st
 
 

@@ -10,7 +10,8 @@ from typing import Any, TextIO
 
 __all__ = ["AgentRow", "JobView", "watch"]
 
-_COLUMNS = ("NODE", "PID", "RUN", "GROUP", "STATE", "WORLD", "RESTARTS", "ALIVE", "LAST EVENT")
+_COLUMNS = ("NODE", "PID", "RUN", "GROUP", "STATE", "WORLD", "RESTARTS", "ALIVE", "NUMA",
+            "LAST EVENT")
 _FINAL = ("SUCCEEDED", "FAILED")
 
 # The message schema (publisher.py): field -> accepted types. A field of another type is dropped
@@ -21,7 +22,7 @@ _SCHEMA: dict[str, tuple[type, ...]] = {
     "role": (str,), "group_rank": (int, type(None)), "state": (str,),
     "world_size": (int, type(None)), "group_world_size": (int, type(None)),
     "local_world_size": (int,), "restarts": (int,), "max_restarts": (int,),
-    "workers_alive": (int,), "last_event": (str,), "seq": (int,), "time": _NUM,
+    "workers_alive": (int,), "last_event": (str,), "seq": (int,), "time": _NUM, "numa": (str,),
 }
 MAX_MESSAGE = 64 * 1024       # bytes; longer messages are dropped by the socket
 MAX_AGENTS = 200_000          # rows kept; messages from further agents count as bad
@@ -92,6 +93,7 @@ class AgentRow:
             show(f.get("world_size")),
             restarts,
             alive,
+            show(f.get("numa")),
             show(f.get("last_event"))[:60],
         )
 
@@ -157,15 +159,24 @@ class JobView:
             g = r.fields.get("group_rank")
             return (str(r.fields.get("run_id")), g if isinstance(g, int) else 1 << 30, r.agent)
 
-        body = [r.cells(now, self.stale_after) for r in sorted(self.rows.values(), key=key)]
-        widths = [max(len(c[i]) for c in [_COLUMNS, *body]) for i in range(len(_COLUMNS))]
+        rows = sorted(self.rows.values(), key=key)
+        body = [r.cells(now, self.stale_after) for r in rows]
+        head: tuple[str, ...] = _COLUMNS
+        if not any("numa" in r.fields for r in rows):  # the column only with --numa-binding
+            drop = _COLUMNS.index("NUMA")
+            head, body = _without(head, drop), [_without(c, drop) for c in body]
+        widths = [max(len(c[i]) for c in [head, *body]) for i in range(len(head))]
         out = [
             "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
-            for row in [_COLUMNS, *body]
+            for row in [head, *body]
         ]
         bad = f", {self.bad_messages} bad message(s)" if self.bad_messages else ""
         out.append(f"{len(body)} agent(s){bad}")
         return "\n".join(out)
+
+
+def _without(cells: tuple[str, ...], i: int) -> tuple[str, ...]:
+    return cells[:i] + cells[i + 1 :]
 
 
 def _bind(sock: Any, endpoint: str) -> None:

@@ -38,6 +38,8 @@ class _AgentPeers:
 
         def _set_state(self, state: AgentState) -> None: ...
 
+        def _enter_step(self, state: AgentState) -> None: ...
+
         def _record(self, state: str, source: EventSource, **kwargs: Any) -> None: ...
 
     def _leave(self) -> None:
@@ -115,6 +117,7 @@ class _AgentPeers:
         Waits at most ``exit_barrier_timeout`` seconds; a node whose group failed for good
         releases the barrier at once, so healthy nodes do not sit out the timeout.
         """
+        self._enter_step(AgentState.EXIT_BARRIER)
         wg = self._worker_group
         logger.info(
             "Local worker group finished (%s). Waiting up to %s seconds for other agents",

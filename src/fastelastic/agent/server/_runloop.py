@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from enum import Enum
 
-from fastelastic.agent.server import api  # WorkerState (api imports this module)
+from fastelastic.agent.server._states import WorkerState
 
-__all__ = ["TRANSITIONS", "AgentAction", "AgentState", "decide", "transition"]
+__all__ = ["TRANSITIONS", "AgentAction", "AgentState", "decide", "step", "transition"]
 
 
 class AgentState(str, Enum):
@@ -20,10 +20,11 @@ class AgentState(str, Enum):
 
     INIT: constructed, ``run`` not called; RENDEZVOUS: joining a round, the first or after
     stopping the workers; RUNNING: workers started and monitored; STOPPING: stopping the
-    workers to start them again; EXIT_BARRIER: this node's workers succeeded, waiting for the
-    other nodes; LEAVING: a death signal: telling the rendezvous this node leaves, then
-    stopping the workers. Final: SUCCEEDED, FAILED (no restart left), ENDED (without a
-    result: a signal, an error, or a rendezvous closed before this node joined).
+    workers, to start them again or after the last failure; EXIT_BARRIER: this node's workers
+    succeeded, waiting for the other nodes; LEAVING: a death signal: telling the rendezvous
+    this node leaves, then stopping the workers. Final: SUCCEEDED, FAILED (no restart left),
+    ENDED (without a result: a signal, an error, or a rendezvous closed before this node
+    joined).
     """
 
     INIT = "INIT"
@@ -53,7 +54,7 @@ TRANSITIONS: dict[AgentState, frozenset[AgentState]] = {
     _S.INIT: frozenset({_S.RENDEZVOUS, _S.ENDED}),
     _S.RENDEZVOUS: frozenset({_S.RUNNING, _S.LEAVING, _S.ENDED}),
     _S.RUNNING: frozenset({_S.STOPPING, _S.EXIT_BARRIER, _S.FAILED, _S.LEAVING, _S.ENDED}),
-    _S.STOPPING: frozenset({_S.RENDEZVOUS, _S.LEAVING, _S.ENDED}),
+    _S.STOPPING: frozenset({_S.RENDEZVOUS, _S.FAILED, _S.LEAVING, _S.ENDED}),
     _S.EXIT_BARRIER: frozenset({_S.SUCCEEDED, _S.ENDED}),
     _S.LEAVING: frozenset({_S.ENDED}),
     _S.SUCCEEDED: frozenset(),
@@ -74,6 +75,22 @@ def transition(current: AgentState, new: AgentState) -> AgentState:
     return new
 
 
+def step(current: AgentState, new: AgentState) -> tuple[AgentState, bool]:
+    """The state after a protected step (``_rendezvous``, ``_initialize_workers``,
+    ``_restart_workers``, ``_stop_workers``, ``_monitor_workers``, ``_exit_barrier``) that
+    stands for ``new``.
+
+    Subclasses of ``SimpleElasticAgent`` may call these steps in an order of their own (torch
+    allows it; NVIDIA's ``ft_launcher`` does), so a step records where the agent is and never
+    refuses. Only the run loop's own decisions go through ``transition``.
+
+    Returns:
+        ``(new, in_order)``: ``in_order`` is False when the run loop itself would not have made
+        this move (the caller logs it). A step into the state the agent is in is in order.
+    """
+    return new, new is current or new in TRANSITIONS[current]
+
+
 class AgentAction(str, Enum):
     """What the run loop does after one look at the workers (see ``decide``)."""
 
@@ -88,7 +105,7 @@ class AgentAction(str, Enum):
 
 
 def decide(
-    state: api.WorkerState,
+    state: WorkerState,
     restarts_left: int,
     check_due: bool,
     waiting: int | None = None,
@@ -111,7 +128,7 @@ def decide(
         lost members first: a failure caused by a lost peer is not this node's and uses no
         retry.
     """
-    ws = api.WorkerState
+    ws = WorkerState
     if state == ws.SUCCEEDED:
         return AgentAction.SUCCEED
     if state in (ws.UNHEALTHY, ws.FAILED):

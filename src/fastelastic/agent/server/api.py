@@ -10,12 +10,12 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from fastelastic.agent.server import _coord
 from fastelastic.agent.server._peers import _AgentPeers
-from fastelastic.agent.server._runloop import AgentAction, AgentState, decide, transition
+from fastelastic.agent.server._runloop import AgentAction, AgentState, decide, step, transition
+from fastelastic.agent.server._states import WorkerState
 from fastelastic.agent.server._telemetry import _AgentTelemetry
 from fastelastic.errors import (
     RendezvousError,
@@ -159,28 +159,6 @@ class Worker:
         return str(self)
 
 
-class WorkerState(str, Enum):
-    """State of a ``WorkerGroup``; the workers of a group change state as a unit.
-
-    UNKNOWN: lost track (unrecoverable); INIT: created, not started; HEALTHY / UNHEALTHY:
-    running; STOPPED: stopped by the agent, about to restart; SUCCEEDED: all exited 0;
-    FAILED: at least one worker failed.
-    """
-
-    UNKNOWN = "UNKNOWN"
-    INIT = "INIT"
-    HEALTHY = "HEALTHY"
-    UNHEALTHY = "UNHEALTHY"
-    STOPPED = "STOPPED"
-    SUCCEEDED = "SUCCEEDED"
-    FAILED = "FAILED"
-
-    @staticmethod
-    def is_running(state: WorkerState) -> bool:
-        """True if ``state`` means the worker processes exist (healthy or not)."""
-        return state in {WorkerState.HEALTHY, WorkerState.UNHEALTHY}
-
-
 class WorkerGroup:
     """The ``Worker`` instances of one ``WorkerSpec`` managed by an agent."""
 
@@ -277,6 +255,15 @@ class SimpleElasticAgent(_AgentPeers, _AgentTelemetry, ElasticAgent):
         self._agent_state = transition(self._agent_state, state)
         logger.debug("[%s] agent state -> %s", self._worker_group.spec.role, state.name)
 
+    def _enter_step(self, state: AgentState) -> None:
+        """A protected step moves the agent to ``state`` (``_runloop.step``): recorded, never
+        refused, so subclasses may drive the steps in their own order."""
+        before = self._agent_state
+        self._agent_state, in_order = step(before, state)
+        if not in_order:
+            logger.debug("[%s] agent state %s -> %s: a step out of the run loop's order "
+                         "(recorded)", self._worker_group.spec.role, before.name, state.name)
+
     def get_worker_group(self, role: str = DEFAULT_ROLE) -> WorkerGroup:
         return self._worker_group
 
@@ -314,6 +301,7 @@ class SimpleElasticAgent(_AgentPeers, _AgentTelemetry, ElasticAgent):
     @prof
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         """Runs the rendezvous, then assigns ranks and world sizes to the workers."""
+        self._enter_step(AgentState.RENDEZVOUS)
         spec = worker_group.spec
         for _ in range(_MAX_REJOINS):  # a member lost before the workers start: join again
             try:
@@ -402,12 +390,12 @@ class SimpleElasticAgent(_AgentPeers, _AgentTelemetry, ElasticAgent):
     def _initialize_workers(self, worker_group: WorkerGroup) -> None:
         """Rendezvous, then start a fresh set of workers (optimistically HEALTHY)."""
         role = worker_group.spec.role
-        self._set_state(AgentState.RENDEZVOUS)
+        self._enter_step(AgentState.RENDEZVOUS)
         logger.info("[%s] Rendezvous'ing worker group", role)
         self._rendezvous(worker_group)
         logger.info("[%s] Starting worker group", role)
         worker_ids = self._start_workers(worker_group)
-        self._set_state(AgentState.RUNNING)
+        self._enter_step(AgentState.RUNNING)
         for local_rank, w_id in worker_ids.items():
             worker = worker_group.workers[local_rank]
             worker.id = w_id
@@ -418,7 +406,7 @@ class SimpleElasticAgent(_AgentPeers, _AgentTelemetry, ElasticAgent):
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         """Stops all local workers, then rendezvous and starts them again."""
         logger.info("[%s] Stopping worker group", worker_group.spec.role)
-        self._set_state(AgentState.STOPPING)
+        self._enter_step(AgentState.STOPPING)
         self._stop_workers(worker_group)
         worker_group.state = WorkerState.STOPPED
         self._initialize_workers(worker_group)

@@ -12,6 +12,7 @@ from string import Template
 from typing import TYPE_CHECKING, Any
 
 from fastelastic import events
+from fastelastic.agent.server._runloop import AgentState
 from fastelastic.agent.server.api import (
     RunResult,
     SimpleElasticAgent,
@@ -123,6 +124,7 @@ class LocalElasticAgent(SimpleElasticAgent):
         self._uninterruptible_state_first_seen: dict[int, float] = {}
         self._exits_pending = True  # a full check is due (start, or an exit was reported)
         self._health_started = False
+        self.numa_binding: str | None = None  # "MODE: RANK->CPUS ..." of the last start
         self._zygote: Any = None
         self._zygote_tried = False
 
@@ -391,12 +393,24 @@ class LocalElasticAgent(SimpleElasticAgent):
             start_method=self._start_method,
             **kwargs,
         )
+        self._log_numa_binding(spec)
         pids = self._pcontext.pids()
         self._exits_pending = True
         self._uninterruptible_state_first_seen.clear()
         if self._worker_watchdog is not None and hasattr(self._worker_watchdog, "set_allowed_pids"):
             self._worker_watchdog.set_allowed_pids(list(pids.values()))
         return pids
+
+    def _log_numa_binding(self, spec: WorkerSpec) -> None:
+        """Logs the CPUs of each local rank (and keeps the line for ``fastelastic watch``)."""
+        from fastelastic.numa import as_numa_options, describe
+
+        opts = as_numa_options(spec.numa_options)
+        if opts is None:
+            return
+        cpus = getattr(self._pcontext, "numa_cpus", {})
+        self.numa_binding = describe(opts.affinity_mode.value, cpus, spec.local_world_size)
+        logger.info("NUMA binding %s", self.numa_binding)
 
     def _wait_for_workers(self, worker_group: WorkerGroup, timeout: float | None) -> None:
         """Blocks until a worker exits or ``timeout`` elapses (pidfds, no polling)."""
@@ -416,6 +430,7 @@ class LocalElasticAgent(SimpleElasticAgent):
 
     @prof
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        self._enter_step(AgentState.STOPPING)
         if self._pcontext is not None:
             self._pcontext.close(signal.SIGTERM, self._shutdown_timeout)
 
@@ -476,6 +491,7 @@ class LocalElasticAgent(SimpleElasticAgent):
 
     @prof
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        self._enter_step(AgentState.RUNNING)
         if self._pcontext is None:
             raise RuntimeError("no workers to monitor: the group was not started")
         timeout = self._uninterruptible_state_timeout

@@ -17,6 +17,10 @@ def get_subprocess_handler(
     stderr: str | int | None,
     local_rank_id: int,
     numa_options: Any = None,
+    *,
+    cpus: frozenset[int] | None = None,
 ) -> SubprocessHandler:
     """Starts one binary worker; see :class:`SubprocessHandler`."""
-    return SubprocessHandler(entrypoint, args, env, stdout, stderr, local_rank_id, numa_options)
+    return SubprocessHandler(
+        entrypoint, args, env, stdout, stderr, local_rank_id, numa_options, cpus=cpus
+    )

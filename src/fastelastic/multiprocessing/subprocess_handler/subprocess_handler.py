@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -9,8 +10,17 @@ import threading
 from typing import Any
 
 from fastelastic._native.procmon import set_pdeathsig
+from fastelastic.numa import bind_local_ranks
 
 __all__ = ["SubprocessHandler"]
+
+
+def _prepare_child(agent_pid: int, cpus: frozenset[int]) -> None:
+    """In the forked child before ``exec``: the parent-death signal (if ``agent_pid``) and the
+    NUMA binding (the exec'd program and every thread it makes inherit it)."""
+    if agent_pid:
+        set_pdeathsig(signal.SIGKILL, agent_pid)
+    os.sched_setaffinity(0, cpus)
 
 
 class SubprocessHandler:
@@ -26,7 +36,13 @@ class SubprocessHandler:
         stdout: a file path ("" or None: inherit ours) or an fd to use as the child's stdout.
         stderr: the same for stderr.
         local_rank_id: the worker's local rank.
-        numa_options: accepted for torch compatibility; not applied.
+        numa_options: NUMA binding (see :mod:`fastelastic.numa`): the child is bound to the
+            CPUs of GPU ``local_rank_id`` with ``sched_setaffinity`` before ``exec``.
+        cpus: the CPUs already chosen for it (fastelastic; an empty set: unbound), instead of
+            choosing them from ``numa_options``.
+
+    Raises:
+        NumaBindingError: ``numa_options`` cannot bind this worker (and no fallback).
     """
 
     def __init__(
@@ -38,8 +54,14 @@ class SubprocessHandler:
         stderr: str | int | None,
         local_rank_id: int,
         numa_options: Any = None,
+        *,
+        cpus: frozenset[int] | None = None,
     ) -> None:
         self.local_rank_id = local_rank_id
+        if cpus is None:
+            cpus = bind_local_ranks(numa_options, local_rank_id + 1, only=local_rank_id).get(
+                local_rank_id, frozenset()
+            )
         self._files: list = []
         full_env = os.environ.copy()
         full_env.update(env)
@@ -47,6 +69,11 @@ class SubprocessHandler:
         err = self._target(stderr)
         me = os.getpid()
         pdeathsig = threading.current_thread() is threading.main_thread()
+        preexec = None
+        if cpus:
+            preexec = functools.partial(_prepare_child, me if pdeathsig else 0, cpus)
+        elif pdeathsig:
+            preexec = functools.partial(set_pdeathsig, signal.SIGKILL, me)
         try:
             self.proc: subprocess.Popen = subprocess.Popen(
                 [str(entrypoint), *(str(a) for a in args)],
@@ -54,8 +81,9 @@ class SubprocessHandler:
                 stdout=out,
                 stderr=err,
                 process_group=0,
-                # one prctl in the child; it takes no lock, so other threads are harmless
-                preexec_fn=(lambda: set_pdeathsig(signal.SIGKILL, me)) if pdeathsig else None,  # noqa: PLW1509
+                # syscalls only in the child (prctl, sched_setaffinity): they take no lock, so
+                # other threads are harmless
+                preexec_fn=preexec,  # noqa: PLW1509
             )
         finally:
             for f in self._files:
