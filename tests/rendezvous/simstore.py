@@ -21,7 +21,7 @@ from fastelastic.errors import RendezvousConnectionError, RendezvousError
 from fastelastic.rendezvous._round import Config, Machine, Seat
 
 MAX_STEPS = 2_000_000
-LOCAL = ("beat", "stop_beats", "sleep", "moved_elsewhere")  # never reach the store
+LOCAL = ("beat", "stop_beats", "sleep", "moved_elsewhere", "gone_elsewhere")  # not the store
 
 
 class SimClock:
@@ -69,20 +69,27 @@ class Sim:
         self._seq = itertools.count()
         self._beat = itertools.count(1)
         self.moved_on = False  # another candidate has a higher epoch (``moved_elsewhere``)
+        # what the other candidates say of members whose connection closed (``gone_elsewhere``):
+        # "" proves them gone (all refuse or have no mark of them); by default one is silent
+        self.elsewhere = "a candidate did not answer (timed out)"
+        self.writes: list[tuple[float, str, list[str]]] = []  # (when, request, keys written)
 
     # ------------------------------------------------------------------ scripting
 
     def at(self, t: float, fn: Callable[[], None]) -> None:
         heapq.heappush(self._events, (t, next(self._seq), fn))
 
-    def start(self, t: float = 0.0, node_rank: int = -1, moved_from: int = 0) -> Node:
+    def start(self, t: float = 0.0, node_rank: int = -1, moved_from: int = 0,
+              proposed: int = 0) -> Node:
         """A node whose agent starts at ``t``: joins, trains, re-joins when a member is
         lost or a node waits, until the rendezvous closes. ``moved_from``: it was a member
-        of a world of that size on a store that was lost (this store is the successor)."""
+        of a world of that size on a store that was lost (this store is the successor);
+        ``proposed``: the epoch it proposes here (its move is committed by a round here)."""
         node = Node(len(self.nodes), Machine(self.cfg, self.clock), node_rank)
-        if moved_from:
-            node.m.member = (0, node_rank, moved_from)
-            node.m.moved()
+        if moved_from or proposed:
+            if moved_from:
+                node.m.member = (0, node_rank, moved_from)
+            node.m.moved(proposed)
         self.nodes.append(node)
         self.at(t, lambda: self._launch(node))
         return node
@@ -225,6 +232,8 @@ class Sim:
     def _apply(self, node: Node, op: tuple[Any, ...]) -> tuple[str, Any]:
         name, d, now = op[0], self.data, self.clock.t
         node.requests[name] += 1
+        if name in ("set", "append", "multi_set") or (name == "add" and op[2]):
+            self.writes.append((now, name, list(op[1]) if name == "multi_set" else [op[1]]))
         if name == "add":
             v = int(d.get(op[1], b"0")) + op[2]
             d[op[1]] = b"%d" % v
@@ -269,6 +278,8 @@ class Sim:
             return "block", ("wait", list(op[1]), now + op[2])
         if name == "sleep":
             return "block", ("sleep", [], now + op[1])
+        if name == "gone_elsewhere":
+            return "now", self.elsewhere
         if name == "moved_elsewhere":
             if self.moved_on:  # the real handler moves there (``_failover``); here: its cue
                 raise RendezvousConnectionError("the rendezvous moved on")

@@ -599,3 +599,145 @@ def test_a_normal_end_is_quiet_on_the_node_whose_store_host_left_first(server, c
     said = [r for r in caplog.records if "shutdown" in r.getMessage() or "gone" in r.getMessage()]
     assert said and all(r.levelno < logging.WARNING for r in said), [
         (r.levelname, r.getMessage()) for r in said]
+
+class _Term(Exception):
+    """What the agent's SIGTERM handler raises (torch's SignalException), here from SIGALRM."""
+
+
+@pytest.mark.timeout(60)
+def test_a_signal_during_a_rendezvous_wait_still_announces_the_leave(server, nodes):
+    """A SIGTERM that lands while next_rendezvous waits breaks the handler's connection (the
+    request was cut short); the leave the agent then announces must still reach the round:
+    ``<rank>:quit;`` in its gone, so nobody counts this node as alive elsewhere."""
+    a, b = (_handler(server.port, 2, 2) for _ in range(2))
+    nodes.start(0, lambda i: a.next_rendezvous())
+    nodes.start(1, lambda i: b.next_rendezvous())
+    nodes.join(30)
+    assert not nodes.errors
+    rank = a._m.member[1]
+
+    def term(signum, frame):
+        raise _Term()
+
+    old = signal.signal(signal.SIGALRM, term)
+    try:
+        # a re-joins (b does not: round 1 waits for it) and is signalled there
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        with pytest.raises(_Term):
+            a.next_rendezvous()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    with pytest.raises(StoreConnectionError):
+        a._store.get(f"fe.rdzv.{RUN}/0/res")  # the signal broke the handler's connection
+    a.leave()
+    gone = server.get(f"fe.rdzv.{RUN}/0/gone")
+    assert b"%d:left;" % rank in gone and b"%d:quit;" % rank in gone, gone
+
+
+@pytest.mark.timeout(60)
+def test_two_threads_that_lose_the_store_at_once_move_the_rendezvous_once(caplog, nodes):
+    """Moves are serialised: the membership check of one thread and another call that both
+    failed on the lost store move the rendezvous once (to the next candidate, proposing epoch
+    1), not once each (the second, seeing the first one's new store as its own, moved on
+    again: epoch 2 on the third candidate)."""
+    from fastelastic.rendezvous.fast_rendezvous import create_fast_handler
+
+    stores = [TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                       timeout=timedelta(seconds=30)) for _ in range(3)]
+    try:
+        endpoint = ",".join(f"127.0.0.1:{s.port}" for s in stores)
+        params = RendezvousParameters("c10d", endpoint, RUN, 1, 1, is_host=False,
+                                      read_timeout=5, last_call_timeout=1)
+        h = create_fast_handler(params)
+        _MADE.append(weakref.ref(h))
+        assert h.next_rendezvous().world_size == 1 and h._live.index == 0
+        stores[0].shutdown_server()                # the live store's host is lost
+        failed = h._store
+        real, arrived = h._move, threading.Barrier(2, timeout=10)
+
+        def move_together(why, store):             # both failed before either moves
+            arrived.wait()
+            return real(why, store)
+
+        h._move = move_together
+        nodes.start(0, lambda i: h.lost_members())
+        nodes.start(1, lambda i: h._move(StoreConnectionError("lost"), failed))
+        nodes.join(30)
+        assert not nodes.errors, nodes.errors
+        assert (h._live.index, h._live.proposed) == (1, 1)
+        # the move is proposed (a mark), not committed: no round formed there yet
+        assert [s.add(f"fe.rdzv.{RUN}/epoch", 0) for s in stores[1:]] == [0, 0]
+        assert stores[1].get(f"fe.rdzv.{RUN}/moving") == b"1||%d;" % os.getpid()  # one mark
+        assert not stores[2].check([f"fe.rdzv.{RUN}/moving"])
+        assert sum("moved to" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        for s in stores[1:]:
+            s.shutdown_server()
+
+
+@pytest.mark.timeout(60)
+def test_a_node_that_gives_up_never_closes_a_store_it_formed_no_world_on():
+    """A node that moved alone (its move not committed) and gives up (join timeout, signal)
+    leaves that store open: the nodes started later are not told the job is closed. On the
+    store where it was a member of a round, its shutdown closes the rendezvous as before."""
+    from fastelastic.rendezvous.fast_rendezvous import create_fast_handler
+
+    stores = [TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                       timeout=timedelta(seconds=30)) for _ in range(3)]
+    closed = f"fe.rdzv.{RUN}/closed"
+    try:
+        endpoint = ",".join(f"127.0.0.1:{s.port}" for s in stores)
+        params = RendezvousParameters("c10d", endpoint, RUN, 1, 1, is_host=False,
+                                      read_timeout=5, last_call_timeout=1)
+        moved = create_fast_handler(params)
+        stays = create_fast_handler(RendezvousParameters(  # a job of its own on the stores
+            "c10d", endpoint, RUN + "2", 1, 1, is_host=False, read_timeout=5,
+            last_call_timeout=1))
+        _MADE.extend([weakref.ref(moved), weakref.ref(stays)])
+        assert moved.next_rendezvous().world_size == 1
+        moved._move(StoreConnectionError("cut"), moved._store)   # alone, to candidate 1
+        assert moved._live.index == 1 and not moved._live.formed
+        moved.shutdown()
+        assert not stores[1].check([closed])
+        assert stays.next_rendezvous().world_size == 1
+        stays.shutdown()
+        assert stores[0].check([f"fe.rdzv.{RUN}2/closed"])
+    finally:
+        for s in stores:
+            s.shutdown_server()
+
+
+@pytest.mark.timeout(60)
+def test_the_proof_that_lost_members_are_nowhere_else():
+    """``gone_elsewhere``: proven when every other candidate refuses the connection or answers
+    without a mark of them; a mark of one of them, or a candidate that does not answer (it
+    accepts and never replies: a frozen host), blocks it and says why."""
+    import socket
+
+    from fastelastic.rendezvous._failover import Candidates
+
+    live, other = (TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                            timeout=timedelta(seconds=30)) for _ in range(2))
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    dead_port = dead.getsockname()[1]
+    dead.close()                                   # nothing listens: refused
+    frozen = socket.socket()
+    frozen.bind(("127.0.0.1", 0))
+    frozen.listen(8)                               # accepts in the kernel, never answers
+    try:
+        ports = [live.port, dead_port, other.port]
+        c = Candidates(RUN, [("127.0.0.1", p) for p in ports], False, timedelta(seconds=5))
+        idents = ["10.0.0.1|11", "10.0.0.2|22"]
+        assert c.gone_elsewhere(0, idents) == ""
+        other.append(f"fe.rdzv.{RUN}/moving", b"1|10.0.0.2|22;")
+        assert c.gone_elsewhere(0, idents) == f"['10.0.0.2|22'] moved to 127.0.0.1:{other.port}"
+        c.endpoints[2] = ("127.0.0.1", frozen.getsockname()[1])
+        t0 = time.monotonic()
+        assert "did not answer" in c.gone_elsewhere(0, idents)
+        assert time.monotonic() - t0 < 10
+    finally:
+        frozen.close()
+        for s in (live, other):
+            s.shutdown_server()

@@ -88,6 +88,8 @@ class Case:
     members: list[set[int]] | None = None  # the nodes of each complete round
     moved: int = 0  # the nodes were members of a world of this size on a lost store
     fresh: list[int] = field(default_factory=list)  # ...except these (new nodes)
+    proposed: int = 0  # the epoch the movers propose on this store
+    epoch: int | None = None  # the store's committed epoch at the end (None: not checked)
 
 
 CASES = [
@@ -164,6 +166,19 @@ CASES = [
     Case("moved: a late mover is a new node to the world formed here: admitted next round",
          "1:4", [0, 0, 0, 60], moved=4, conf={"can_move": True},
          rounds=[(3, 0, 30), (4, 60, 61)], members=[{0, 1, 2}, {0, 1, 2, 3}]),
+    # the epoch is a commit: it rises with the first round on the successor that passes the
+    # majority rule, in the publisher's multi_set (see test_the_epoch_rises_only_with_a_round)
+    Case("moved: a majority of the world commits the epoch it proposed with its first round",
+         "1:4", [0, 0, 0.5], moved=4, proposed=2, conf={"can_move": True},
+         rounds=[(3, 0.5, 0.5)], epoch=2),
+    Case("moved: a node that moved alone (a cut link) never commits its epoch", "1:4", [0],
+         moved=4, proposed=1, conf={"can_move": True}, until=700,
+         errors={0: "RendezvousTimeoutError"}, epoch=0),
+    Case("moved: a fresh node publishing the movers' first round commits their epoch",
+         "1:4", [0, 0, 0, 0], moved=4, proposed=1, fresh=[0], conf={"can_move": True},
+         rounds=[(4, 0, 30)], epoch=1),
+    Case("moved: a new job's round commits no epoch", "1:4", [0, 0, 0, 0],
+         conf={"can_move": True}, rounds=[(4, 0, 0)], epoch=0),
     # where the last world formed, when the rendezvous can move (``_majority.away``)
     Case("split: the host's side alone (1 of 4, the 3 others cut) never trains alone", "1:4",
          [0, 0, 0, 0], [(100, "cut", i) for i in (1, 2, 3)], conf={"can_move": True},
@@ -183,11 +198,31 @@ CASES = [
     Case("split: 3 of 4 preempted (they quit): the last one goes on", "1:4", [0, 0, 0, 0],
          [(100, "quit", i) for i in (1, 2, 3)], conf={"can_move": True},
          rounds=[(4, 0, 0), (1, 100, 101)]),
+    Case("split: 2 of 4 SIGTERMed while re-joining (left, then quit) are nowhere else: the "
+         "survivor goes on", "1:4", [0, 0, 0, 0],
+         [(100, "kill", 0), (110, "quit", 2), (110, "quit", 3)],
+         conf={"can_move": True, "reform_last_call": True}, until=400,
+         rounds=[(4, 0, 0), (1, 110, 145)], members=[{0, 1, 2, 3}, {1}]),
     Case("split: 3 of 4 closed (crashed, or moved while the host was frozen): no round; the "
          "host finds where they went", "1:4", [0, 0, 0, 0],
          [(100, "kill", i) for i in (1, 2, 3)] + [(100, "moved_on", 0)],
          conf={"can_move": True}, rounds=[(4, 0, 0)],
          errors={0: "RendezvousConnectionError"}),
+    # a majority lost at once (a rack): proven gone where their connections closed, if every
+    # other candidate refuses or has no mark of them ("proven"); else blocked (the default)
+    Case("rack loss: 3 of 4 killed at once, proven gone: the host goes on, then a world of 4 "
+         "with 3 replacements", "1:4", [0, 0, 0, 0, 110, 110, 110],
+         [(100, "kill", i) for i in (1, 2, 3)] + [(0, "proven", 0)], conf={"can_move": True},
+         rounds=[(4, 0, 0), (1, 100, 101), (4, 110, 111)],
+         members=[{0, 1, 2, 3}, {0}, {0, 4, 5, 6}]),
+    Case("rack loss, proof blocked (a candidate does not answer): nobody trains until the join "
+         "timeout", "1:4", [0, 0, 0, 0, 110, 110, 110], [(100, "kill", i) for i in (1, 2, 3)],
+         conf={"can_move": True}, until=800, rounds=[(4, 0, 0)],
+         errors={i: "RendezvousTimeoutError" for i in (0, 4, 5, 6)}),
+    Case("3 of 4 said they moved before their connections closed: no proof, no round",
+         "1:4", [0, 0, 0, 0], [(100, "moves", i) for i in (1, 2, 3)] + [(0, "proven", 0)],
+         conf={"can_move": True}, until=800, rounds=[(4, 0, 0)],
+         errors={0: "RendezvousTimeoutError"}),
     Case("split: a spare beside a majority of the world away does not make it a majority",
          "1:4", [0, 0, 0, 0, 1], [(100, "cut", i) for i in (1, 2, 3)],
          conf={"can_move": True}, until=800, rounds=[(4, 0, 0)],
@@ -198,7 +233,8 @@ CASES = [
 def _run(case: Case) -> Sim:
     lo, hi = (int(x) for x in case.nodes.split(":"))
     sim = Sim(lo, hi, **case.conf)
-    nodes = [sim.start(t, node_rank=i, moved_from=0 if i in case.fresh else case.moved)
+    nodes = [sim.start(t, node_rank=i, moved_from=0 if i in case.fresh else case.moved,
+                       proposed=0 if i in case.fresh else case.proposed)
              for i, t in enumerate(case.starts)]
     closer = sim.start(10**9)  # never launched: only closes
     for t, action, i in case.script:
@@ -222,6 +258,11 @@ def _run(case: Case) -> Sim:
             sim.kill(t + 0.1, node)
         elif action == "moved_on":
             sim.at(t, lambda: setattr(sim, "moved_on", True))
+        elif action == "proven":
+            sim.elsewhere = ""
+        elif action == "moves":  # it says it moves, then closes its connection
+            sim.at(t, lambda n=node: (sim._stop(n), sim.call(n, n.m.moving())))
+            sim.kill(t + 0.1, node)
         elif action == "stray":
             sim.at(t, lambda: sim.data.__setitem__("fe.rdzv.sim/0/t", b"1"))
         else:
@@ -239,6 +280,8 @@ def test_scenario(case):
         assert lo <= when <= hi, f"a world of {world} formed at {when:.2f}s, not in [{lo}, {hi}]"
     errors = {n.id: type(n.error).__name__ for n in sim.nodes if n.error is not None}
     assert errors == case.errors
+    if case.epoch is not None:
+        assert int(sim.data.get("fe.rdzv.sim/epoch", b"0")) == case.epoch
     if case.restarts is not None:
         assert {i: sim.nodes[i].restarts for i in case.restarts} == case.restarts
     if case.members is not None:
@@ -320,3 +363,36 @@ def test_when_preferred_ranks_reorder_the_seats_every_node_reads_its_own():
         rank = n.seats[0][1].rank
         peers = {nodes[j].seats[0][1].rank for j in range(3) if j != n.id}
         assert {(rank + 1) % 3, (rank + 2) % 3} == peers
+
+
+def test_gone_quit_or_done_wins_over_a_reason_that_says_the_node_may_be_elsewhere():
+    from fastelastic.rendezvous._schema import parse_gone
+
+    raw = b"2:left;2:quit;3:closed;3:left;4:silent;4:done;5:quit;5:closed;6:done;6:quit;"
+    assert parse_gone(raw) == {2: "quit", 3: "closed", 4: "done", 5: "quit", 6: "done"}
+
+
+def test_the_epoch_rises_only_with_a_round():
+    """The epoch is written by one request only: the multi_set that publishes the first round
+    on the successor (its members' ``who`` entries), just before that round's outcome."""
+    sim = Sim(1, 4, can_move=True)
+    for i in range(3):
+        sim.start(0, node_rank=i, moved_from=4, proposed=3)
+    sim.run(60)
+    assert sim.worlds() == [3]
+    epoch_writes = [(t, keys) for t, _, keys in sim.writes if "fe.rdzv.sim/epoch" in keys]
+    assert len(epoch_writes) == 1, epoch_writes
+    assert any("/0/who/" in k for k in epoch_writes[0][1])
+    assert sim.data["fe.rdzv.sim/epoch"] == b"3"
+
+
+def test_a_blocked_proof_names_the_rule_and_the_way_out():
+    sim = Sim(1, 4, can_move=True)
+    nodes = [sim.start(0, node_rank=i) for i in range(4)]
+    for i in (1, 2, 3):
+        sim.kill(100, nodes[i])
+    sim.run(800)
+    err = str(nodes[0].error)
+    assert "did not complete within 600 seconds: ranks [1, 2, 3] of round 0" in err, err
+    assert "a candidate did not answer" in err and "majority rule" in err, err
+    assert "restart the job with the nodes that are left" in err, err

@@ -205,3 +205,13 @@ def test_config_from_args_errors_have_torchs_types(torch_run, argv, monkeypatch)
     theirs = _error_type(torch_run.config_from_args, torch_run.parse_args(argv))
     assert theirs is not None
     assert _error_type(config_from_args, get_args_parser().parse_args(argv)) is theirs
+
+
+def test_rdzv_endpoint_help_shows_the_candidate_list():
+    """--help names the candidate list syntax of --rdzv-endpoint, not only HOST:PORT."""
+    out = subprocess.run([sys.executable, "-m", "fastelastic.run", "--help"], capture_output=True,
+                         text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
+    assert out.returncode == 0, out.stderr
+    help_text = " ".join(out.stdout.split())
+    assert "HOST:PORT,HOST:PORT,..." in help_text
+    assert "comma-separated list of candidates" in help_text

@@ -154,7 +154,9 @@ def get_args_parser(prog: str = "fastrun") -> ArgumentParser:
     a("--rdzv-backend", "--rdzv_backend", action=env, type=str, default="static",
       help="Rendezvous backend (static, c10d, fastelastic, etcd, etcd-v2, c10d-v2).")
     a("--rdzv-endpoint", "--rdzv_endpoint", action=env, type=str, default="",
-      help="Rendezvous endpoint, usually HOST:PORT.")
+      help="Rendezvous endpoint, usually HOST:PORT. With the c10d or fastelastic backend, a "
+      "comma-separated list of candidates HOST:PORT,HOST:PORT,... keeps the job going when the "
+      "store's host is lost (README: 'When the rendezvous store's host is lost').")
     a("--rdzv-id", "--rdzv_id", action=env, type=str, default="none",
       help="Job id shared by all nodes of the job.")
     a("--rdzv-conf", "--rdzv_conf", action=env, type=str, default="",

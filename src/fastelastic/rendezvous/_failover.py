@@ -16,6 +16,7 @@ import ipaddress
 import logging
 import socket
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -58,12 +59,36 @@ def parse_candidates(endpoint: str, default_port: int) -> list[tuple[str, int]]:
     return out
 
 
+@dataclass(frozen=True)
+class Live:
+    """Where a node's rendezvous is: the live candidate and its committed epoch; after a move
+    not yet committed, the epoch this node proposes there and the (candidate, round) it left;
+    whether this node was a member of a round there (only then may it close that store)."""
+
+    index: int = -1
+    epoch: int = 0
+    proposed: int = 0
+    left: tuple[int, int] | None = None
+    formed: bool = False
+
+    def member(self) -> Live:
+        """This node is a member of a round here: any move it proposed was committed."""
+        return Live(self.index, max(self.epoch, self.proposed), 0, None, True)
+
+
+class GoBack(RendezvousConnectionError):
+    """The store a mover left is alive and its world went on there without it."""
+
+
 class Candidates:
     """The candidates, this node's standby store and the connection to the live one."""
 
     def __init__(self, run_id: str, endpoints: list[tuple[str, int]], is_host: bool | None,
                  read_timeout: timedelta, token: bytes | None = None) -> None:
         self.key = f"fe.rdzv.{run_id}/epoch"
+        self.moving_key = f"fe.rdzv.{run_id}/moving"
+        self.open_key = f"fe.rdzv.{run_id}/open"
+        self.me = ""  # ``<addr>|<pid>`` as this node's ``who`` entries name it (its marks)
         self.endpoints = endpoints
         self.read_timeout = read_timeout
         self.token = token
@@ -91,13 +116,16 @@ class Candidates:
         host, port = self.endpoints[i]
         return f"{host}:{port}"
 
-    def connect(self, exclude: int = -1, at_least: int = 0) -> tuple[Any, int, int]:
-        """Connects to the live store: (client, candidate index, epoch). Its epoch is raised
-        to ``at_least`` when lower (this node moves the rendezvous there).
+    def connect(self, exclude: int = -1, at_least: int = 0) -> tuple[Any, int, int, int]:
+        """Connects to the live store: (client, candidate index, its committed epoch, the
+        epoch this node proposes there or 0). When the store's epoch is below ``at_least``
+        (this node moves the rendezvous there) it is not raised: the node writes only a
+        provisional mark (``moving``) and proposes ``at_least`` in its record; the epoch rises
+        with the first round there that passes the majority rule (``_round.Machine._publish``).
 
         At a node's start (``exclude`` -1) the first candidate is waited for up to the read
         timeout, as a single endpoint is; a store that moved (epoch above 0) is taken at once.
-        Should the first never answer, the best other one is taken and its epoch raised to 1,
+        Should the first never answer, the best other one is taken and epoch 1 proposed there,
         so that the first, coming up late and empty, is not mistaken for the live one.
 
         Raises:
@@ -124,10 +152,72 @@ class Candidates:
         for _, _, other in found[1:]:
             other.close()
         epoch = -neg
-        if epoch < at_least:
-            epoch = int(client.add(self.key, at_least - epoch))
+        proposed = at_least if epoch < at_least else 0
+        if exclude >= 0 or proposed:  # a move: the mark that tells the proof this node is here
+            client.append(self.moving_key, b"%d|%s;" % (proposed or epoch, self.me.encode()))
         client.set_timeout(self.read_timeout)
-        return client, i, epoch
+        return client, i, epoch, proposed
+
+    def connect_to(self, i: int) -> tuple[Any, int]:
+        """A connection to candidate ``i`` (a mover going back): (client, its epoch).
+
+        Raises:
+            RendezvousConnectionError: It does not answer.
+        """
+        from fastelastic.store import TCPStore
+
+        host, port = self.endpoints[i]
+        try:
+            client = TCPStore(host, port, timeout=timedelta(seconds=PROBE_S), token=self.token)
+        except (StoreError, OSError) as e:
+            raise RendezvousConnectionError(f"{host}:{port}: {e}") from e
+        try:
+            epoch = int(client.add(self.key, 0))
+        except (StoreError, OSError) as e:
+            client.close()
+            raise RendezvousConnectionError(f"{host}:{port}: {e}") from e
+        client.set_timeout(self.read_timeout)
+        return client, epoch
+
+    def newer_round(self, i: int, left: int) -> bool:
+        """Whether candidate ``i`` answers and a round after ``left`` completed there (its
+        ``open`` is past ``left + 1``): the world a mover left went on without it."""
+        from fastelastic.store import TCPStore
+
+        host, port = self.endpoints[i]
+        try:
+            c = TCPStore(host, port, timeout=timedelta(seconds=PROBE_S), token=self.token)
+        except (StoreError, OSError):
+            return False
+        try:
+            return int(c.add(self.open_key, 0)) > left + 1
+        except (StoreError, OSError):
+            return False
+        finally:
+            c.close()
+
+    def move(self, live: Live, member_round: int | None) -> tuple[Any, Live]:
+        """The live store was lost: the next live candidate, with a proposed epoch (and where
+        to go back to) unless its committed one is already past this node's."""
+        client, i, epoch, proposed = self.connect(
+            exclude=live.index, at_least=max(live.epoch, live.proposed) + 1)
+        left = (live.index, member_round) if member_round is not None else live.left
+        return client, Live(i, epoch, proposed, left if proposed and live.index >= 0 else None)
+
+    def back(self, live: Live) -> tuple[Any, Live]:
+        """A connection to the store an uncommitted move left (see :class:`GoBack`)."""
+        assert live.left is not None
+        client, epoch = self.connect_to(live.left[0])
+        return client, Live(live.left[0], epoch)
+
+    def check(self, live: Live) -> None:
+        """For a node whose round failed the majority rule: raises when the rendezvous
+        moved on elsewhere (a higher committed epoch), or :class:`GoBack` when the store an
+        uncommitted move left is alive with a round newer than the one left."""
+        self.raise_if_moved(live.index, live.epoch)
+        if live.left is not None and self.newer_round(*live.left):
+            raise GoBack(f"the store this node left, {self.name(live.left[0])}, is alive and "
+                         f"its world formed a round after round {live.left[1]}")
 
     def raise_if_moved(self, index: int, epoch: int) -> None:
         """Raises ``RendezvousConnectionError`` when a candidate other than ``index`` answers
@@ -162,6 +252,35 @@ class Candidates:
                 c.close()
         found.sort(key=lambda f: (f[0], f[1]))
         return found, errors
+
+    def gone_elsewhere(self, index: int, idents: list[str]) -> str:
+        """Whether the members ``idents`` (``<addr>|<pid>``), whose connections closed on
+        candidate ``index``, are proven to be nowhere else: "" when every other candidate
+        refuses the connection or answers without a mark of them; else why not (a timeout or
+        no route blocks the proof, as does a mark)."""
+        from fastelastic.store import TCPStore
+
+        for i, (host, port) in enumerate(self.endpoints):
+            if i == index:
+                continue
+            try:
+                socket.create_connection((host, port), timeout=PROBE_S).close()
+            except ConnectionRefusedError:
+                continue  # nothing listens there: no store they could be on
+            except OSError as e:
+                return f"{self.name(i)} did not answer ({e})"
+            try:
+                c = TCPStore(host, port, timeout=timedelta(seconds=PROBE_S), token=self.token)
+                try:
+                    marks = bytes(c.get(self.moving_key)) if c.check([self.moving_key]) else b""
+                finally:
+                    c.close()
+            except (StoreError, OSError) as e:
+                return f"{self.name(i)} did not answer ({e})"
+            moved = [x for x in idents if b"|%s;" % x.encode() in marks]
+            if moved:
+                return f"{moved} moved to {self.name(i)}"
+        return ""
 
     def close(self) -> None:
         if self.standby is not None:

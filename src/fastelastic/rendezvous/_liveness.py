@@ -147,6 +147,8 @@ def lost_members(w: Watch, cfg: Any, spare_ready: bool, clock: Callable[[], floa
             text = "left the round: it is re-joining"
         elif why == "quit":
             text = "left the job (preempted: SIGTERM/SIGINT)"
+        elif why == "moved":
+            text = "moved to another candidate (it lost the rendezvous store)"
         else:
             text = (f"silent: connected but no keep-alive for "
                     f"{cfg.spare_window if spare_ready else cfg.window:g}s (frozen "

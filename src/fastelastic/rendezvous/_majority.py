@@ -17,6 +17,12 @@ store it formed on) and ``need = len(W) // 2 + 1`` a majority of it.
 Both sides count members of the same ``W``, so the two sets are disjoint and at most one of them
 reaches ``need``. With a single endpoint nothing can move and the second rule is off (torch's
 behaviour: any survivors at or above ``min_nodes`` go on).
+
+**A majority lost at once** (a rack): where ``W`` formed, members whose connection closed here
+without the word ``moved`` (:func:`proof_candidates`) are proven gone, and count as gone for
+good, when every other candidate answers and has no mark of them (``moving``), or refuses the
+connection (nothing listens there). A timeout or no route blocks the proof: a cut or powered-off
+host may hold a majority behind it. Then the objection names the rule and the way out.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from typing import Any
 
 from . import _schema as sc
 
-GONE_FOR_GOOD = ("quit", "done")  # ``gone`` reasons of members that are nowhere else
+GONE_FOR_GOOD = sc.FOR_GOOD  # ``gone`` reasons of members that are nowhere else
 
 
 def need(world: int) -> int:
@@ -50,13 +56,21 @@ def away(records: list[bytes], last_round: int, world: int, gone: dict[int, str]
     return [i for i in range(world) if i not in back and gone.get(i) not in GONE_FOR_GOOD]
 
 
+def proof_candidates(out: list[int], gone: dict[int, str]) -> list[int]:
+    """The ranks of ``out`` that may be proven gone: their connection closed here, and they
+    did not say they moved (a cut, a silence or a move blocks any proof)."""
+    return [i for i in out if gone.get(i) == "closed"]
+
+
 def objection(records: list[bytes], last: tuple[int, int] | None, can_move: bool,
               keys: sc.Keys) -> Generator[tuple[Any, ...], Any, str]:
     """Why a round with these records must not form ("" if it may), for its publisher.
 
     Before any round completed on this store (``last`` None): :func:`moved_short`. After one,
     that round's world is the one both sides count (a node that moves here later is a new node
-    to it); when the rendezvous ``can_move``, :func:`away` (one read of that round's ``gone``).
+    to it); when the rendezvous ``can_move``, :func:`away` (one read of that round's ``gone``),
+    then, if a majority is away, the proof that those whose connection closed are gone (their
+    ``who`` entries, then ``gone_elsewhere``: every other candidate asked, see the module doc).
     """
     if last is None:
         short = moved_short(records)
@@ -64,9 +78,25 @@ def objection(records: list[bytes], last: tuple[int, int] | None, can_move: bool
     if not can_move:
         return ""
     q, world = last
-    gone = sc.parse_gone(bytes((yield ("get", keys.round(q).gone, None))))
+    lk = keys.round(q)
+    gone = sc.parse_gone(bytes((yield ("get", lk.gone, None))))
     out = away(records, q, world, gone)
     if len(out) < need(world):
         return ""
+    closed = proof_candidates(out, gone)
+    blocked = ""
+    if len(out) - len(closed) < need(world):  # the proof can decide it: ask the others
+        who = [sc.who_parts(bytes(v)) for v in (yield ("multi_get", [lk.who(i) for i in closed]))]
+        blocked = yield ("gone_elsewhere", [f"{addr}|{pid}" for _, addr, pid in who])
+        if not blocked:
+            return ""
+    reason = (f"; their connections closed here, but {blocked}" if blocked else
+              "; some did not close their connections here (cut, silent or moved)")
     return (f"ranks {out} of round {q} (a world of {world}) may be alive elsewhere: a "
-            "majority of it, which may form a round on another candidate")
+            f"majority of it, which may form a round on another candidate{reason}")
+
+
+WAY_OUT = ("This is the majority rule of --rdzv-endpoint with several candidates: it keeps a "
+           "partition from training two worlds. If those nodes are gone for good (hosts "
+           "powered off), bring their hosts (or the candidates' stores) back so that the "
+           "loss can be proven, or restart the job with the nodes that are left.")

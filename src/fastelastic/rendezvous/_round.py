@@ -115,7 +115,9 @@ class Machine:
         self.spare_ready = False  # a node waits behind this node's full round
         self.path: list[Phase] = []  # the phases of the last attempt, for reports and tests
         self.carried = 0  # the world this node had before the rendezvous moved (see moved)
+        self.proposed = 0  # the epoch this node proposes here after a move (see moved)
         self.no_quorum = False  # a round here failed the majority rule: no early seal now
+        self.objected = ""  # why the last round this node waited for failed that rule
         self._phases: dict[Phase, Callable[[_Attempt], Proto[Event]]] = {
             P.TICKET: self._ticket, P.RECORD: self._record, P.PUBLISH_GATE: self._full_gate,
             P.COORD_GATE: self._gate, P.DRAIN: self._drain, P.LAST_CALL: self._last_call,
@@ -124,15 +126,24 @@ class Machine:
         }
         self._identity = (-1, "", 0, b"")
 
-    def moved(self) -> None:
+    def moved(self, proposed: int = 0) -> None:
         """The rendezvous moved to a successor store (its host was lost): rounds start over
         there. This node's world comes along: the first round there needs a majority of it
-        (:mod:`._majority`) and is sealed once all of it but the lost host is back."""
+        (:mod:`._majority`) and is sealed once all of it but the lost host is back. That round
+        commits ``proposed`` as the store's epoch (in the record: any publisher commits it)."""
         if self.member is not None:
             self.carried = self.member[2]
             self._identity = (self.member[1], *self._identity[1:])
+        self.proposed = max(self.proposed, proposed)
         self.member = self.watch = self.prev_watch = self.last_seen = None
         self.leaving = self.spare_ready = False
+
+    def back(self) -> None:
+        """A mover went back to the store it left, where its world went on without it: it
+        joins there as a new node (no world carried, no epoch proposed)."""
+        self.moved()
+        self.carried = self.proposed = 0
+        self.no_quorum = False
 
     @property
     def quorum(self) -> int:
@@ -170,8 +181,8 @@ class Machine:
             seat = yield from self._attempt(a)
             deadline = a.deadline  # a spare's join timeout starts when its round is over
             if seat is not None:
-                self.member, self.carried = (r, seat.rank, seat.world), 0
-                self.no_quorum = False
+                self.member, self.carried, self.proposed = (r, seat.rank, seat.world), 0, 0
+                self.no_quorum, self.objected = False, ""
                 k = a.k
                 if self.cfg.hooks:  # our death: we left, the round is over, and why
                     yield _rq("on_disconnect", [k.left(seat.rank), k.broken, k.gone],
@@ -180,9 +191,16 @@ class Machine:
                                    self.cfg.ka_interval / 2)
                 return seat
             r += 1
-        raise RendezvousTimeoutError(
-            f"The rendezvous '{self.cfg.run_id}' did not complete within "
-            f"{self.cfg.join:g} seconds.")
+        raise self.timeout_error()
+
+    def timeout_error(self) -> RendezvousTimeoutError:
+        """The join timeout passed; when rounds failed the majority rule, it says why and
+        what to do (instead of a bare "did not complete")."""
+        cfg = self.cfg
+        text = f"The rendezvous '{cfg.run_id}' did not complete within {cfg.join:g} seconds"
+        if self.objected:
+            return RendezvousTimeoutError(f"{text}: {self.objected}. {_majority.WAY_OUT}")
+        return RendezvousTimeoutError(text + ".")
 
     def _attempt(self, a: _Attempt) -> Proto[Seat | None]:
         phase = P.TICKET
@@ -216,7 +234,7 @@ class Machine:
         member_of, pref = self.member[:2] if self.member is not None else (-1, node_rank)
         # The record; a placeholder for our seat, which the publisher overwrites before it
         # decides res; and the keep-alive counter, bumped from the ticket on.
-        rec = sc.encode_record(pref, addr, pid, wstore, self.quorum, member_of)
+        rec = sc.encode_record(pref, addr, pid, wstore, self.quorum, member_of, self.proposed)
         yield _rq("multi_set", [k.record(t), k.seat(t), k.beat(t)], [rec, b"-1", b"0"])
         yield _rq("beat", k.beat(t))
         if t == cfg.max_nodes:
@@ -262,6 +280,7 @@ class Machine:
         if kind == "D":
             self.no_quorum |= a.res.no_quorum
             if a.res.no_quorum:  # not before the last call: a full round would spin
+                self.objected = a.res.why or self.objected
                 if self.cfg.can_move:  # did the majority move (on)? (raises if so)
                     yield _rq("moved_elsewhere")
                 yield _rq("wait", [self.keys.round(a.k.r + 1).outcome],
@@ -303,9 +322,7 @@ class Machine:
                     continue
                 if mine:  # give up our ticket: nobody may count this node in any more
                     yield _rq("append", k.outcome, sc.ABANDONED)
-                raise RendezvousTimeoutError(
-                    f"The rendezvous '{cfg.run_id}' did not complete within {cfg.join:g} "
-                    "seconds.")
+                raise self.timeout_error()
             step = remaining if watch is None else min(remaining, cfg.window / 4)
             raw = yield _rq("get", k.outcome, max(step, 0.001))  # one round trip either way
             if raw is not None:
@@ -457,7 +474,8 @@ class Machine:
         if why or len(tickets) < cfg.min_nodes:
             log.warning("rendezvous %s round %d: %d nodes (%s); abandoning the round",
                         cfg.run_id, k.r, len(tickets), why or f"min_nodes is {cfg.min_nodes}")
-            yield _rq("compare_set", k.outcome, "", sc.NO_QUORUM if why else sc.ABANDONED)
+            yield _rq("compare_set", k.outcome, "",
+                      sc.encode_no_quorum(why) if why else sc.ABANDONED)
             return E.DONE
         world = len(tickets)
         ranks = sc.assign_ranks([sc.record_pref(raw) for raw in records], world)
@@ -470,6 +488,10 @@ class Machine:
         identity = by_rank == list(range(1, world + 1))
         record_of = dict(zip(tickets, records, strict=True))
         keys, vals = [k.gone], [b""]
+        epoch = max(map(sc.record_epoch, records), default=0) if a.last is None else 0
+        if epoch:  # the first round here passing the majority rule: the move commits with it
+            keys.append(self.keys.epoch)
+            vals.append(b"%d" % epoch)
         for rank, ticket in enumerate(by_rank):
             keys.append(k.who(rank))
             vals.append(b"%d|%s" % (ticket, record_of[ticket]))
@@ -516,6 +538,14 @@ class Machine:
         k = self.keys.round(q)
         yield _rq("multi_set", [k.left(rank), k.broken], [b"1", b"1"])
         yield _rq("append", k.gone, b"%d:%s;" % (rank, b"quit" if for_good else b"left"))
+
+    def moving(self) -> Proto[None]:
+        """Before a node that moves to another candidate closes anything: ``<rank>:moved;`` in
+        its round's ``gone`` (fire-and-forget), so that where its world formed its close is
+        not taken for a death (``_majority.proof_candidates``)."""
+        if self.member is not None:
+            q, rank, _ = self.member
+            yield _rq("append", self.keys.round(q).gone, b"%d:moved;" % rank)
 
     def mark_done(self) -> Proto[None]:
         """Tells the others this node's workers finished: its later exit is no loss."""

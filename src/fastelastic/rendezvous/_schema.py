@@ -7,7 +7,13 @@ Run-wide:
 * ``open``: the round new nodes should join (set by each round's publisher; a hint).
 * ``closed``: exists once the rendezvous is closed.
 * ``epoch``: how many times the rendezvous moved to a successor store (``--rdzv-endpoint``
-  with several candidates): the live store is the reachable one with the highest epoch.
+  with several candidates): the live store is the reachable one with the highest epoch. It is
+  a commit, not an intention: it rises only in the ``multi_set`` that publishes the first round
+  on the successor that passes the majority rule (the epoch the movers proposed, from their
+  records), so a node that moved alone (a cut link) never makes a store look live.
+* ``moving``: the provisional marks of the nodes that moved here, ``<epoch it proposes>|<addr>|
+  <pid>;`` each; no node follows them. Where a world formed, a member whose connection closed
+  and whom no other candidate has a mark of is proven gone (``_majority``).
 
 Round ``r``:
 
@@ -16,9 +22,10 @@ Round ``r``:
   coordinator seals the round with ``add(t, SEAL)``: the value it gets back minus ``SEAL`` is
   the final count, and every later ticket is above ``SEAL``.
 * ``n/<ticket>`` (:py:meth:`RoundKeys.record`): the node's record,
-  ``pref|addr|pid|wstore|quorum|from`` (preferred rank, address, pid, its workers' store
+  ``pref|addr|pid|wstore|quorum|from|epoch`` (preferred rank, address, pid, its workers' store
   address, the fewest members it accepts: a majority of its last world after a move, else 0;
-  the round of this store it was a member of, -1 for none).
+  the round of this store it was a member of, -1 for none; the epoch it proposes after a
+  move, else 0).
 * ``rank/<ticket>`` (:py:meth:`RoundKeys.seat`): the node's seat, ``<rank>|<tickets of the
   peers it watches>``; ``-1`` until the publisher writes it (and for a node not admitted).
 * ``who/<rank>`` (:py:meth:`RoundKeys.who`): ``<ticket>|<record>`` of each member, by rank.
@@ -30,10 +37,13 @@ Round ``r``:
   (abandoned: everyone re-joins ``r + 1``; also appended by the server when a joined node's
   connection closes). A ``C;`` appended by ``set_closed`` means closed. Text after the first
   newline is not part of the verdict, so late appends never corrupt a complete outcome.
-* ``gone`` (:py:attr:`RoundKeys.gone`): ``<rank>:<why>;`` entries, first one per rank wins:
+* ``gone`` (:py:attr:`RoundKeys.gone`): ``<rank>:<why>;`` entries, the first one per rank wins
+  but ``quit`` and ``done`` win over the others (:func:`parse_gone`):
   ``closed`` (the server, when a member's connection closed), ``done`` (its workers finished;
   its later exit is no loss), ``left`` (it re-joins), ``quit`` (it leaves for good: preempted),
-  ``silent`` (a peer saw its counter stand still for the detection window).
+  ``silent`` (a peer saw its counter stand still for the detection window), ``moved`` (it
+  moves to another candidate on purpose: said before it closes anything, so a ``closed``
+  without it is a death, see :func:`._majority.proof_candidates`).
 * ``left/<rank>`` (:py:meth:`RoundKeys.left`): the member left the round (re-joined, left,
   died, or was found silent). The next round is sealed once every member has left.
 * ``broken`` (:py:attr:`RoundKeys.broken`): the round is over (a member left or was lost); ``C``
@@ -61,6 +71,7 @@ class Keys:
         self.open = self.base + "open"
         self.closed = self.base + "closed"
         self.epoch = self.base + "epoch"
+        self.moving = self.base + "moving"
 
     def round(self, r: int) -> RoundKeys:
         return RoundKeys(self.base, r)
@@ -102,8 +113,19 @@ class RoundKeys:
 
 
 def encode_record(pref: int, addr: str, pid: int, wstore: bytes, quorum: int = 0,
-                  member_of: int = -1) -> bytes:
-    return b"%d|%s|%d|%s|%d|%d" % (pref, addr.encode(), pid, wstore, quorum, member_of)
+                  member_of: int = -1, epoch: int = 0) -> bytes:
+    return b"%d|%s|%d|%s|%d|%d|%d" % (pref, addr.encode(), pid, wstore, quorum, member_of,
+                                      epoch)
+
+
+def record_epoch(raw: bytes) -> int:
+    """The epoch a node that moved here proposes (0: none): committed with the first round
+    here that passes the majority rule."""
+    parts = raw.split(b"|")
+    try:
+        return int(parts[6]) if len(parts) > 6 else 0
+    except ValueError as e:
+        raise RendezvousStateError(f"corrupt node record {raw[:40]!r}") from e
 
 
 def record_member_of(raw: bytes) -> int:
@@ -186,6 +208,12 @@ class Outcome(NamedTuple):
     wstore: bytes = b""  # rank 0's workers' store address
     identity: bool = False  # every node's rank is its ticket - 1 (no seat to read)
     no_quorum: bool = False  # abandoned by a majority rule (a moved world, or a split)
+    why: str = ""  # the majority rule's objection (its second line), for the timeout's error
+
+
+def encode_no_quorum(why: str) -> bytes:
+    """``DQ;`` with the objection on its own line (appends that follow stay after it)."""
+    return NO_QUORUM + b"\n" + why.replace("\n", " ").encode("utf-8", "replace") + b"\n"
 
 
 def parse_outcome(raw: bytes) -> Outcome:
@@ -201,19 +229,29 @@ def parse_outcome(raw: bytes) -> Outcome:
     if b"C" in head:
         return Outcome("C")
     if head.startswith(b"D"):
-        return Outcome("D", no_quorum=head.startswith(NO_QUORUM[:2]))
+        no_quorum = head.startswith(NO_QUORUM[:2])
+        why = rest.partition(b"\n")[0].decode("utf-8", "replace") if no_quorum else ""
+        return Outcome("D", no_quorum=no_quorum, why=why)
     raise RendezvousStateError(f"corrupt rendezvous outcome {raw[:40]!r}")
 
 
+FOR_GOOD = ("quit", "done")  # ``gone`` reasons of a member that is nowhere else
+
+
 def parse_gone(raw: bytes) -> dict[int, str]:
-    """``gone``'s ``<rank>:<why>;`` entries: the first reason given for each rank."""
+    """``gone``'s ``<rank>:<why>;`` entries: for each rank the first reason given, except
+    that a later ``quit`` or ``done`` (it is nowhere else) wins over ``left``, ``closed`` or
+    ``silent`` (it may be): a node SIGTERMed while it re-joins has written ``left`` first."""
     out: dict[int, str] = {}
     for entry in raw.split(b";"):
         rank, _, why = entry.partition(b":")
         try:
-            out.setdefault(int(rank), why.decode("ascii", "replace"))
+            r = int(rank)
         except ValueError:
             continue
+        reason = why.decode("ascii", "replace")
+        if r not in out or (reason in FOR_GOOD and out[r] not in FOR_GOOD):
+            out[r] = reason
     return out
 
 

@@ -70,3 +70,16 @@ def reply_deadline(store: Any, seconds: float, restore: timedelta) -> Iterator[A
     finally:
         with contextlib.suppress(Exception):
             store.set_timeout(restore)
+
+
+@contextlib.contextmanager
+def fresh(store: Any, seconds: float) -> Iterator[Any]:
+    """A new connection to ``store``'s server, made within ``seconds`` (``store`` itself may
+    be broken), closed afterwards."""
+    store.set_timeout(timedelta(seconds=seconds))
+    conn = store.clone()
+    try:
+        yield conn
+    finally:
+        with contextlib.suppress(Exception):
+            conn.close()

@@ -18,6 +18,8 @@ import functools
 import ipaddress
 import logging
 import socket
+import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -113,6 +115,30 @@ class WorkerStoreHost:
         finally:
             sock.close()  # the server listens on its own duplicate
         return self.server
+
+    def meet(self, rank: int, key: str, meet: Any, addr: bytes, timeout: timedelta,
+             wait: Callable[[Any, list[str], float], None]) -> tuple[str, int]:
+        """The workers' store of a round: (host, port); rank 0 hosts it, the others retire
+        theirs.
+
+        ``addr`` is rank 0's announced address, from the round's outcome. Without one (a
+        round decided by an older node) rank 0 publishes it at ``key`` through ``meet`` with
+        one ``set`` and the others read it with one ``get`` once ``wait(meet, [key],
+        deadline)`` returns. ``MASTER_ADDR`` is rank 0's ``local_addr``, else its FQDN, as
+        torch publishes it.
+        """
+        if rank == 0:
+            server = self.host(timeout)
+            if not addr:
+                addr = f"{self.addr}:{server.port}".encode()
+                meet.set(key, addr)
+        else:
+            self.retire()
+            if not addr:
+                wait(meet, [key], time.monotonic() + timeout.total_seconds())
+                addr = bytes(meet.get(key))
+        host, _, port = addr.decode().rpartition(":")
+        return host, int(port)
 
     def retire(self) -> None:
         """Stops the last round's server (its workers were stopped before re-joining)."""

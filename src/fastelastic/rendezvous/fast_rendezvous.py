@@ -14,7 +14,6 @@ import os
 import threading
 import time
 from collections.abc import Generator, Iterator
-from datetime import timedelta
 from typing import Any, TypeVar
 
 from fastelastic.errors import (
@@ -29,7 +28,7 @@ from fastelastic.errors import (
 from fastelastic.events import NodeState, construct_and_record_rdzv_event
 
 from . import _store_ops as ops
-from ._failover import Candidates, parse_candidates
+from ._failover import Candidates, GoBack, Live, parse_candidates
 from ._liveness import BEATER
 from ._round import Config, Machine
 from ._schema import assign_ranks
@@ -41,7 +40,7 @@ from .api import (
     RendezvousParameters,
     RendezvousStoreInfo,
 )
-from .timeouts import RendezvousTimeout, timeout_from_params
+from .timeouts import RendezvousTimeout, store_times_from_params, timeout_from_params
 from .utils import parse_rendezvous_endpoint
 
 __all__ = ["FastRendezvousHandler", "assign_ranks", "create_fast_handler"]
@@ -51,6 +50,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 DEFAULT_PORT = 29400
 _LINGER_S = 10.0  # at most this long the host's store outlives its own shutdown
+_MAX_HOPS = 64  # moves and returns of one next_rendezvous
+_LEAVE_CONNECT_S = 2.0  # at most this long a leave waits for a connection of its own
 _MEMBERS_LINGER_S = 2.0  # ... when no spare waits: for the members' own shutdowns
 DEFAULT_KEEP_ALIVE_INTERVAL = 1.0  # seconds
 DEFAULT_KEEP_ALIVE_MAX_ATTEMPT = 5  # detection window: interval * attempts = 5 s (torch: 15 s)
@@ -141,7 +142,8 @@ class FastRendezvousHandler(RendezvousHandler):
         self._side: Any = None
         self._wstore = WorkerStoreHost(self._local_addr)
         self._candidates = candidates
-        self._index, self._epoch = -1, 0  # the live candidate and its epoch
+        self._live = Live()  # where the rendezvous is (with candidates)
+        self._move_lock = threading.RLock()  # one move at a time (see _move)
         self._closed_owned = False  # shutdown() closed the connections and the hosted store
 
     # ------------------------------------------------------------------ running the protocol
@@ -178,9 +180,12 @@ class FastRendezvousHandler(RendezvousHandler):
         if name == "on_disconnect":
             ops.on_disconnect(store, op[1], op[2])
             return None
+        if name == "gone_elsewhere":  # the proof of _majority (only when the rendezvous can move)
+            assert self._candidates is not None
+            return self._candidates.gone_elsewhere(self._live.index, op[1])
         if name == "moved_elsewhere":  # one endpoint: nowhere else to be
             if self._candidates is not None:
-                self._candidates.raise_if_moved(self._index, self._epoch)
+                self._candidates.check(self._live)
             return None
         return getattr(store, name)(*op[1:])
 
@@ -291,31 +296,70 @@ class FastRendezvousHandler(RendezvousHandler):
     def _next_rendezvous_anywhere(self) -> RendezvousInfo:
         """``_next_rendezvous`` on the live store, moving to the next candidate when the
         store's host is lost (bounded by the number of candidates)."""
-        tries = len(self._candidates.endpoints) if self._candidates is not None else 1
-        for left in range(tries - 1, -1, -1):
+        moves = len(self._candidates.endpoints) - 1 if self._candidates is not None else 0
+        for _ in range(_MAX_HOPS):  # bounded: each pass moves (at most ``moves``) or goes back
+            store = self._store
             try:
-                return self._next_rendezvous()
+                info = self._next_rendezvous()
+                self._live = self._live.member()
+                return info
+            except GoBack as e:
+                self._go_back(e, store)
             except (RendezvousConnectionError, StoreTimeoutError) as e:
-                if not left:
+                if moves <= 0:
                     raise
-                self._move(e)
-        raise AssertionError("unreachable")
+                moves -= 1
+                self._move(e, store)
+        raise RendezvousConnectionError(
+            f"The rendezvous '{self._run_id}' moved between its candidates {_MAX_HOPS} times "
+            "without forming a round.")
 
-    def _move(self, why: BaseException) -> None:
+    def _move(self, why: BaseException, failed: Any) -> bool:
         """The live store's host is lost: connect to the next live candidate, raise its epoch
-        past the lost one's, and start the rounds over there (see :mod:`._failover`)."""
+        past the lost one's, and start the rounds over there (see :mod:`._failover`).
+
+        ``failed`` is the store client the failure came from. Moves are serialised
+        (``_move_lock``): when another call moved while this one failed, the failure was the
+        old store's and this one does not move again (False)."""
         assert self._candidates is not None
-        old, lost = self._store, self._candidates.name(self._index) if self._index >= 0 else "?"
+        with self._move_lock:
+            if self._store is not failed:
+                return False
+            self._move_now(why)
+            return True
+
+    def _move_now(self, why: BaseException) -> None:
+        assert self._candidates is not None
+        c, live, member = self._candidates, self._live, self._m.member
+        lost = c.name(live.index) if live.index >= 0 else "?"
         self._stop_heartbeats()
-        client, self._index, self._epoch = self._candidates.connect(
-            exclude=self._index, at_least=self._epoch + 1)
+        with contextlib.suppress(RendezvousConnectionError, StoreError):  # before any close
+            self._run(self._m.moving(), self._store)
+        self._switch(*c.move(live, member[0] if member is not None else None))
+        new = self._live
+        self._m.moved(new.proposed)
+        log.warning("rendezvous %s: the store at %s was lost (%s); moved to %s (epoch %d%s)",
+                    self._run_id, lost, why, c.name(new.index), new.proposed or new.epoch,
+                    " proposed: committed once a round forms there" if new.proposed else "")
+
+    def _go_back(self, why: BaseException, failed: Any) -> None:
+        """A mover whose move was not committed finds the store it left alive, its world gone
+        on there: it goes back and joins that world as a new node."""
+        assert self._candidates is not None
+        with self._move_lock:
+            if self._store is not failed:
+                return
+            self._stop_heartbeats()
+            self._switch(*self._candidates.back(self._live))
+            self._m.back()
+            log.warning("rendezvous %s: %s; went back to it", self._run_id, why)
+
+    def _switch(self, client: Any, live: Live) -> None:
+        """Talks to the rendezvous through ``client`` (at ``live``) from now on."""
+        old, self._store, self._live = self._store, client, live
         self._close_side()
         with contextlib.suppress(Exception):
             old.close()
-        self._store = client
-        self._m.moved()
-        log.warning("rendezvous %s: the store at %s was lost (%s); moved to %s (epoch %d)",
-                    self._run_id, lost, why, self._candidates.name(self._index), self._epoch)
 
     def _next_rendezvous(self) -> RendezvousInfo:
         wstore = self._wstore.address() if self.use_agent_store else b""
@@ -383,13 +427,16 @@ class FastRendezvousHandler(RendezvousHandler):
             return []
         if self._candidates is None:
             return self._side_call(self._m.lost_members())
+        store, lost = self._store, self._candidates.name(self._live.index)
         try:
             return self._watchful(self._m.lost_members())
         except (RendezvousConnectionError, StoreTimeoutError) as e:
-            lost = self._candidates.name(self._index)
-            self._move(e)
+            if self._owner is not None and self._owner != threading.get_ident():
+                # a rendezvous runs in another thread: it moves, on its own failure
+                return [(-1, f"the rendezvous store's host {lost} was lost ({e})")]
+            self._move(e, store)
             return [(-1, f"the rendezvous store's host {lost} was lost ({e}); the "
-                         f"rendezvous moved to {self._candidates.name(self._index)}")]
+                         f"rendezvous moved to {self._candidates.name(self._live.index)}")]
 
     def mark_done(self) -> None:
         """Tells the other members that this node finished its work (its workers succeeded).
@@ -412,8 +459,20 @@ class FastRendezvousHandler(RendezvousHandler):
         self._m.leaving = True
         try:
             self._run(self._m.leave(for_good=True), self._store)
+            return
         except (RendezvousConnectionError, StoreError) as e:
-            log.warning("rendezvous %s: could not announce leaving: %s", self._run_id, e)
+            first = e
+        # The signal that brought us here may have landed in a rendezvous wait: the request
+        # was cut short and the connection given up (KVConn). Say it on a connection of its
+        # own, made within a short bound (a lost host must not hold up the shutdown).
+        try:
+            with ops.fresh(self._store, min(self._window, _LEAVE_CONNECT_S)) as conn:
+                self._m.leaving = True
+                self._run(self._m.leave(for_good=True), conn)
+                conn.check([self._m.keys.closed])  # a round trip: the writes are in
+        except (RendezvousConnectionError, StoreError, OSError, AttributeError) as e:
+            log.warning("rendezvous %s: could not announce leaving: %s (then: %s)",
+                        self._run_id, first, e)
 
     def wait_members(self, store: Any, keys: list[str], deadline: float) -> None:
         """Waits for ``keys`` (written by other members) unless a member is lost first.
@@ -439,10 +498,18 @@ class FastRendezvousHandler(RendezvousHandler):
         Then, on every path, closes what the handler owns: its connections and the store it
         hosts (after the linger). With a single endpoint, a store whose host is gone cannot be
         closed and admits nobody either: at a normal end the host closed the rendezvous and
-        left first, so this is said at INFO, not as a warning.
+        left first, so this is said at INFO, not as a warning. With several candidates, a node
+        closes the rendezvous only on a store it was a member of a round on: one that gave up
+        on a store it moved to alone (a cut link) must not close it for every node started
+        later.
         """
         self._stop_heartbeats()
         self._wstore.close()
+        if self._candidates is not None and not self._live.formed:
+            log.warning("rendezvous %s: not closing the store at %s: this node formed no world "
+                        "on it", self._run_id, self._candidates.name(self._live.index))
+            self._close_owned(linger=False)
+            return False
         closed = False
         try:
             self.set_closed()
@@ -514,28 +581,10 @@ class FastRendezvousHandler(RendezvousHandler):
 
     def _worker_store_info(self, r: int, rank: int, meet: Any,
                            addr: bytes = b"") -> RendezvousStoreInfo:
-        """The workers' store of round ``r`` (see :mod:`._worker_store`): rank 0 hosts it.
-
-        ``addr`` is rank 0's announced address, from the round's outcome. Without one (a
-        round decided by an older node) rank 0 publishes it through ``meet`` with one
-        ``set`` and the others read it with one ``get``. ``MASTER_ADDR`` is rank 0's
-        ``local_addr``, else its FQDN, as torch publishes it.
-        """
-        ws = self._wstore
-        key = self._m.keys.round(r).wstore
-        if rank == 0:
-            ws.host(self._store.timeout)
-            if not addr:
-                addr = f"{ws.addr}:{ws.server.port}".encode()
-                meet.set(key, addr)
-        else:
-            ws.retire()
-            if not addr:
-                self.wait_members(meet, [key],
-                                  time.monotonic() + self._store.timeout.total_seconds())
-                addr = bytes(meet.get(key))
-        host, _, port = addr.decode().rpartition(":")
-        return RendezvousStoreInfo(host, int(port))
+        """The workers' store of round ``r``: rank 0 hosts it (``WorkerStoreHost.meet``)."""
+        host, port = self._wstore.meet(rank, self._m.keys.round(r).wstore, meet, addr,
+                                       self._store.timeout, self.wait_members)
+        return RendezvousStoreInfo(host, port)
 
     @property
     def _worker_server(self) -> Any:
@@ -580,25 +629,15 @@ def create_fast_handler(params: RendezvousParameters) -> FastRendezvousHandler:
     else:
         host, port = parse_rendezvous_endpoint(params.endpoint, DEFAULT_PORT)
     timeout = timeout_from_params(params)
-    read_timeout = timedelta(seconds=params.get_as_int("read_timeout", 60) or 60)
-    if read_timeout <= timedelta(0):
-        raise ValueError("The read timeout must be positive.")
-    try:
-        keep_alive_interval = float(params.get("keep_alive_interval",
-                                               DEFAULT_KEEP_ALIVE_INTERVAL))
-    except (TypeError, ValueError) as e:
-        raise ValueError("The rendezvous configuration option 'keep_alive_interval' must be a "
-                         "number of seconds.") from e
-    keep_alive_max_attempt = params.get_as_int("keep_alive_max_attempt",
-                                               DEFAULT_KEEP_ALIVE_MAX_ATTEMPT)
-    if keep_alive_max_attempt is None:
-        raise ValueError("keep_alive_max_attempt must not be None.")
+    read_timeout, keep_alive_interval, keep_alive_max_attempt = store_times_from_params(
+        params, DEFAULT_KEEP_ALIVE_INTERVAL, DEFAULT_KEEP_ALIVE_MAX_ATTEMPT)
     rank = params.get_as_int("rank", -1)
     reform_last_call = bool(params.get_as_bool("reform_last_call", False))
     if "," in (params.endpoint or ""):
         candidates = Candidates(params.run_id, endpoints, params.get_as_bool("is_host"),
                                 read_timeout, token_from(params))
-        client, index, epoch = candidates.connect()
+        candidates.me = f"{params.local_addr or ''}|{os.getpid()}"  # as its who entries say
+        client, index, epoch, proposed = candidates.connect()
         server = candidates.standby
         host = endpoints[index][0]
     else:
@@ -621,5 +660,6 @@ def create_fast_handler(params: RendezvousParameters) -> FastRendezvousHandler:
         candidates=candidates,
     )
     if candidates is not None:
-        handler._index, handler._epoch = index, epoch
+        handler._live = Live(index, epoch, proposed)
+        handler._m.moved(proposed)
     return handler

@@ -110,3 +110,25 @@ def timeout_from_params(params: RendezvousParameters) -> RendezvousTimeout:
         _get_timeout(params, "close"),
         None if heartbeat is None else timedelta(seconds=heartbeat),
     )
+
+
+def store_times_from_params(params: RendezvousParameters, interval: float,
+                            attempts: int) -> tuple[timedelta, float, int]:
+    """``read_timeout`` (store operations, default 60 s), ``keep_alive_interval`` (default
+    ``interval``) and ``keep_alive_max_attempt`` (default ``attempts``) from ``rdzv_conf``.
+
+    Raises:
+        ValueError: A malformed value.
+    """
+    read_timeout = timedelta(seconds=params.get_as_int("read_timeout", 60) or 60)
+    if read_timeout <= timedelta(0):
+        raise ValueError("The read timeout must be positive.")
+    try:
+        keep_alive_interval = float(params.get("keep_alive_interval", interval))
+    except (TypeError, ValueError) as e:
+        raise ValueError("The rendezvous configuration option 'keep_alive_interval' must be a "
+                         "number of seconds.") from e
+    keep_alive_max_attempt = params.get_as_int("keep_alive_max_attempt", attempts)
+    if keep_alive_max_attempt is None:
+        raise ValueError("keep_alive_max_attempt must not be None.")
+    return read_timeout, keep_alive_interval, keep_alive_max_attempt
