@@ -10,7 +10,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Generator
-from typing import Any
+from typing import Any, Protocol
 
 from fastelastic.errors import StoreError
 
@@ -158,6 +158,28 @@ def lost_members(w: Watch, cfg: Any, spare_ready: bool, clock: Callable[[], floa
     return out
 
 
+class Beating(Protocol):
+    """What ``KeepAlive`` needs of a member handler (``FastRendezvousHandler`` is one)."""
+
+    @property
+    def run_id(self) -> str: ...
+
+    @property
+    def keep_alive_interval(self) -> float:
+        """Seconds between two bumps of its counter."""
+
+    @property
+    def detection_window(self) -> float:
+        """Seconds after which the other members count a still counter as lost."""
+
+    def beat(self, key: str, value: bytes) -> None:
+        """Writes ``value`` to ``key`` without waiting (fire-and-forget).
+
+        Raises:
+            StoreError, OSError: the write did not get out.
+        """
+
+
 class KeepAlive:
     """One daemon thread per process bumps the keep-alive counter of every member handler.
 
@@ -172,21 +194,22 @@ class KeepAlive:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         # id(handler) -> (weak handler, next due, key, last success)
-        self._due: dict[int, tuple[weakref.ref[Any], float, str, float]] = {}
+        self._due: dict[int, tuple[weakref.ref[Beating], float, str, float]] = {}
         self._thread: threading.Thread | None = None
         self._beats = itertools.count(1)  # a keep-alive writes a value never written before
 
-    def add(self, handler: Any, key: str) -> None:
+    def add(self, handler: Beating, key: str) -> None:
         now = time.monotonic()
         with self._cond:
-            self._due[id(handler)] = (weakref.ref(handler), now + handler._ka_interval, key, now)
+            self._due[id(handler)] = (weakref.ref(handler), now + handler.keep_alive_interval,
+                                      key, now)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="fe-rdzv-keepalive",
                                                 daemon=True)
                 self._thread.start()
             self._cond.notify()
 
-    def remove(self, handler: Any) -> None:
+    def remove(self, handler: Beating) -> None:
         with self._cond:
             self._due.pop(id(handler), None)
 
@@ -206,15 +229,13 @@ class KeepAlive:
                     del handler
                     self._cond.wait(when - now)
                     continue
-                self._due[hid] = (ref, now + handler._ka_interval, key, last_ok)
+                self._due[hid] = (ref, now + handler.keep_alive_interval, key, last_ok)
             beat = next(self._beats)
             try:  # outside the lock: a slow store must not block add/remove
-                # A fire-and-forget write: it goes out at once even while the handler's
-                # connection is blocked in a wait of another thread (see KVClient).
-                handler._store.set(key, b"%d" % beat)
+                handler.beat(key, b"%d" % beat)
                 ok = True
             except (StoreError, OSError) as e:
-                log.warning("rendezvous %s: keep-alive %s failed: %s", handler._run_id, key, e)
+                log.warning("rendezvous %s: keep-alive %s failed: %s", handler.run_id, key, e)
                 ok = False
             with self._cond:
                 entry = self._due.get(hid)
@@ -222,11 +243,11 @@ class KeepAlive:
                     done = time.monotonic()
                     if ok:
                         self._due[hid] = (ref, entry[1], key, done)
-                    elif done - entry[3] > handler._window:
+                    elif done - entry[3] > handler.detection_window:
                         del self._due[hid]
                         log.warning(
                             "rendezvous %s: no keep-alive got through for %.1fs (the others "
-                            "count this node gone); stopping them", handler._run_id,
+                            "count this node gone); stopping them", handler.run_id,
                             done - entry[3])
             del handler
 

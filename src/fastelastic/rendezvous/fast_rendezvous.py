@@ -413,6 +413,25 @@ class FastRendezvousHandler(RendezvousHandler):
         """See base class."""
         return self._run_id
 
+    # ------------------------------------------------------------------ keep-alives (Beating)
+
+    @property
+    def run_id(self) -> str:
+        return self._run_id
+
+    @property
+    def keep_alive_interval(self) -> float:
+        return self._ka_interval
+
+    @property
+    def detection_window(self) -> float:
+        return self._window
+
+    def beat(self, key: str, value: bytes) -> None:
+        # A fire-and-forget write: it goes out at once even while the handler's connection is
+        # blocked in a wait of another thread (see KVClient).
+        self._store.set(key, value)
+
     def lost_members(self) -> list[tuple[int, str]]:
         """Members of this node's round lost since the last call: ``[(rank, why), ...]``.
 
