@@ -22,6 +22,7 @@ from typing import Any
 
 from fastelastic.errors import RendezvousConnectionError, StoreError
 
+from ._schema import Keys
 from .utils import _matches_machine_hostname, parse_rendezvous_endpoint
 
 
@@ -85,9 +86,10 @@ class Candidates:
 
     def __init__(self, run_id: str, endpoints: list[tuple[str, int]], is_host: bool | None,
                  read_timeout: timedelta, token: bytes | None = None) -> None:
-        self.key = f"fe.rdzv.{run_id}/epoch"
-        self.moving_key = f"fe.rdzv.{run_id}/moving"
-        self.open_key = f"fe.rdzv.{run_id}/open"
+        keys = Keys(run_id)  # every key from _schema
+        self.key = keys.epoch
+        self.moving_key = keys.moving
+        self.open_key = keys.open
         self.me = ""  # ``<addr>|<pid>`` as this node's ``who`` entries name it (its marks)
         self.endpoints = endpoints
         self.read_timeout = read_timeout
