@@ -12,6 +12,8 @@ from string import Template
 from typing import TYPE_CHECKING, Any
 
 from fastelastic import events
+from fastelastic.agent.server._hang import HangAction, HangWatch, resolve_hang_timeout
+from fastelastic.agent.server._runloop import AgentAction
 from fastelastic.agent.server.api import (
     RunResult,
     SimpleElasticAgent,
@@ -104,6 +106,7 @@ class LocalElasticAgent(SimpleElasticAgent):
         shutdown_timeout: int = 30,
         health_check_server: HealthCheckServer | None = None,
         uninterruptible_state_timeout: float | None = None,
+        hang_timeout: float | str | None = None,
     ):
         super().__init__(spec, exit_barrier_timeout, shutdown_timeout)
         if logs_specs is None:
@@ -125,6 +128,9 @@ class LocalElasticAgent(SimpleElasticAgent):
         self._health_started = False
         self._zygote: Any = None
         self._zygote_tried = False
+        seconds = resolve_hang_timeout(hang_timeout)  # None: $FASTELASTIC_HANG_TIMEOUT
+        self._hang = HangWatch(seconds) if seconds > 0 else None
+        self._hang_restart = False  # a hang verdict asks this survivor to restart
 
     # ------------------------------------------------------------------ environment
 
@@ -381,6 +387,8 @@ class LocalElasticAgent(SimpleElasticAgent):
                 kwargs[name] = getattr(spec, name)
         if self._zygote is not None:
             kwargs["zygote"] = self._zygote
+        if self._hang is not None:
+            self._hang.prepare(envs)  # the slot of each worker, in its environment
         self._pcontext = start_processes(
             name=spec.role,
             entrypoint=spec.entrypoint,
@@ -392,6 +400,8 @@ class LocalElasticAgent(SimpleElasticAgent):
             **kwargs,
         )
         pids = self._pcontext.pids()
+        if self._hang is not None:
+            self._hang.started(pids, {w.local_rank: w.global_rank for w in worker_group.workers})
         self._exits_pending = True
         self._uninterruptible_state_first_seen.clear()
         if self._worker_watchdog is not None and hasattr(self._worker_watchdog, "set_allowed_pids"):
@@ -410,8 +420,8 @@ class LocalElasticAgent(SimpleElasticAgent):
             self._exits_pending = True
 
     def _membership_check_interval(self, spec: WorkerSpec) -> float | None:
-        if self._uninterruptible_state_timeout > 0:
-            return spec.monitor_interval  # the D-state check needs a periodic look
+        if self._uninterruptible_state_timeout > 0 or self._hang is not None:
+            return spec.monitor_interval  # the D-state and hang checks need a periodic look
         return super()._membership_check_interval(spec)
 
     @prof
@@ -437,6 +447,8 @@ class LocalElasticAgent(SimpleElasticAgent):
                     server.stop()
                 if self._zygote is not None:
                     self._zygote.close()
+                if self._hang is not None:
+                    self._hang.close()
 
     # ------------------------------------------------------------------ monitoring
 
@@ -476,6 +488,28 @@ class LocalElasticAgent(SimpleElasticAgent):
 
     @prof
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        result = self._check_workers(worker_group)
+        if self._hang is None or result.state != WorkerState.HEALTHY:
+            return result
+        spec = worker_group.spec
+        action = self._hang.check(
+            worker_group.store, worker_group.group_rank or 0, worker_group.group_world_size or 1,
+            getattr(self._logs_specs, "_run_log_dir", None),
+            reused_store=spec.rdzv_handler.get_backend() == "static",
+        )
+        if action is HangAction.RETRY:
+            put_metric(f"workers.{spec.role}.hang_verdicts", 1)
+            return RunResult(state=WorkerState.UNHEALTHY)
+        self._hang_restart = action is HangAction.RESTART
+        return result
+
+    def _decide(self, wg: WorkerGroup, state: WorkerState, check_due: bool) -> AgentAction:
+        if self._hang_restart:  # a hang verdict named another node: restart as a survivor
+            self._hang_restart = False
+            return AgentAction.RESTART
+        return super()._decide(wg, state, check_due)
+
+    def _check_workers(self, worker_group: WorkerGroup) -> RunResult:
         if self._pcontext is None:
             raise RuntimeError("no workers to monitor: the group was not started")
         timeout = self._uninterruptible_state_timeout
