@@ -37,7 +37,17 @@ PAUSE_AT, PAUSE_S = _at("PAUSE")
 
 def note(**kw):
     with open(os.path.join(OUT, "steps.jsonl"), "a") as f:
-        f.write(json.dumps({"rank": RANK, "restart": RESTART, "t": time.time(), **kw}) + "\n")
+        f.write(json.dumps({"rank": RANK, "restart": RESTART, "pid": os.getpid(),
+                            "t": time.time(), **kw}) + "\n")
+
+
+def first(what):
+    """True for the first process of the job to ask (any rank, any restart)."""
+    try:
+        os.close(os.open(os.path.join(OUT, f"{what}.once"), os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return False
+    return True
 
 
 def hung_in_native_call():
@@ -60,7 +70,11 @@ def hung_in_python_loop():
         n += 1
 
 
-HANGS = {"native": hung_in_native_call, "sleep": hung_in_sleep, "deadlock": hung_in_deadlock,
+def crashed():
+    os._exit(1)  # the comparison: a crash, restarted as usual
+
+
+HANGS = {"crash": crashed, "native": hung_in_native_call, "sleep": hung_in_sleep, "deadlock": hung_in_deadlock,
          "loop": hung_in_python_loop}
 
 
@@ -92,7 +106,7 @@ def main():
     x = torch.randn(8, 16)
     for step in range(STEPS):
         note(step=step)
-        if RESTART == 0 and RANK == HANG_RANK and step == HANG_STEP and HOW in HANGS:
+        if RANK == HANG_RANK and step == HANG_STEP and HOW in HANGS and first("hang"):
             note(event="hang", how=HOW)
             HANGS[HOW]()
         if step == 0 and SLOW_FIRST_S and RANK == 0:

@@ -16,6 +16,7 @@ Invariants:
   it already did, as in a zygote that preloaded it).
 """
 
+import atexit
 import faulthandler
 import functools
 import mmap
@@ -34,9 +35,10 @@ F_MAGIC, F_PID, F_STEPS, F_LAST_NS = 0, 1, 2, 3
 F_SUSPEND, F_SUSPEND_NS, F_SUSPEND_KIND, F_EVAL_NS = 4, 5, 6, 7
 F_MAIN_TID, F_DUMP_SIG, F_HOOKED = 8, 9, 10
 # suspend kinds (bits of F_SUSPEND_KIND)
-K_SAVE, K_LOAD, K_CHECKPOINT, K_CUSTOM = 1, 2, 4, 8
+K_SAVE, K_LOAD, K_CHECKPOINT, K_CUSTOM, K_EXIT = 1, 2, 4, 8, 16
 KIND_NAMES = {K_SAVE: "torch.save", K_LOAD: "torch.load",
-              K_CHECKPOINT: "torch.distributed.checkpoint", K_CUSTOM: "suspend()"}
+              K_CHECKPOINT: "torch.distributed.checkpoint", K_CUSTOM: "suspend()",
+              K_EXIT: "exiting"}
 # the signal the agent sends for a dump of every thread's stack (faulthandler, no GIL needed)
 DUMP_SIGNAL = int(signal.SIGRTMIN) + 7
 
@@ -64,6 +66,7 @@ def install(path):
     _slot[F_PID] = os.getpid()
     _slot[F_MAIN_TID] = threading.get_ident()
     os.register_at_fork(after_in_child=_detach)
+    atexit.register(_finishing)
     if "torch.optim" in sys.modules:
         _hook_torch()
         _hook_checkpoint()
@@ -85,6 +88,30 @@ def _detach():
     for f in list(sys.meta_path):
         if isinstance(f, _AfterImport):
             sys.meta_path.remove(f)
+
+
+def _finishing():
+    """The rank is done (its process group destroyed, or the interpreter exiting): its
+    silence from now on is no stall; and faulthandler's handler is about to go, so the agent
+    must not send the dump signal (its default action would kill the process)."""
+    s = _slot
+    if s is None:
+        return
+    s[F_DUMP_SIG] = 0
+    _enter(K_EXIT)
+
+
+def _finishing_after(fn):
+    @functools.wraps(fn)
+    def marked(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if not args and not kwargs.get("group"):  # the default group: the rank is done
+                _enter(K_EXIT)
+
+    marked.__fastelastic_marked__ = True
+    return marked
 
 
 def _arm_dump():
@@ -197,6 +224,11 @@ def _hook_torch():
         if mod is not None:
             _wrap(mod, "save", K_SAVE)
             _wrap(mod, "load", K_LOAD)
+    for name in ("torch.distributed", "torch.distributed.distributed_c10d"):
+        mod = sys.modules.get(name)
+        fn = getattr(mod, "destroy_process_group", None)
+        if fn is not None and not getattr(fn, "__fastelastic_marked__", False):
+            mod.destroy_process_group = _finishing_after(fn)
     module = getattr(getattr(torch, "nn", None), "Module", None)
     if module is not None and not getattr(module.train, "__fastelastic_marked__", False):
         module.train = _marking_train(module.train)

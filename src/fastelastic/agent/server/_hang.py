@@ -84,6 +84,7 @@ class HangWatch:
         self._ranks: dict[int, int] = {}
         self._published = False
         self._stacks: dict[int, str] = {}
+        self._published_steps = 0
         self._host = socket.gethostname()
 
     def prepare(self, envs: dict[int, dict[str, str]]) -> None:
@@ -96,6 +97,11 @@ class HangWatch:
         """The attempt's workers: ``{local_rank: pid}`` and ``{local_rank: global_rank}``."""
         self._pids = dict(pids)
         self._ranks = dict(ranks)
+
+    @property
+    def pending(self) -> bool:
+        """True while this node's stall is published and no verdict came yet."""
+        return self._published
 
     def close(self) -> None:
         self.slots.close()
@@ -111,16 +117,24 @@ class HangWatch:
             return None
         now = time.monotonic_ns()
         views = self.slots.read_all()
-        idle = node_stalled(views.values(), now, self.timeout_s, self.allowance_s)
+        steps = sum(v.steps for v in views.values())
         prefix = f"{_KEY}/{self.verdicts}" if reused_store else _KEY
         key = f"{prefix}/node/{group_rank}"
+        keys = [f"{prefix}/node/{g}" for g in range(group_world_size)]
         try:
-            if idle is None:
-                if self._published:
-                    self._published = False
+            if self._published:
+                # reported: the verdict, once every node reported, holds even if a rank here
+                # moved since (a peer that restarted first may unblock or break collectives)
+                if not store.check(keys):
+                    if steps == self._published_steps:
+                        return None
+                    self._published = False  # progress again before the verdict: withdraw
                     store.delete_key(key)
-                return None
-            if not self._published:
+                    return None
+            else:
+                idle = node_stalled(views.values(), now, self.timeout_s, self.allowance_s)
+                if idle is None:
+                    return None
                 stacks = self.slots.dump_stacks(self._pids)
                 reports = [
                     rank_report(self._ranks[lr], self._host, views[lr], now, stacks.get(lr, ""))
@@ -129,9 +143,9 @@ class HangWatch:
                 self._stacks = stacks
                 store.set(key, json.dumps([r.to_json() for r in reports]))
                 self._published = True
-            keys = [f"{prefix}/node/{g}" for g in range(group_world_size)]
-            if not store.check(keys):
-                return None
+                self._published_steps = steps
+                if not store.check(keys):
+                    return None
             values = store.multi_get(keys)
             reports = [RankReport.from_json(item) for v in values for item in json.loads(v)]
             verdict = judge(reports)

@@ -130,7 +130,7 @@ class LocalElasticAgent(SimpleElasticAgent):
         self._zygote_tried = False
         seconds = resolve_hang_timeout(hang_timeout)  # None: $FASTELASTIC_HANG_TIMEOUT
         self._hang = HangWatch(seconds) if seconds > 0 else None
-        self._hang_restart = False  # a hang verdict asks this survivor to restart
+        self._hang_action: HangAction | None = None  # what the last verdict asks of this node
 
     # ------------------------------------------------------------------ environment
 
@@ -489,24 +489,31 @@ class LocalElasticAgent(SimpleElasticAgent):
     @prof
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = self._check_workers(worker_group)
-        if self._hang is None or result.state != WorkerState.HEALTHY:
+        if self._hang is None or result.state == WorkerState.SUCCEEDED:
             return result
+        if result.state != WorkerState.HEALTHY and not self._hang.pending:
+            return result
+        # a node that reported a stall finishes the verdict even once its workers failed: a
+        # peer that restarted first breaks their collectives
         spec = worker_group.spec
         action = self._hang.check(
             worker_group.store, worker_group.group_rank or 0, worker_group.group_world_size or 1,
             getattr(self._logs_specs, "_run_log_dir", None),
             reused_store=spec.rdzv_handler.get_backend() == "static",
         )
-        if action is HangAction.RETRY:
-            put_metric(f"workers.{spec.role}.hang_verdicts", 1)
-            return RunResult(state=WorkerState.UNHEALTHY)
-        self._hang_restart = action is HangAction.RESTART
-        return result
+        if action is None:
+            return result
+        put_metric(f"workers.{spec.role}.hang_verdicts", 1)
+        self._hang_action = action
+        return RunResult(state=WorkerState.UNHEALTHY)
 
     def _decide(self, wg: WorkerGroup, state: WorkerState, check_due: bool) -> AgentAction:
-        if self._hang_restart:  # a hang verdict named another node: restart as a survivor
-            self._hang_restart = False
+        action, self._hang_action = self._hang_action, None
+        if action is HangAction.RESTART:  # the verdict named a rank of another node
             return AgentAction.RESTART
+        if action is HangAction.RETRY:  # this node's rank hung: a restart, as for a crash (a
+            # peer that already restarted for the same verdict is no lost member)
+            return AgentAction.RETRY if self._remaining_restarts > 0 else AgentAction.FAIL
         return super()._decide(wg, state, check_due)
 
     def _check_workers(self, worker_group: WorkerGroup) -> RunResult:
