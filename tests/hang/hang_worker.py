@@ -74,8 +74,8 @@ def crashed():
     os._exit(1)  # the comparison: a crash, restarted as usual
 
 
-HANGS = {"crash": crashed, "native": hung_in_native_call, "sleep": hung_in_sleep, "deadlock": hung_in_deadlock,
-         "loop": hung_in_python_loop}
+HANGS = {"crash": crashed, "native": hung_in_native_call, "sleep": hung_in_sleep,
+         "deadlock": hung_in_deadlock, "loop": hung_in_python_loop}
 
 
 class SlowFile:
