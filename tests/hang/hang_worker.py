@@ -79,22 +79,22 @@ HANGS = {"crash": crashed, "native": hung_in_native_call, "sleep": hung_in_sleep
 
 
 class SlowFile:
-    """A file whose writes take SAVE_S in all (a slow filesystem)."""
+    """A file whose first write takes SAVE_S (a slow filesystem), inside torch.save."""
 
     def __init__(self, path):
         self.f = open(path, "wb")
-        self.deadline = time.monotonic() + SAVE_S
+        self.slow = True
 
     def write(self, b):
-        time.sleep(max(0.0, min(0.05, self.deadline - time.monotonic())))
+        if self.slow:
+            self.slow = False
+            time.sleep(SAVE_S)
         return self.f.write(b)
 
     def flush(self):
         self.f.flush()
 
     def close(self):
-        while time.monotonic() < self.deadline:
-            time.sleep(0.05)
         self.f.close()
 
 
@@ -111,7 +111,7 @@ def main():
             HANGS[HOW]()
         if step == 0 and SLOW_FIRST_S and RANK == 0:
             time.sleep(SLOW_FIRST_S)
-        if step == PAUSE_AT and RANK == 0:
+        if step == PAUSE_AT and RANK == 0 and first("pause"):
             time.sleep(PAUSE_S)
         if step == SAVE_AT and RANK == 0:
             f = SlowFile(os.path.join(OUT, f"ckpt.{RANK}"))
