@@ -280,7 +280,7 @@ def _hook_checkpoint():
                 _wrap(mod, name, K_CHECKPOINT)
 
 
-_leftover = []  # (name, module): the bootstrap's module, to leave sys.modules
+_leftover: list = []  # (name, module): the bootstrap's module, to leave sys.modules
 
 
 def drop_module_later(name, module):
