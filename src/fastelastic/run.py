@@ -178,9 +178,10 @@ def _preload(args: Namespace) -> list[str] | None:
     return list(parse_preload(value))
 
 
-def _hang_timeout(args: Namespace) -> float | None:
-    """``--hang-timeout`` in seconds (None when not given: the agent reads the env var)."""
-    from fastelastic.agent.server._hang import HANG_TIMEOUT_ENV, parse_hang_timeout
+def _hang_timeout(args: Namespace) -> float | str | None:
+    """``--hang-timeout`` in seconds or ``"auto"`` (None when not given: the agent reads the
+    env var)."""
+    from fastelastic.agent.server._hang import AUTO, HANG_TIMEOUT_ENV, parse_hang_timeout
 
     value = getattr(args, "hang_timeout", None)
     if value is None:
@@ -191,7 +192,8 @@ def _hang_timeout(args: Namespace) -> float | None:
             except ValueError as e:
                 raise ValueError(f"{HANG_TIMEOUT_ENV}: {e}") from None
         return None
-    return parse_hang_timeout(value)
+    seconds = parse_hang_timeout(value)
+    return "auto" if seconds == AUTO else seconds
 
 
 def _local_ranks(text: str) -> set[int] | None:

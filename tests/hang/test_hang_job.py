@@ -97,3 +97,29 @@ def test_off_by_default_at_torch_defaults(tmp_path: Path, need_torch) -> None:
     results = run_job(tmp_path, nproc=2, hang_timeout=None, pause_at=2, pause_s=4, steps=4)
     _check_finished(results, records(tmp_path), 2)
     assert "hang:" not in results[0].stdout
+
+
+def test_auto_two_nodes_hang_recovers_within_45_s(tmp_path: Path, need_torch) -> None:
+    """``--hang-timeout auto``: the same hang, all ranks training again <= 45 s after it."""
+    results = run_job(tmp_path, nproc=2, nnodes=2, hang_timeout="auto", preload=True,
+                      how="native", hang_rank=3, hang_step=20, steps=30)
+    recs = records(tmp_path)
+    _check_finished(results, recs, 4)
+    lines = [x for r in results for x in _verdict_lines(r.stdout)]
+    assert len(lines) == 2 and all("rank 3 (host " in x for x in lines), lines
+    took = recovery_s(recs, 4)
+    print(f"\nauto: hang -> all 4 ranks training again: {took:.2f} s")
+    assert 30.0 <= took <= 45.0, took  # never sooner than 30 s after the last progress
+
+
+def test_auto_healthy_job_has_no_verdict(tmp_path: Path, need_torch) -> None:
+    """``auto`` on a healthy job: a first step 15 s slower, a 35 s torch.save, 35 s of
+    evaluation and a 12 s pause in the script: zero restarts, from the workers' records."""
+    results = run_job(tmp_path, nproc=2, hang_timeout="auto", slow_first_s=15, save_at=3,
+                      save_s=35, eval_at=6, eval_s=35, pause_at=9, pause_s=12, steps=12,
+                      timeout=400)
+    recs = records(tmp_path)
+    _check_finished(results, recs, 2)
+    assert {r["restart"] for r in recs} == {0}
+    assert len({r["pid"] for r in recs}) == 2  # the same two processes throughout
+    assert "hang:" not in results[0].stdout

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from fastelastic.agent.server._hang import parse_hang_timeout
+from fastelastic.agent.server._hang import AUTO, parse_hang_timeout
 from fastelastic.agent.server._hang_verdict import (
+    Intervals,
     RankReport,
     judge,
     main_stack,
@@ -94,12 +95,50 @@ def test_report_roundtrip_and_ranges() -> None:
 
 
 @pytest.mark.parametrize(("value", "seconds"), [(None, 0.0), ("", 0.0), ("0", 0.0),
-                                                 ("5", 5.0), (2.5, 2.5)])
+                                                 ("5", 5.0), (2.5, 2.5), ("auto", AUTO),
+                                                 (" Auto ", AUTO)])
 def test_parse_hang_timeout(value, seconds) -> None:
     assert parse_hang_timeout(value) == seconds
 
 
-@pytest.mark.parametrize("value", ["abc", "-1", "nan", "inf", "auto"])
+@pytest.mark.parametrize("value", ["abc", "-1", "nan", "inf", "automatic"])
 def test_parse_hang_timeout_rejects(value) -> None:
     with pytest.raises(ValueError, match="--hang-timeout"):
         parse_hang_timeout(value)
+
+
+# (last progress s, total steps) samples, one per tick -> the longest interval counted
+@pytest.mark.parametrize(("samples", "longest"), [
+    ([(0, 0), (15, 1), (16, 2), (17, 3)], 1.0),  # the wait before the first step: no
+    ([(10, 1), (11, 2), (23, 3), (24, 4)], 12.0),  # a 12 s pause in the script counts
+    ([(10, 1), (11, 2), (46, 2), (47, 3)], 1.0),  # a 35 s save ends without a step: no
+    ([(10, 1), (11, 2), (11, 2), (11, 2), (13, 3)], 2.0),  # quiet ticks change nothing
+    ([(10, 4), (12, 6)], 2.0),  # several steps between ticks: never shorter than the truth
+])
+def test_auto_intervals(samples, longest) -> None:
+    iv = Intervals()
+    for t, steps in samples:
+        iv.observe(t * S, steps)
+    assert iv.longest_s == pytest.approx(longest)
+    assert iv.timeout_s() == max(30.0, 5 * longest)
+
+
+def test_auto_intervals_new_attempt() -> None:
+    iv = Intervals()
+    for t, steps in [(10, 1), (11, 2), (20, 3)]:
+        iv.observe(t * S, steps)
+    assert iv.longest_s == pytest.approx(9.0)
+    iv.reset_attempt()
+    for t, steps in [(60, 1), (61, 2)]:  # the new attempt's first step is no interval
+        iv.observe(t * S, steps)
+    assert iv.longest_s == pytest.approx(9.0)
+    assert iv.timeout_s() == 45.0
+
+
+def test_auto_node_stalled_uses_the_learned_timeout() -> None:
+    iv = Intervals()
+    for t, steps in [(10, 1), (18, 2)]:
+        iv.observe(t * S, steps)
+    views = [view(last=18)]
+    assert node_stalled(views, (18 + 39) * S, iv.timeout_s(), 600.0) is None
+    assert node_stalled(views, (18 + 40) * S, iv.timeout_s(), 600.0) == pytest.approx(40.0)

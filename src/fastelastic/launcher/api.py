@@ -67,7 +67,8 @@ class LaunchConfig:
         preload: modules imported once by a worker zygote that forks every Python worker
             (fastelastic; ``None``: ``$FASTELASTIC_PRELOAD``; see ``fastrun --preload``).
         hang_timeout: seconds with no progress on any rank (optimizer steps, after the
-            first) before the job counts as hung and restarts; 0 is off (fastelastic;
+            first) before the job counts as hung and restarts, or ``"auto"`` (at least 30 s
+            and 5 x the longest interval between steps seen); 0 is off (fastelastic;
             ``None``: ``$FASTELASTIC_HANG_TIMEOUT``, else off; see ``fastrun --hang-timeout``).
     """
 

@@ -23,6 +23,7 @@ from enum import Enum
 from typing import Any
 
 from fastelastic.agent.server._hang_verdict import (
+    Intervals,
     RankReport,
     Verdict,
     judge,
@@ -37,21 +38,25 @@ logger = logging.getLogger("fastelastic.agent.server.api")  # the agent's log
 HANG_TIMEOUT_ENV = "FASTELASTIC_HANG_TIMEOUT"
 SUSPEND_ALLOWANCE_S = 600.0  # the longest a save, load or evaluation suspends the verdict
 _KEY = "fastelastic/hang"
+AUTO = -1.0  # parse_hang_timeout's value for "auto"
 
 
 def parse_hang_timeout(value: Any) -> float:
-    """``--hang-timeout`` / ``FASTELASTIC_HANG_TIMEOUT`` in seconds; 0 (or None, '') is off.
+    """``--hang-timeout`` / ``FASTELASTIC_HANG_TIMEOUT`` in seconds; 0 (or None, '') is off;
+    ``auto`` gives ``AUTO``.
 
     Raises:
-        ValueError: not a number of seconds >= 0.
+        ValueError: neither ``auto`` nor a number of seconds >= 0.
     """
     if value is None or value == "":
         return 0.0
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return AUTO
     try:
         seconds = float(value)
     except (TypeError, ValueError):
         raise ValueError(
-            f"--hang-timeout {value!r}: expected SECONDS (a number >= 0; 0 is off)"
+            f"--hang-timeout {value!r}: expected SECONDS (a number >= 0; 0 is off) or auto"
         ) from None
     if not seconds >= 0 or seconds == float("inf"):
         raise ValueError(f"--hang-timeout {value!r}: expected a finite number of seconds >= 0")
@@ -73,10 +78,18 @@ class HangAction(str, Enum):
 
 
 class HangWatch:
-    """One agent's hang check (see the module docstring). Not thread-safe: the run loop's."""
+    """One agent's hang check (see the module docstring). Not thread-safe: the run loop's.
+
+    ``timeout_s`` is SECONDS, or ``AUTO``: then no verdict comes sooner than 30 s after the
+    last progress, nor sooner than 5 x the longest interval between progress marks seen so
+    far in the job (``_hang_verdict.Intervals``; each node applies its own, and a verdict
+    needs every node, so the job's longest counts).
+    """
 
     def __init__(self, timeout_s: float, allowance_s: float = SUSPEND_ALLOWANCE_S) -> None:
+        self.auto = timeout_s == AUTO
         self.timeout_s = timeout_s
+        self.intervals = Intervals()
         self.allowance_s = allowance_s
         self.slots = Slots()
         self.verdicts = 0
@@ -92,6 +105,7 @@ class HangWatch:
         for lr, path in self.slots.prepare(sorted(envs)).items():
             envs[lr][PROGRESS_ENV] = path
         self._published = False
+        self.intervals.reset_attempt()
 
     def started(self, pids: dict[int, int], ranks: dict[int, int]) -> None:
         """The attempt's workers: ``{local_rank: pid}`` and ``{local_rank: global_rank}``."""
@@ -118,6 +132,9 @@ class HangWatch:
         now = time.monotonic_ns()
         views = self.slots.read_all()
         steps = sum(v.steps for v in views.values())
+        if self.auto and views:
+            self.intervals.observe(max(v.last_ns for v in views.values()), steps)
+        timeout = self.intervals.timeout_s() if self.auto else self.timeout_s
         prefix = f"{_KEY}/{self.verdicts}" if reused_store else _KEY
         key = f"{prefix}/node/{group_rank}"
         keys = [f"{prefix}/node/{g}" for g in range(group_world_size)]
@@ -132,7 +149,7 @@ class HangWatch:
                     store.delete_key(key)
                     return None
             else:
-                idle = node_stalled(views.values(), now, self.timeout_s, self.allowance_s)
+                idle = node_stalled(views.values(), now, timeout, self.allowance_s)
                 if idle is None:
                     return None
                 stacks = self.slots.dump_stacks(self._pids)

@@ -43,6 +43,44 @@ def node_stalled(
     return age
 
 
+AUTO_FLOOR_S = 30.0  # --hang-timeout auto: never sooner than this after the last progress
+AUTO_FACTOR = 5.0  # ... nor sooner than this many times the longest interval seen
+
+
+class Intervals:
+    """The longest interval between progress marks seen on a node, for ``--hang-timeout auto``.
+
+    Fed one sample per monitor tick (the newest mark of any rank and the total steps). An
+    interval is counted from the previous mark to a new optimizer step; one that ends with a
+    save, load or evaluation (the end of a suspend moves the mark without a step) is not, nor
+    is the wait before the first progress. Samples are ticks apart, so an interval may be
+    counted a tick long: never shorter than the truth.
+    """
+
+    def __init__(self) -> None:
+        self.longest_s = 0.0
+        self._last_ns = 0
+        self._steps = 0
+
+    def observe(self, last_ns: int, steps: int) -> None:
+        if steps <= 0 or last_ns <= self._last_ns:
+            if steps < self._steps:  # a new attempt: its counts start afresh
+                self._steps, self._last_ns = steps, last_ns
+            return
+        if self._steps > 0 and steps > self._steps:
+            self.longest_s = max(self.longest_s, (last_ns - self._last_ns) / 1e9)
+        self._last_ns, self._steps = last_ns, steps
+
+    def reset_attempt(self) -> None:
+        """A new attempt: its first progress is a first progress again (no interval)."""
+        self._last_ns = 0
+        self._steps = 0
+
+    def timeout_s(self) -> float:
+        """``auto``'s timeout now: 30 s, or 5 x the longest interval if that is longer."""
+        return max(AUTO_FLOOR_S, AUTO_FACTOR * self.longest_s)
+
+
 def main_stack(text: str, main_tid: int) -> list[tuple[str, int, str]]:
     """The main thread's frames, innermost first, from a faulthandler dump of every thread.
 

@@ -129,7 +129,7 @@ class LocalElasticAgent(SimpleElasticAgent):
         self._zygote: Any = None
         self._zygote_tried = False
         seconds = resolve_hang_timeout(hang_timeout)  # None: $FASTELASTIC_HANG_TIMEOUT
-        self._hang = HangWatch(seconds) if seconds > 0 else None
+        self._hang = HangWatch(seconds) if seconds != 0 else None  # AUTO < 0
         self._hang_action: HangAction | None = None  # what the last verdict asks of this node
 
     # ------------------------------------------------------------------ environment
