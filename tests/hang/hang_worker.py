@@ -51,7 +51,9 @@ def first(what):
 
 
 def hung_in_native_call():
-    ctypes.PyDLL(None).sleep(3600)  # a C call that holds the GIL
+    libc = ctypes.PyDLL(None)
+    while True:  # a C call that holds the GIL (a signal cuts sleep short: it sleeps again)
+        libc.sleep(3600)
 
 
 def hung_in_sleep():
