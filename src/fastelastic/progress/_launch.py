@@ -10,7 +10,6 @@ from __future__ import annotations
 import mmap
 import os
 import shutil
-import signal
 import tempfile
 import time
 from dataclasses import dataclass
@@ -185,9 +184,3 @@ def _read(path: str) -> str:
     except OSError:
         return ""
 
-
-def signal_name(sig: int) -> str:
-    try:
-        return signal.Signals(sig).name
-    except ValueError:
-        return str(sig)
