@@ -37,6 +37,9 @@ def test_one_rank_hangs_and_the_job_restarts_once(tmp_path: Path, need_torch, ho
     assert "rank 1 (host " in lines[0] and f"in {FUNCS[how]} (hang_worker.py:" in lines[0]
     assert "rank 0 waiting in all_reduce" in lines[0]
     assert {r["restart"] for r in recs} == {0, 1}  # one restart, counted as for a crash
+    if preload:  # the zygote forked every worker: nothing in the hang check defeated it
+        assert "starting a worker plainly" not in results[0].stdout
+        assert "starting workers plainly" not in results[0].stdout
     stacks = list(tmp_path.glob("logs0/*/hang_1/rank1.stacks.txt"))
     assert stacks and FUNCS[how] in stacks[0].read_text()
 
