@@ -112,3 +112,14 @@ def test_a_save_in_progress_suspends(store, nodes, tmp_path) -> None:
     v[w.F_SUSPEND], v[w.F_SUSPEND_KIND] = 1, w.K_SAVE
     v[w.F_SUSPEND_NS] = time.monotonic_ns()
     assert a.check(store, tmp_path) is None and not a.watch.pending
+
+
+def test_progress_for_health(nodes) -> None:
+    a, _ = nodes
+    assert a.watch.progress()[0] == {"steps": 0, "since_progress_s": None, "suspended": []}
+    a.step(0, 7, ago_s=2)
+    v = a.views[1]
+    v[w.F_SUSPEND], v[w.F_SUSPEND_KIND] = 1, w.K_SAVE | w.K_CHECKPOINT
+    got = a.watch.progress()
+    assert got[0]["steps"] == 7 and 2.0 <= got[0]["since_progress_s"] < 10.0
+    assert got[1]["suspended"] == ["torch.save", "torch.distributed.checkpoint"]

@@ -98,6 +98,7 @@ class HangWatch:
         self._published = False
         self._stacks: dict[int, str] = {}
         self._published_steps = 0
+        self.last_verdict = ""  # the line of the last verdict (for its event)
         self._host = socket.gethostname()
 
     def prepare(self, envs: dict[int, dict[str, str]]) -> None:
@@ -111,6 +112,17 @@ class HangWatch:
         """The attempt's workers: ``{local_rank: pid}`` and ``{local_rank: global_rank}``."""
         self._pids = dict(pids)
         self._ranks = dict(ranks)
+
+    def progress(self) -> dict[int, dict[str, Any]]:
+        """Each local rank's step count, seconds since its last progress (None before the
+        first) and what suspends it now, for ``/health``."""
+        now = time.monotonic_ns()
+        out: dict[int, dict[str, Any]] = {}
+        for lr, v in self.slots.read_all().items():
+            idle = round((now - v.last_ns) / 1e9, 3) if v.steps > 0 else None
+            out[lr] = {"steps": v.steps, "since_progress_s": idle,
+                       "suspended": v.suspend_names()}
+        return out
 
     @property
     def pending(self) -> bool:
@@ -182,6 +194,7 @@ class HangWatch:
     def _act(self, verdict: Verdict, reports: list[RankReport], first: bool, group_rank: int,
              log_dir: str | None) -> HangAction:
         self.verdicts += 1
+        self.last_verdict = verdict.line
         mine = set(self._ranks.values())
         culprit_here = bool(mine & set(verdict.culprits))
         logger.error("hang: %s", verdict.line)

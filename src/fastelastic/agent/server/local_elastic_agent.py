@@ -270,6 +270,7 @@ class LocalElasticAgent(SimpleElasticAgent):
         exitcodes = pc.exitcodes() if pc is not None and hasattr(pc, "exitcodes") else {}
         live = pc.worker_states() if pc is not None and hasattr(pc, "worker_states") else {}
         workers = []
+        progress = self._hang.progress() if self._hang is not None else {}
         for w in wg.workers:
             if w.id is None:
                 wstate = "NOT_STARTED"
@@ -284,6 +285,7 @@ class LocalElasticAgent(SimpleElasticAgent):
                     "pid": w.id,
                     "state": wstate,
                     "exitcode": exitcodes.get(w.local_rank),
+                    **progress.get(w.local_rank, {}),  # extra fields: the status stays
                 }
             )
         return {
@@ -504,6 +506,7 @@ class LocalElasticAgent(SimpleElasticAgent):
         if action is None:
             return result
         put_metric(f"workers.{spec.role}.hang_verdicts", 1)
+        self._record("HANG", events.EventSource.AGENT, raw_error=self._hang.last_verdict)
         self._hang_action = action
         return RunResult(state=WorkerState.UNHEALTHY)
 
