@@ -123,3 +123,31 @@ def test_progress_for_health(nodes) -> None:
     got = a.watch.progress()
     assert got[0]["steps"] == 7 and 2.0 <= got[0]["since_progress_s"] < 10.0
     assert got[1]["suspended"] == ["torch.save", "torch.distributed.checkpoint"]
+
+
+def test_watch_shows_steps_and_progress_age(nodes) -> None:
+    """``fastelastic watch``: the node's fewest steps and its newest progress's age; '-'
+    without the check; a wrongly typed field is dropped and counted."""
+    import json as _json
+
+    from fastelastic.watch.publisher import _progress
+    from fastelastic.watch.view import JobView
+
+    a, _ = nodes
+    a.step(0, 12, ago_s=0.5)
+    a.step(1, 11, ago_s=3)
+
+    class Agent:
+        _hang = a.watch
+
+    got = _progress(Agent())
+    assert got["steps"] == 11 and 0.5 <= got["idle_s"] < 3
+    assert _progress(object()) == {}
+    v = JobView()
+    v.update(_json.dumps({"agent": "h:1", "state": "HEALTHY", "steps": 11, "idle_s": 0.5}).encode())
+    v.update(_json.dumps({"agent": "h:2", "state": "HEALTHY"}).encode())
+    v.update(_json.dumps({"agent": "h:3", "state": "HEALTHY", "steps": "x"}).encode())
+    table = v.render()
+    assert "STEPS" in table.splitlines()[0]
+    assert "11 (0.5s ago)" in table
+    assert v.bad_messages == 1
