@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -128,3 +129,20 @@ def test_auto_healthy_job_has_no_verdict(tmp_path: Path, need_torch) -> None:
     assert {r["restart"] for r in recs} == {0}
     assert len({r["pid"] for r in recs}) == 2  # the same two processes throughout
     assert "hang:" not in results[0].stdout
+
+
+def test_native_frames_with_py_spy(tmp_path: Path, need_torch) -> None:
+    """With py-spy installed (fastelastic[debug]) the culprit's dump has its native frames."""
+    if shutil.which("py-spy") is None:
+        pytest.skip("!!! py-spy is not installed (pip install 'fastelastic[debug]'): "
+                    "native frames untested")
+    results = run_job(tmp_path, nproc=2, hang_timeout=2, preload=True, how="native",
+                      hang_rank=1, hang_step=5, steps=10)
+    assert results[0].returncode == 0, results[0].stdout[-3000:]
+    text = next(tmp_path.glob("logs0/*/hang_1/rank1.stacks.txt")).read_text()
+    assert "--- py-spy dump --native ---" in text
+    native = text.split("--- py-spy dump --native ---")[1]
+    assert "sleep (libc" in native and "hung_in_native_call (hang_worker.py:" in native
+    # only the culprit's native frames are taken (its peers wait in all_reduce)
+    peer = next(tmp_path.glob("logs0/*/hang_1/rank0.stacks.txt")).read_text()
+    assert "py-spy" not in peer

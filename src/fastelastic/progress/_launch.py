@@ -10,6 +10,7 @@ from __future__ import annotations
 import mmap
 import os
 import shutil
+import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
@@ -168,6 +169,37 @@ class Slots:
     def close(self) -> None:
         self._release()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+PYSPY_ENV = "FASTELASTIC_HANG_PYSPY"  # "0": no native frames even when py-spy is installed
+_PYSPY_TIMEOUT_S = 10.0
+
+
+def native_stacks(pids: dict[int, int]) -> dict[int, str]:
+    """``py-spy dump --native`` of each pid (in parallel, 10 s at most), when py-spy is
+    installed (``fastelastic[debug]``); ``{}`` otherwise. A failed dump gives its error."""
+    exe = shutil.which("py-spy")
+    if exe is None or os.environ.get(PYSPY_ENV) == "0" or not pids:
+        return {}
+    procs: dict[int, subprocess.Popen[str]] = {}
+    out: dict[int, str] = {}
+    for lr, pid in pids.items():
+        try:
+            procs[lr] = subprocess.Popen(
+                [exe, "dump", "--native", "--pid", str(pid)], stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        except OSError as e:
+            out[lr] = f"py-spy could not start: {e}"
+    deadline = time.monotonic() + _PYSPY_TIMEOUT_S
+    for lr, p in procs.items():
+        try:
+            text, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            out[lr] = text
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate()
+            out[lr] = f"py-spy did not answer within {_PYSPY_TIMEOUT_S:g} s"
+    return out
 
 
 def _size(path: str) -> int:

@@ -31,7 +31,7 @@ from fastelastic.agent.server._hang_verdict import (
     rank_report,
 )
 from fastelastic.errors import RendezvousError, StoreError
-from fastelastic.progress._launch import PROGRESS_ENV, Slots
+from fastelastic.progress._launch import PROGRESS_ENV, Slots, native_stacks
 
 logger = logging.getLogger("fastelastic.agent.server.api")  # the agent's log
 
@@ -198,6 +198,13 @@ class HangWatch:
         mine = set(self._ranks.values())
         culprit_here = bool(mine & set(verdict.culprits))
         logger.error("hang: %s", verdict.line)
+        # native frames (py-spy, when installed) of this node's culprits, or of all its ranks
+        # when none stands out, while the processes still exist
+        named = {lr: pid for lr, pid in self._pids.items()
+                 if not verdict.culprits or self._ranks.get(lr) in verdict.culprits}
+        for lr, text in native_stacks(named).items():
+            self._stacks[lr] = (self._stacks.get(lr) or "") + (
+                "\n--- py-spy dump --native ---\n" + text)
         path = self._write(verdict, reports, first, log_dir)
         if path:
             logger.error("hang: stacks in %s", path)
