@@ -22,7 +22,10 @@ def marked_slot():
     w._slot = None
     w.install(path)
     yield w
-    w._slot = saved
+    w._slot = saved  # None: the wrappers install() put on torch do nothing from now on
+    if w._opt_handle is not None:
+        w._opt_handle.remove()
+        w._opt_handle = None
     slots.close()
 
 
@@ -35,4 +38,4 @@ def test_step_hook(benchmark, impl: str, marked_slot) -> None:
     benchmark.extra_info["what"] = "one global optimizer-step hook call (torch: empty)"
     benchmark.pedantic(hook, args=(opt, (), {}), rounds=200_000, warmup_rounds=1000)
     if impl == "fastelastic":
-        assert marked_slot._slot[marked_slot.F_STEPS] >= 200_000
+        assert marked_slot._slot[marked_slot.F_STEPS] >= (1 if benchmark.disabled else 200_000)
