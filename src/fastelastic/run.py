@@ -162,6 +162,7 @@ def _validate(args: Namespace) -> None:
     _std("--tee", args.tee, Std)
     _local_ranks(args.local_ranks_filter)
     _preload(args)
+    _hang_timeout(args)
     _parse_rdzv_conf(args.rdzv_conf)
     determine_local_world_size(args.nproc_per_node)
     _check_script(args)
@@ -175,6 +176,24 @@ def _preload(args: Namespace) -> list[str] | None:
     from fastelastic.multiprocessing._zygote import parse_preload
 
     return list(parse_preload(value))
+
+
+def _hang_timeout(args: Namespace) -> float | str | None:
+    """``--hang-timeout`` in seconds or ``"auto"`` (None when not given: the agent reads the
+    env var)."""
+    from fastelastic.agent.server._hang import AUTO, HANG_TIMEOUT_ENV, parse_hang_timeout
+
+    value = getattr(args, "hang_timeout", None)
+    if value is None:
+        env = os.environ.get(HANG_TIMEOUT_ENV)
+        if env is not None:
+            try:
+                parse_hang_timeout(env)
+            except ValueError as e:
+                raise ValueError(f"{HANG_TIMEOUT_ENV}: {e}") from None
+        return None
+    seconds = parse_hang_timeout(value)
+    return "auto" if seconds == AUTO else seconds
 
 
 def _local_ranks(text: str) -> set[int] | None:
@@ -293,6 +312,7 @@ def config_from_args(args: Namespace) -> tuple[Any, Callable[..., Any] | str, li
         exit_barrier_timeout=args.exit_barrier_timeout,
         events_endpoint=args.events_endpoint,
         preload=_preload(args),
+        hang_timeout=_hang_timeout(args),
     )
 
     cmd: Callable[..., Any] | str

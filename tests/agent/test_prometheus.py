@@ -184,3 +184,22 @@ def test_without_prometheus_client_metrics_says_how_to_get_it(monkeypatch):
         assert fetch(srv.port, "/health")[0] == 200  # the probe is unaffected
     finally:
         srv.stop()
+
+
+def test_hang_check_progress_and_verdicts(server):
+    """With --hang-timeout: each rank's steps and seconds since progress, and the verdicts."""
+    srv, h, status = server
+    status["workers"] = [
+        {"state": "SLEEPING", "global_rank": 4, "steps": 12, "since_progress_s": 0.5},
+        {"state": "SLEEPING", "global_rank": 5, "steps": 0, "since_progress_s": None},
+    ]
+    h.emit(point("workers.trainer.hang_verdicts", 1))
+    s = parse(fetch(srv.port)[2])
+    assert s[("fastelastic_agent_worker_steps", (("global_rank", "4"),))] == 12
+    assert s[("fastelastic_agent_worker_steps", (("global_rank", "5"),))] == 0
+    assert s[("fastelastic_agent_worker_seconds_since_progress", (("global_rank", "4"),))] == 0.5
+    assert ("fastelastic_agent_worker_seconds_since_progress", (("global_rank", "5"),)) not in s
+    assert s[("torchelastic_workers_hang_verdicts_total", (("role", "trainer"),))] == 1
+    status["workers"] = [{"state": "SLEEPING"}]  # the check off: no such families
+    s = parse(fetch(srv.port)[2])
+    assert not any(k[0].startswith("fastelastic_agent_worker_") for k in s)

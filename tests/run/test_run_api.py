@@ -31,7 +31,8 @@ def test_launch_config_has_torchs_fields_and_defaults(need_torch):
     theirs = {f.name: f for f in dataclasses.fields(TorchLaunchConfig)}
     ours = {f.name: f for f in dataclasses.fields(LaunchConfig)}
     assert set(theirs) <= set(ours)
-    assert set(ours) - set(theirs) == {"exit_barrier_timeout", "events_endpoint", "preload"}
+    assert set(ours) - set(theirs) == {"exit_barrier_timeout", "events_endpoint", "preload",
+                                       "hang_timeout"}
     t = TorchLaunchConfig(min_nodes=1, max_nodes=2, nproc_per_node=3)
     o = LaunchConfig(min_nodes=1, max_nodes=2, nproc_per_node=3)
     for name in theirs:

@@ -14,7 +14,7 @@ from fastelastic.launcher.args import (
     parse_min_max_nnodes,
 )
 
-NEW_DESTS = {"exit_barrier_timeout", "events_endpoint", "preload"}
+NEW_DESTS = {"exit_barrier_timeout", "events_endpoint", "preload", "hang_timeout"}
 
 
 @pytest.fixture(scope="module")

@@ -68,6 +68,10 @@ class LaunchConfig:
             publishes its events and status there over ZeroMQ (fastelastic).
         preload: modules imported once by a worker zygote that forks every Python worker
             (fastelastic; ``None``: ``$FASTELASTIC_PRELOAD``; see ``fastrun --preload``).
+        hang_timeout: seconds with no progress on any rank (optimizer steps, after the
+            first) before the job counts as hung and restarts, or ``"auto"`` (at least 30 s
+            and 5 x the longest interval between steps seen); 0 is off (fastelastic;
+            ``None``: ``$FASTELASTIC_HANG_TIMEOUT``, else off; see ``fastrun --hang-timeout``).
     """
 
     min_nodes: int
@@ -96,6 +100,7 @@ class LaunchConfig:
     exit_barrier_timeout: float = 300.0
     events_endpoint: str | None = None
     preload: list[str] | None = None
+    hang_timeout: float | str | None = None
 
     def __post_init__(self) -> None:
         if self.rdzv_timeout != -1:
@@ -289,6 +294,7 @@ def launch_agent(
         log_line_prefix_template=config.log_line_prefix_template,
         shutdown_timeout=config.shutdown_timeout,  # type: ignore[arg-type]
         health_check_server=health_check_server,
+        hang_timeout=config.hang_timeout,
     )
     tap: _Events | None = None
     final_state: str | None = "FAILED"

@@ -230,6 +230,12 @@ def get_args_parser(prog: str = "fastrun") -> ArgumentParser:
       "forks every Python worker, so starts and restarts skip Python's startup and the "
       "imports (default: $FASTELASTIC_PRELOAD). Needs OMP_NUM_THREADS=1-like thread-free "
       "imports and no CUDA at import; see the README.")
+    a("--hang-timeout", "--hang_timeout", type=str, default=None,
+      help="SECONDS|auto: restart the job when no rank made progress (an optimizer step, "
+      "after the first) for this many seconds, with no save, load or evaluation under way; "
+      "the hung rank is named and every rank's stacks go to the log directory. auto: at "
+      "least 30 s and 5x the longest interval between steps seen. 0 is off (default: "
+      "$FASTELASTIC_HANG_TIMEOUT, else off).")
     a("training_script", type=str,
       help="The program to launch in every worker, followed by its own arguments.")
     a("training_script_args", nargs=REMAINDER)

@@ -363,6 +363,26 @@ class AgentStatusCollector:
             for s, n in sorted(counts.items()):
                 out.add_metric((s,), float(n))
             yield out
+            yield from _progress_families(g, workers)
+
+
+def _progress_families(g: Any, workers: list[Any]) -> Iterator[Any]:
+    """Per-rank progress (``--hang-timeout``): optimizer steps, seconds since the last one."""
+    ranked = [w for w in workers if isinstance(w, dict) and isinstance(w.get("steps"), int)]
+    if not ranked:
+        return
+    steps = g("fastelastic_agent_worker_steps", "Optimizer steps of each local rank "
+              "(--hang-timeout).", labels=("global_rank",))  # fmt: skip
+    idle = g("fastelastic_agent_worker_seconds_since_progress", "Seconds since each local "
+             "rank's last progress (--hang-timeout; absent before the first).",
+             labels=("global_rank",))  # fmt: skip
+    for w in ranked:
+        rank = (str(w.get("global_rank")),)
+        steps.add_metric(rank, float(w["steps"]))
+        if isinstance(w.get("since_progress_s"), (int, float)):
+            idle.add_metric(rank, float(w["since_progress_s"]))
+    yield steps
+    yield idle
 
 
 def process_collector() -> Any:

@@ -89,6 +89,11 @@ def worker_main(
             os.close(arg.fd)
             _rebind(name, target)
     os.environ.update(env)
+    slot = os.environ.pop("FASTELASTIC_PROGRESS", None)  # --hang-timeout: this is a rank
+    if slot:
+        from fastelastic.progress._worker import install
+
+        install(slot)
     ret = record(fn)(*args)
     tmp = ret_path + ".tmp"
     with open(tmp, "wb") as f:

@@ -53,6 +53,7 @@ logger = logging.getLogger(__name__)
 
 PRELOAD_ENV = "FASTELASTIC_PRELOAD"
 _BOOT_PATH = str(Path(__file__).with_name("_zygote_boot.py"))
+_PROGRESS_PATH = str(Path(__file__).resolve().parent.parent / "progress" / "_worker.py")
 # a short -c (what ps shows for the zygote and its workers) that runs the boot file as __main__
 _BOOT_C = "import sys;p=sys.argv[1];exec(compile(open(p).read(),p,'exec'))"
 _MAX_MSG = 1 << 20  # the zygote's receive buffer; a bigger request starts that worker plainly
@@ -584,6 +585,7 @@ class ZygoteContext(SubprocessContext):
             "path0": cmd.path0(),
             "sigign": _ignored_signals_mask(),
             "cpus": sorted(self.numa_cpus.get(rank, ())) or None,  # NUMA binding
+            "progress": _PROGRESS_PATH,
         }
 
     def _start(self) -> None:

@@ -178,7 +178,27 @@ def _child(req, fds, zygote_pid, closing, import_env):
     main = types.ModuleType("__main__")
     main.__dict__["__builtins__"] = sys.modules["builtins"]
     sys.modules["__main__"] = main
+    slot = os.environ.pop("FASTELASTIC_PROGRESS", None)  # --hang-timeout: arm the marks
+    if slot and req.get("progress"):
+        _arm_progress(req["progress"], slot)
     return req
+
+
+def _arm_progress(path, slot):
+    """Loads fastelastic's progress marks by file path (as the plain start's bootstrap does)."""
+    name = "fastelastic.progress._worker"
+    try:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+        mod.install(slot)
+    except Exception as e:  # noqa: BLE001 - the program runs on without the marks
+        sys.modules.pop(name, None)
+        print(f"fastelastic: no progress reports from this worker (--hang-timeout): "
+              f"{type(e).__name__}: {e}", file=sys.stderr)
 
 
 def _serve(cfg):

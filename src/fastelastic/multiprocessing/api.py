@@ -225,10 +225,12 @@ class SubprocessContext(PContext):
 
     def _start_plain(self, rank: int, out_fd: int | None, err_fd: int | None) -> int:
         """Starts ``rank`` as a plain subprocess, keeps its handler and returns its pid."""
+        from fastelastic.progress._launch import plain_start_env
+
         handler = get_subprocess_handler(
             entrypoint=str(self.entrypoint),
             args=self.args[rank],
-            env=self.envs[rank],
+            env=plain_start_env(self.envs[rank], dict(os.environ)),
             stdout=out_fd,
             stderr=err_fd,
             local_rank_id=rank,

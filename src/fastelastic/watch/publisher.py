@@ -93,7 +93,27 @@ def agent_status(agent: Any, spec: Any = None) -> dict[str, Any]:
     numa = getattr(agent, "numa_binding", None)
     if isinstance(numa, str):
         st["numa"] = numa
+    st.update(_progress(agent))
     return st
+
+
+def _progress(agent: Any) -> dict[str, Any]:
+    """With ``--hang-timeout``: the node's fewest optimizer steps over its ranks, and the
+    seconds since its newest progress (absent before the first)."""
+    hang = getattr(agent, "_hang", None)
+    if hang is None:
+        return {}
+    try:
+        ranks = hang.progress()
+    except Exception:  # noqa: BLE001 - a status read must never break the agent
+        return {}
+    if not ranks:
+        return {}
+    out: dict[str, Any] = {"steps": min(int(p["steps"]) for p in ranks.values())}
+    idle = [p["since_progress_s"] for p in ranks.values() if p["since_progress_s"] is not None]
+    if idle:
+        out["idle_s"] = float(min(idle))
+    return out
 
 
 class EventPublisher:

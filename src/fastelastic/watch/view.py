@@ -10,8 +10,8 @@ from typing import Any, TextIO
 
 __all__ = ["AgentRow", "JobView", "watch"]
 
-_COLUMNS = ("NODE", "PID", "RUN", "GROUP", "STATE", "WORLD", "RESTARTS", "ALIVE", "NUMA",
-            "LAST EVENT")
+_COLUMNS = ("NODE", "PID", "RUN", "GROUP", "STATE", "WORLD", "RESTARTS", "ALIVE", "STEPS",
+            "NUMA", "LAST EVENT")
 _FINAL = ("SUCCEEDED", "FAILED")
 
 # The message schema (publisher.py): field -> accepted types. A field of another type is dropped
@@ -23,6 +23,7 @@ _SCHEMA: dict[str, tuple[type, ...]] = {
     "world_size": (int, type(None)), "group_world_size": (int, type(None)),
     "local_world_size": (int,), "restarts": (int,), "max_restarts": (int,),
     "workers_alive": (int,), "last_event": (str,), "seq": (int,), "time": _NUM, "numa": (str,),
+    "steps": (int,), "idle_s": _NUM,  # --hang-timeout: fewest steps, newest progress age
 }
 MAX_MESSAGE = 64 * 1024       # bytes; longer messages are dropped by the socket
 MAX_AGENTS = 200_000          # rows kept; messages from further agents count as bad
@@ -81,6 +82,10 @@ class AgentRow:
             state += " (silent %.0fs)" % (now - self.seen)
         restarts = f"{show(f.get('restarts'))}/{show(f.get('max_restarts'))}"
         alive = f"{f.get('workers_alive', 0)}/{show(f.get('local_world_size'))}"
+        steps = "-"
+        if isinstance(f.get("steps"), int):
+            idle = f.get("idle_s")
+            steps = str(f["steps"]) + ("" if idle is None else " (%.1fs ago)" % idle)
         run = show(f.get("run_id"))
         if len(run) > 12:
             run = run[:11] + "…"
@@ -93,6 +98,7 @@ class AgentRow:
             show(f.get("world_size")),
             restarts,
             alive,
+            steps,
             show(f.get("numa")),
             show(f.get("last_event"))[:60],
         )

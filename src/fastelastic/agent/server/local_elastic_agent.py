@@ -12,7 +12,8 @@ from string import Template
 from typing import TYPE_CHECKING, Any
 
 from fastelastic import events
-from fastelastic.agent.server._runloop import AgentState
+from fastelastic.agent.server._hang import HangAction, HangWatch, resolve_hang_timeout
+from fastelastic.agent.server._runloop import AgentAction, AgentState
 from fastelastic.agent.server.api import (
     RunResult,
     SimpleElasticAgent,
@@ -105,6 +106,7 @@ class LocalElasticAgent(SimpleElasticAgent):
         shutdown_timeout: int = 30,
         health_check_server: HealthCheckServer | None = None,
         uninterruptible_state_timeout: float | None = None,
+        hang_timeout: float | str | None = None,
     ):
         super().__init__(spec, exit_barrier_timeout, shutdown_timeout)
         if logs_specs is None:
@@ -127,6 +129,9 @@ class LocalElasticAgent(SimpleElasticAgent):
         self.numa_binding: str | None = None  # "MODE: RANK->CPUS ..." of the last start
         self._zygote: Any = None
         self._zygote_tried = False
+        seconds = resolve_hang_timeout(hang_timeout)  # None: $FASTELASTIC_HANG_TIMEOUT
+        self._hang = HangWatch(seconds) if seconds != 0 else None  # AUTO < 0
+        self._hang_action: HangAction | None = None  # what the last verdict asks of this node
 
     # ------------------------------------------------------------------ environment
 
@@ -266,6 +271,7 @@ class LocalElasticAgent(SimpleElasticAgent):
         exitcodes = pc.exitcodes() if pc is not None and hasattr(pc, "exitcodes") else {}
         live = pc.worker_states() if pc is not None and hasattr(pc, "worker_states") else {}
         workers = []
+        progress = self._hang.progress() if self._hang is not None else {}
         for w in wg.workers:
             if w.id is None:
                 wstate = "NOT_STARTED"
@@ -280,6 +286,7 @@ class LocalElasticAgent(SimpleElasticAgent):
                     "pid": w.id,
                     "state": wstate,
                     "exitcode": exitcodes.get(w.local_rank),
+                    **progress.get(w.local_rank, {}),  # extra fields: the status stays
                 }
             )
         return {
@@ -383,6 +390,8 @@ class LocalElasticAgent(SimpleElasticAgent):
                 kwargs[name] = getattr(spec, name)
         if self._zygote is not None:
             kwargs["zygote"] = self._zygote
+        if self._hang is not None:
+            self._hang.prepare(envs)  # the slot of each worker, in its environment
         self._pcontext = start_processes(
             name=spec.role,
             entrypoint=spec.entrypoint,
@@ -395,6 +404,8 @@ class LocalElasticAgent(SimpleElasticAgent):
         )
         self._log_numa_binding(spec)
         pids = self._pcontext.pids()
+        if self._hang is not None:
+            self._hang.started(pids, {w.local_rank: w.global_rank for w in worker_group.workers})
         self._exits_pending = True
         self._uninterruptible_state_first_seen.clear()
         if self._worker_watchdog is not None and hasattr(self._worker_watchdog, "set_allowed_pids"):
@@ -424,8 +435,8 @@ class LocalElasticAgent(SimpleElasticAgent):
             self._exits_pending = True
 
     def _membership_check_interval(self, spec: WorkerSpec) -> float | None:
-        if self._uninterruptible_state_timeout > 0:
-            return spec.monitor_interval  # the D-state check needs a periodic look
+        if self._uninterruptible_state_timeout > 0 or self._hang is not None:
+            return spec.monitor_interval  # the D-state and hang checks need a periodic look
         return super()._membership_check_interval(spec)
 
     @prof
@@ -452,6 +463,8 @@ class LocalElasticAgent(SimpleElasticAgent):
                     server.stop()
                 if self._zygote is not None:
                     self._zygote.close()
+                if self._hang is not None:
+                    self._hang.close()
 
     # ------------------------------------------------------------------ monitoring
 
@@ -492,6 +505,36 @@ class LocalElasticAgent(SimpleElasticAgent):
     @prof
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         self._enter_step(AgentState.RUNNING)
+        result = self._check_workers(worker_group)
+        if self._hang is None or result.state == WorkerState.SUCCEEDED:
+            return result
+        if result.state != WorkerState.HEALTHY and not self._hang.pending:
+            return result
+        # a node that reported a stall finishes the verdict even once its workers failed: a
+        # peer that restarted first breaks their collectives
+        spec = worker_group.spec
+        action = self._hang.check(
+            worker_group.store, worker_group.group_rank or 0, worker_group.group_world_size or 1,
+            getattr(self._logs_specs, "_run_log_dir", None),
+            reused_store=spec.rdzv_handler.get_backend() == "static",
+        )
+        if action is None:
+            return result
+        put_metric(f"workers.{spec.role}.hang_verdicts", 1)
+        self._record("HANG", events.EventSource.AGENT, raw_error=self._hang.last_verdict)
+        self._hang_action = action
+        return RunResult(state=WorkerState.UNHEALTHY)
+
+    def _decide(self, wg: WorkerGroup, state: WorkerState, check_due: bool) -> AgentAction:
+        action, self._hang_action = self._hang_action, None
+        if action is HangAction.RESTART:  # the verdict named a rank of another node
+            return AgentAction.RESTART
+        if action is HangAction.RETRY:  # this node's rank hung: a restart, as for a crash (a
+            # peer that already restarted for the same verdict is no lost member)
+            return AgentAction.RETRY if self._remaining_restarts > 0 else AgentAction.FAIL
+        return super()._decide(wg, state, check_due)
+
+    def _check_workers(self, worker_group: WorkerGroup) -> RunResult:
         if self._pcontext is None:
             raise RuntimeError("no workers to monitor: the group was not started")
         timeout = self._uninterruptible_state_timeout

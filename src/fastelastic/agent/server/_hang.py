@@ -1,0 +1,242 @@
+"""The agent's hang check (``--hang-timeout``): progress slots in, one verdict per hang out.
+
+Each agent reads its workers' progress slots on its monitor timer (memory loads only). A node
+whose ranks all stalled (``_hang_verdict.node_stalled``) dumps its ranks' stacks once and
+publishes a short summary under the round's store (one ``set``); then, on each tick, one
+``check`` asks whether every node published. Once every node did, the job is hung: each agent
+reads the summaries (one ``multi_get``), names the same culprit from them (a pure function of
+the same data), and one agent claims the verdict with one ``add`` on a key named after the
+hung processes: it writes the report. The culprit's node restarts using one of its restarts
+(as for a crash); the others restart as survivors do. A node that makes progress again
+withdraws its summary (one ``delete_key``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import socket
+import time
+from enum import Enum
+from typing import Any
+
+from fastelastic.agent.server._hang_verdict import (
+    Intervals,
+    RankReport,
+    Verdict,
+    judge,
+    node_stalled,
+    rank_report,
+)
+from fastelastic.errors import RendezvousError, StoreError
+from fastelastic.progress._launch import PROGRESS_ENV, Slots, native_stacks
+
+logger = logging.getLogger("fastelastic.agent.server.api")  # the agent's log
+
+HANG_TIMEOUT_ENV = "FASTELASTIC_HANG_TIMEOUT"
+SUSPEND_ALLOWANCE_S = 600.0  # the longest a save, load or evaluation suspends the verdict
+_KEY = "fastelastic/hang"
+AUTO = -1.0  # parse_hang_timeout's value for "auto"
+
+
+def parse_hang_timeout(value: Any) -> float:
+    """``--hang-timeout`` / ``FASTELASTIC_HANG_TIMEOUT`` in seconds; 0 (or None, '') is off;
+    ``auto`` gives ``AUTO``.
+
+    Raises:
+        ValueError: neither ``auto`` nor a number of seconds >= 0.
+    """
+    if value is None or value == "":
+        return 0.0
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return AUTO
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"--hang-timeout {value!r}: expected SECONDS (a number >= 0; 0 is off) or auto"
+        ) from None
+    if not seconds >= 0 or seconds == float("inf"):
+        raise ValueError(f"--hang-timeout {value!r}: expected a finite number of seconds >= 0")
+    return seconds
+
+
+def resolve_hang_timeout(explicit: Any) -> float:
+    """The explicit value, else ``$FASTELASTIC_HANG_TIMEOUT``, else off."""
+    if explicit is not None:
+        return parse_hang_timeout(explicit)
+    return parse_hang_timeout(os.environ.get(HANG_TIMEOUT_ENV))
+
+
+class HangAction(str, Enum):
+    """What a verdict asks of this node."""
+
+    RETRY = "RETRY"  # the culprit's node: restart, using one of its restarts
+    RESTART = "RESTART"  # a survivor: restart without using one
+
+
+class HangWatch:
+    """One agent's hang check (see the module docstring). Not thread-safe: the run loop's.
+
+    ``timeout_s`` is SECONDS, or ``AUTO``: then no verdict comes sooner than 30 s after the
+    last progress, nor sooner than 5 x the longest interval between progress marks seen so
+    far in the job (``_hang_verdict.Intervals``; each node applies its own, and a verdict
+    needs every node, so the job's longest counts).
+    """
+
+    def __init__(self, timeout_s: float, allowance_s: float = SUSPEND_ALLOWANCE_S) -> None:
+        self.auto = timeout_s == AUTO
+        self.timeout_s = timeout_s
+        self.intervals = Intervals()
+        self.allowance_s = allowance_s
+        self.slots = Slots()
+        self.verdicts = 0
+        self._pids: dict[int, int] = {}
+        self._ranks: dict[int, int] = {}
+        self._published = False
+        self._stacks: dict[int, str] = {}
+        self._published_steps = 0
+        self.last_verdict = ""  # the line of the last verdict (for its event)
+        self._host = socket.gethostname()
+
+    def prepare(self, envs: dict[int, dict[str, str]]) -> None:
+        """Fresh slots for the attempt about to start; their paths go in the workers' env."""
+        for lr, path in self.slots.prepare(sorted(envs)).items():
+            envs[lr][PROGRESS_ENV] = path
+        self._published = False
+        self.intervals.reset_attempt()
+
+    def started(self, pids: dict[int, int], ranks: dict[int, int]) -> None:
+        """The attempt's workers: ``{local_rank: pid}`` and ``{local_rank: global_rank}``."""
+        self._pids = dict(pids)
+        self._ranks = dict(ranks)
+
+    def progress(self) -> dict[int, dict[str, Any]]:
+        """Each local rank's step count, seconds since its last progress (None before the
+        first) and what suspends it now, for ``/health``."""
+        now = time.monotonic_ns()
+        out: dict[int, dict[str, Any]] = {}
+        for lr, v in self.slots.read_all().items():
+            idle = round((now - v.last_ns) / 1e9, 3) if v.steps > 0 else None
+            out[lr] = {"steps": v.steps, "since_progress_s": idle,
+                       "suspended": v.suspend_names()}
+        return out
+
+    @property
+    def pending(self) -> bool:
+        """True while this node's stall is published and no verdict came yet."""
+        return self._published
+
+    def close(self) -> None:
+        self.slots.close()
+
+    def check(self, store: Any, group_rank: int, group_world_size: int,
+              log_dir: str | None, reused_store: bool = False) -> HangAction | None:
+        """One look (every monitor tick while the group is healthy); an action on a verdict.
+
+        ``reused_store``: the rendezvous gives every round the same store (``static``): the
+        keys are then also named after the verdicts seen so far (every node saw them all).
+        """
+        if not self._pids:
+            return None
+        now = time.monotonic_ns()
+        views = self.slots.read_all()
+        steps = sum(v.steps for v in views.values())
+        if self.auto and views:
+            self.intervals.observe(max(v.last_ns for v in views.values()), steps)
+        timeout = self.intervals.timeout_s() if self.auto else self.timeout_s
+        prefix = f"{_KEY}/{self.verdicts}" if reused_store else _KEY
+        key = f"{prefix}/node/{group_rank}"
+        keys = [f"{prefix}/node/{g}" for g in range(group_world_size)]
+        try:
+            if self._published:
+                # reported: the verdict, once every node reported, holds even if a rank here
+                # moved since (a peer that restarted first may unblock or break collectives)
+                if not store.check(keys):
+                    if steps == self._published_steps:
+                        return None
+                    self._published = False  # progress again before the verdict: withdraw
+                    store.delete_key(key)
+                    return None
+            else:
+                idle = node_stalled(views.values(), now, timeout, self.allowance_s)
+                if idle is None:
+                    return None
+                stacks = self.slots.dump_stacks(self._pids)
+                reports = [
+                    rank_report(self._ranks[lr], self._host, views[lr], now, stacks.get(lr, ""))
+                    for lr in sorted(self._pids) if lr in views
+                ]
+                self._stacks = stacks
+                store.set(key, json.dumps([r.to_json() for r in reports]))
+                self._published = True
+                self._published_steps = steps
+                if not store.check(keys):
+                    return None
+            values = store.multi_get(keys)
+            reports = [RankReport.from_json(item) for v in values for item in json.loads(v)]
+            verdict = judge(reports)
+            token = hashlib.sha1(
+                ",".join(f"{r.rank}:{r.pid}" for r in sorted(reports, key=lambda r: r.rank))
+                .encode()
+            ).hexdigest()[:16]
+            first = int(store.add(f"{prefix}/claim/{token}", 1)) == 1
+            # the summary stays: a slower peer has yet to read it (the next round's store,
+            # or the next verdict's keys, start afresh)
+            self._published = False
+        except (StoreError, RendezvousError, OSError, ValueError) as e:
+            logger.warning("hang check: the store did not answer (%s); checking again", e)
+            return None
+        return self._act(verdict, reports, first, group_rank, log_dir)
+
+    def _act(self, verdict: Verdict, reports: list[RankReport], first: bool, group_rank: int,
+             log_dir: str | None) -> HangAction:
+        self.verdicts += 1
+        self.last_verdict = verdict.line
+        mine = set(self._ranks.values())
+        culprit_here = bool(mine & set(verdict.culprits))
+        logger.error("hang: %s", verdict.line)
+        # native frames (py-spy, when installed) of this node's culprits, or of all its ranks
+        # when none stands out, while the processes still exist
+        named = {lr: pid for lr, pid in self._pids.items()
+                 if not verdict.culprits or self._ranks.get(lr) in verdict.culprits}
+        for lr, text in native_stacks(named).items():
+            self._stacks[lr] = (self._stacks.get(lr) or "") + (
+                "\n--- py-spy dump --native ---\n" + text)
+        path = self._write(verdict, reports, first, log_dir)
+        if path:
+            logger.error("hang: stacks in %s", path)
+        if culprit_here or (not verdict.culprits and first):
+            logger.error("hang: restarting the worker group (group_rank=%s) as after a failure",
+                         group_rank)
+            return HangAction.RETRY
+        logger.warning("hang: restarting the worker group (group_rank=%s) with the job",
+                       group_rank)
+        return HangAction.RESTART
+
+    def _write(self, verdict: Verdict, reports: list[RankReport], first: bool,
+               log_dir: str | None) -> str | None:
+        """This node's ranks' full stacks (and, from the claimer, the report) in the logs."""
+        base = log_dir or self.slots.dir
+        out = os.path.join(base, f"hang_{self.verdicts}")
+        try:
+            os.makedirs(out, exist_ok=True)
+            for lr, text in sorted(self._stacks.items()):
+                rank = self._ranks.get(lr, lr)
+                with open(os.path.join(out, f"rank{rank}.stacks.txt"), "w") as f:
+                    f.write(text or "(no stack dump: the rank did not arm it)\n")
+            if first:
+                with open(os.path.join(out, "report.txt"), "w") as f:
+                    f.write(verdict.line + "\n\n")
+                    for frame, ranks in verdict.groups.items():
+                        f.write(f"ranks {ranks}: {frame}\n")
+                    f.write("\n")
+                    for r in sorted(reports, key=lambda r: r.rank):
+                        f.write(f"rank {r.rank} host {r.host} pid {r.pid} steps {r.steps} "
+                                f"idle {r.idle_s:.1f}s in {r.frame}\n")
+        except OSError as e:
+            logger.warning("hang: could not write the stacks to %s: %s", out, e)
+            return None
+        return out

@@ -1,0 +1,153 @@
+"""Two agents' hang checks against a real store, with slots written as workers write them:
+a verdict needs every node, one claim writes the report, the culprit's node retries and the
+other restarts, and progress before the verdict withdraws a node's report."""
+
+from __future__ import annotations
+
+import mmap
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from fastelastic.agent.server._hang import HangAction, HangWatch
+from fastelastic.progress import _worker as w
+from fastelastic.store import PrefixStore, TCPStore
+
+
+@pytest.fixture
+def store():
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                      timeout=timedelta(seconds=10))
+    yield PrefixStore("round1", server)
+    server.shutdown_server()
+
+
+class Node:
+    """One agent's HangWatch and its two workers' slots (written as the workers would)."""
+
+    def __init__(self, group_rank: int, timeout_s: float = 1.0) -> None:
+        self.group_rank = group_rank
+        self.watch = HangWatch(timeout_s)
+        envs: dict[int, dict[str, str]] = {0: {}, 1: {}}
+        self.watch.prepare(envs)
+        self.views = {}
+        self.maps = []
+        for lr, env in envs.items():
+            with open(env[w.PROGRESS_ENV], "r+b") as f:
+                mm = mmap.mmap(f.fileno(), w.SLOT_SIZE)
+            self.maps.append(mm)
+            self.views[lr] = memoryview(mm).cast("q")
+        ranks = {lr: group_rank * 2 + lr for lr in envs}
+        self.watch.started({lr: 10_000 + r for lr, r in ranks.items()}, ranks)
+        for lr, r in ranks.items():
+            self.views[lr][w.F_PID] = 10_000 + r
+
+    def step(self, lr: int, n: int = 1, ago_s: float = 0.0) -> None:
+        v = self.views[lr]
+        v[w.F_STEPS] += n
+        v[w.F_LAST_NS] = time.monotonic_ns() - int(ago_s * 1e9)
+
+    def check(self, store, log_dir: Path):
+        return self.watch.check(store, self.group_rank, 2, str(log_dir))
+
+    def close(self) -> None:
+        for v in self.views.values():
+            v.release()
+        for mm in self.maps:
+            mm.close()
+        self.watch.close()
+
+
+@pytest.fixture
+def nodes():
+    made = [Node(0), Node(1)]
+    yield made
+    for n in made:
+        n.close()
+
+
+def test_verdict_needs_every_node_and_names_the_laggard(store, nodes, tmp_path) -> None:
+    a, b = nodes
+    for n in nodes:
+        n.step(0, 20, ago_s=2)
+        n.step(1, 20, ago_s=2)
+    b.step(1, 0, ago_s=2)
+    b.views[1][w.F_STEPS] = 19  # rank 3 fell behind
+    a.step(0, 1)  # node 0 made progress just now: not stalled
+    assert a.check(store, tmp_path / "a") is None
+    assert b.check(store, tmp_path / "b") is None  # stalled, reported; node 0 has not
+    assert b.watch.pending and not a.watch.pending
+    a.views[0][w.F_LAST_NS] -= int(2e9)  # now node 0 stalls too
+    assert a.check(store, tmp_path / "a") is HangAction.RESTART  # rank 3 is not node 0's
+    assert b.check(store, tmp_path / "b") is HangAction.RETRY  # node 1 spends a restart
+    reports = list(tmp_path.glob("*/hang_1/report.txt"))
+    assert len(reports) == 1  # one claim
+    text = reports[0].read_text()
+    assert text.startswith("rank 3 (host ") and "fell behind: 19 steps" in text
+    assert (tmp_path / "a" / "hang_1" / "rank0.stacks.txt").exists()
+
+
+def test_progress_before_the_verdict_withdraws(store, nodes, tmp_path) -> None:
+    a, b = nodes
+    for n in nodes:
+        n.step(0, 5, ago_s=2)
+        n.step(1, 5, ago_s=2)
+    b.step(0, 0, ago_s=0)  # node 1 still moving
+    assert a.check(store, tmp_path) is None and a.watch.pending
+    assert store.check(["fastelastic/hang/node/0"])
+    a.step(1)  # node 0 moves again before node 1 stalled
+    assert a.check(store, tmp_path) is None and not a.watch.pending
+    assert not store.check(["fastelastic/hang/node/0"])  # its report withdrawn
+    b.views[0][w.F_LAST_NS] -= int(2e9)
+    assert b.check(store, tmp_path) is None  # node 0's report is gone: no verdict
+
+
+def test_a_save_in_progress_suspends(store, nodes, tmp_path) -> None:
+    a, _ = nodes
+    a.step(0, 5, ago_s=3)
+    a.step(1, 5, ago_s=3)
+    v = a.views[1]
+    v[w.F_SUSPEND], v[w.F_SUSPEND_KIND] = 1, w.K_SAVE
+    v[w.F_SUSPEND_NS] = time.monotonic_ns()
+    assert a.check(store, tmp_path) is None and not a.watch.pending
+
+
+def test_progress_for_health(nodes) -> None:
+    a, _ = nodes
+    assert a.watch.progress()[0] == {"steps": 0, "since_progress_s": None, "suspended": []}
+    a.step(0, 7, ago_s=2)
+    v = a.views[1]
+    v[w.F_SUSPEND], v[w.F_SUSPEND_KIND] = 1, w.K_SAVE | w.K_CHECKPOINT
+    got = a.watch.progress()
+    assert got[0]["steps"] == 7 and 2.0 <= got[0]["since_progress_s"] < 10.0
+    assert got[1]["suspended"] == ["torch.save", "torch.distributed.checkpoint"]
+
+
+def test_watch_shows_steps_and_progress_age(nodes) -> None:
+    """``fastelastic watch``: the node's fewest steps and its newest progress's age; '-'
+    without the check; a wrongly typed field is dropped and counted."""
+    import json as _json
+
+    from fastelastic.watch.publisher import _progress
+    from fastelastic.watch.view import JobView
+
+    a, _ = nodes
+    a.step(0, 12, ago_s=0.5)
+    a.step(1, 11, ago_s=3)
+
+    class Agent:
+        _hang = a.watch
+
+    got = _progress(Agent())
+    assert got["steps"] == 11 and 0.5 <= got["idle_s"] < 3
+    assert _progress(object()) == {}
+    v = JobView()
+    v.update(_json.dumps({"agent": "h:1", "state": "HEALTHY", "steps": 11, "idle_s": 0.5}).encode())
+    v.update(_json.dumps({"agent": "h:2", "state": "HEALTHY"}).encode())
+    v.update(_json.dumps({"agent": "h:3", "state": "HEALTHY", "steps": "x"}).encode())
+    table = v.render()
+    assert "STEPS" in table.splitlines()[0]
+    assert "11 (0.5s ago)" in table
+    assert v.bad_messages == 1
