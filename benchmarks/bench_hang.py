@@ -1,0 +1,303 @@
+"""The hang check (issue 26): detection and downtime per kind of hang, and what it costs.
+
+Recovery: ``tests/hang/hang_worker.py`` (a plain gloo loop: model, backward, ``all_reduce`` of
+the gradients, ``SGD.step()``), 2 launchers x 2 workers on loopback (c10d rendezvous,
+``--max-restarts 3``); rank 3 hangs at step 20 in one of four ways (a C call holding the GIL,
+a blocking ``time.sleep``, a deadlock, an endless Python loop). fastrun ``--hang-timeout 5``
+with ``--preload torch`` and plain; torchrun (2.13, defaults), same job, same run, given
+``TORCHRUN_BOUND_S`` after the hang and reported "not recovered" if any rank is not training
+again by then. Times are from the hung rank's own record of the hang (wall clock) to:
+
+* ``verdict``: the claimer's ``report.txt`` written (verdict, stacks, py-spy when installed);
+* ``downtime``: every rank of the restarted job completed its first step.
+
+Cost: one call of the optimizer-step mark against torch's dispatch of an empty global hook
+(the target: <= 1 us above it); one forward pass of ``Linear(64, 64)`` with the marks
+installed, without them, and with an empty global forward hook (torch's way, for comparison:
+the marks add none); one training step of ``Sequential`` of 1,000 ``Linear(64, 64)``, batch 32,
+one thread, with and without the marks (the target: <= 1 % of a step).
+
+Run: ``FE_HANG_TABLE=benchmarks/results/hang.md python -m pytest benchmarks/bench_hang.py
+--benchmark-only -q -s -p no:randomly`` (about 10 minutes; the figures also go to ``hang.json``
+beside the table, read by ``plot.py``). ``FE_HANG_ROUNDS`` (default 1) rounds per fastrun case.
+Smoke (``--benchmark-disable``): one launcher of 2 workers, the GIL-holding hang at
+``--hang-timeout 2`` with ``--preload torch``, torchrun given 5 s; each cost once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bench_run import report_table
+from conftest import size_mode
+
+torch = pytest.importorskip("torch", reason="!!! torch 2.13 is not installed: no hang to measure")
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests" / "hang"))
+from hang_testlib import WORKER, free_port, job_env, records, recovery_s, run_job  # noqa: E402
+
+KINDS = {"native": "GIL held in a C call", "sleep": "blocking sleep", "deadlock": "deadlock",
+         "loop": "endless Python loop"}
+TORCHRUN_BOUND_S = 60.0
+_RESULTS: list[dict] = []
+_COSTS: dict[str, float] = {}
+
+
+def _smoke(request) -> bool:
+    return size_mode(request.config) == "smoke"
+
+
+def _job(smoke: bool) -> dict:
+    if smoke:
+        return {"nproc": 2, "nnodes": 1, "hang_timeout": 2, "hang_rank": 1, "hang_step": 5,
+                "steps": 10}
+    return {"nproc": 2, "nnodes": 2, "hang_timeout": 5, "hang_rank": 3, "hang_step": 20,
+            "steps": 30}
+
+
+def _hang_t(recs: list[dict]) -> float | None:
+    return next((r["t"] for r in recs if r.get("event") == "hang"), None)
+
+
+def _fastrun_round(out: Path, kind: str, preload: bool, job: dict) -> dict:
+    results = run_job(out, preload=preload, how=kind, timeout=300, **job)
+    recs = records(out)
+    world = job["nproc"] * job["nnodes"]
+    for r in results:
+        assert r.returncode == 0, r.stdout[-3000:]
+    assert {r["rank"] for r in recs if r.get("event") == "done"} == set(range(world)), recs[-8:]
+    lines = [x for r in results for x in r.stdout.splitlines() if "hang: rank" in x]
+    assert lines and f"rank {job['hang_rank']} (host " in lines[0], lines
+    reports = list(out.glob("logs*/*/hang_1/report.txt"))
+    assert len(reports) == 1, reports  # one verdict per hang
+    hung = _hang_t(recs)
+    return {"verdict_s": reports[0].stat().st_mtime - hung, "downtime_s": recovery_s(recs, world),
+            "recovered": True}
+
+
+def _killpg(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)  # its own session: the launcher and its workers
+    proc.wait()
+
+
+def _torchrun_round(out: Path, kind: str, job: dict, bound_s: float) -> dict:
+    """torchrun on the same job; stopped ``bound_s`` after the hang unless it recovered."""
+    env = job_env(out, how=kind, hang_rank=job["hang_rank"], hang_step=job["hang_step"],
+                  steps=job["steps"])
+    port = free_port()
+    procs = []
+    for i in range(job["nnodes"]):
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                str(job["nproc"]), "--max-restarts", "3"]
+        argv += (["--standalone"] if job["nnodes"] == 1 else
+                 ["--nnodes", str(job["nnodes"]), "--rdzv-backend", "c10d",
+                  "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "hang"])
+        procs.append(subprocess.Popen([*argv, str(WORKER)], env=env, cwd=str(out),
+                                      stdout=open(out / f"torchrun{i}.log", "w"),
+                                      stderr=subprocess.STDOUT, start_new_session=True))
+    world = job["nproc"] * job["nnodes"]
+    start = time.monotonic()
+    got, hung, recs = None, None, []
+    try:
+        while time.monotonic() - start < 180 + bound_s:  # the start-up, then the bound
+            recs = records(out)
+            hung = _hang_t(recs)
+            if hung is not None:
+                try:
+                    got = recovery_s(recs, world)
+                    break
+                except AssertionError:  # not every rank trains again (yet)
+                    pass
+                if time.time() - hung > bound_s:
+                    break
+            if all(p.poll() is not None for p in procs):
+                break
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            _killpg(p)
+    assert hung is not None, f"torchrun's job never reached the hang: {recs[-4:]}"
+    return {"verdict_s": None, "downtime_s": got if got is not None else bound_s,
+            "recovered": got is not None}
+
+
+CASES = [(kind, launcher) for kind in KINDS
+         for launcher in ("fastrun --preload torch", "fastrun", "torchrun")]
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("kind,launcher", CASES, ids=[f"{k}-{lname.replace(' ', '')}"
+                                                       for k, lname in CASES])
+def test_hang_recovery(benchmark, request, tmp_path: Path, kind: str, launcher: str) -> None:
+    smoke = _smoke(request)
+    if smoke and (kind != "native" or launcher == "fastrun"):
+        pytest.skip("smoke: the GIL-holding hang, fastrun --preload torch and torchrun only")
+    job = _job(smoke)
+    rounds = 1 if smoke or launcher == "torchrun" else int(os.environ.get("FE_HANG_ROUNDS", "1"))
+    got: list[dict] = []
+
+    def run() -> None:
+        for i in range(rounds):
+            out = tmp_path / f"r{i}"
+            out.mkdir()
+            if launcher == "torchrun":
+                got.append(_torchrun_round(out, kind, job, 5.0 if smoke else TORCHRUN_BOUND_S))
+            else:
+                got.append(_fastrun_round(out, kind, launcher != "fastrun", job))
+
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    for g in got:
+        _RESULTS.append({"launcher": launcher, "mode": kind, "scenario": "", **g,
+                         "hang_timeout": job["hang_timeout"]})
+        benchmark.extra_info.update(g)
+    if launcher != "torchrun" and not smoke:
+        assert max(g["downtime_s"] for g in got) > 0
+
+
+# ------------------------------------------------------------------------------ costs
+
+
+@pytest.fixture
+def marks():
+    """The progress marks installed as a worker has them (a real mapped slot)."""
+    from fastelastic.progress import _worker as w
+    from fastelastic.progress._launch import Slots
+
+    slots = Slots()
+    path = slots.prepare([0])[0]
+    saved = w._slot
+    w._slot = None
+    w.install(path)
+    yield w
+    w._slot = saved  # None: the wrappers install() put on torch do nothing from now on
+    if w._opt_handle is not None:
+        w._opt_handle.remove()
+        w._opt_handle = None
+    slots.close()
+
+
+def _cost(benchmark, name: str) -> None:
+    if not benchmark.disabled and benchmark.stats is not None:
+        _COSTS[name] = benchmark.stats.stats.median * 1e6
+
+
+@pytest.mark.parametrize("impl", ["fastelastic", "torch"])
+def test_step_hook(benchmark, impl: str, marks) -> None:
+    torch.set_num_threads(1)
+    p = torch.zeros(1, requires_grad=True)
+    opt = torch.optim.SGD([p], lr=0.1)
+    hook = marks._on_step if impl == "fastelastic" else (lambda o, a, k: None)
+    benchmark.extra_info["what"] = "one global optimizer-step hook call (torch: empty)"
+    benchmark.pedantic(hook, args=(opt, (), {}), rounds=200_000, warmup_rounds=1000)
+    if impl == "fastelastic":
+        assert marks._slot[marks.F_STEPS] >= (1 if benchmark.disabled else 200_000)
+    _cost(benchmark, f"step hook: {impl}")
+
+
+@pytest.mark.parametrize("impl", ["none", "torch forward hook", "fastelastic"])
+def test_forward_pass(benchmark, request, impl: str) -> None:
+    torch.set_num_threads(1)
+    model = torch.nn.Linear(64, 64)
+    x = torch.randn(32, 64)
+    handle = None
+    if impl == "fastelastic":
+        w = request.getfixturevalue("marks")
+        assert getattr(torch.nn.Module.train, "__fastelastic_marked__", False)
+        assert w._slot is not None
+    elif impl == "torch forward hook":
+        handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: None)
+    try:
+        with torch.no_grad():
+            benchmark.pedantic(model, args=(x,), rounds=50_000, warmup_rounds=500)
+    finally:
+        if handle is not None:
+            handle.remove()
+    _cost(benchmark, f"forward: {impl}")
+
+
+@pytest.mark.parametrize("impl", ["none", "fastelastic"])
+def test_training_step(benchmark, request, impl: str) -> None:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(1000)])
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    x = torch.randn(32, 64)
+    w = request.getfixturevalue("marks") if impl == "fastelastic" else None
+
+    def step() -> None:
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    rounds = 1 if benchmark.disabled else 60
+    benchmark.pedantic(step, rounds=rounds, warmup_rounds=3)
+    if w is not None:  # every step was marked
+        assert w._slot[w.F_STEPS] >= rounds
+    _cost(benchmark, f"training step: {impl}")
+
+
+# ------------------------------------------------------------------------------ report
+
+
+def _fmt(v: float | None) -> str:
+    return "—" if v is None else f"{v:.2f}"
+
+
+def _table() -> str:
+    load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    rounds = os.environ.get("FE_HANG_ROUNDS", "1")
+    out = ["# Hang check: detection and downtime (benchmarks/bench_hang.py)", "",
+           "`tests/hang/hang_worker.py`, 2 launchers x 2 gloo workers (CPU, loopback, c10d, "
+           "`--max-restarts 3`); rank 3 hangs at step 20. fastrun `--hang-timeout 5`; torchrun "
+           f"2.13 with its defaults, same run, stopped {TORCHRUN_BOUND_S:.0f} s after the hang. "
+           f"fastrun: {rounds} round(s) per case, median (min-max). Seconds from the hang to the "
+           "verdict (the report written) and to every rank training again. Shared 2-core "
+           f"machine (load average at the end: {load}).", "",
+           "| hang | launcher | hang -> verdict s | hang -> all ranks training s | "
+           "target | met |", "|---|---|---:|---:|---|---|"]
+    for kind, what in KINDS.items():
+        for launcher in ("fastrun --preload torch", "fastrun", "torchrun"):
+            rs = [r for r in _RESULTS if r["mode"] == kind and r["launcher"] == launcher]
+            if not rs:
+                continue
+            if not all(r["recovered"] for r in rs):
+                down = f"not recovered (> {TORCHRUN_BOUND_S:.0f})"
+            else:
+                d = [r["downtime_s"] for r in rs]
+                down = f"{statistics.median(d):.2f}" + (
+                    f" ({min(d):.2f}-{max(d):.2f})" if len(d) > 1 else "")
+            vs = [r["verdict_s"] for r in rs if r["verdict_s"] is not None]
+            target, met = "", ""
+            if launcher == "fastrun --preload torch":
+                target = "<= 10"
+                met = "yes" if statistics.median(r["downtime_s"] for r in rs) <= 10 else "**no**"
+            out.append(f"| {what} | {launcher} | {_fmt(statistics.median(vs) if vs else None)} |"
+                       f" {down} | {target} | {met} |")
+    if _COSTS:
+        out += ["", "Cost of progress reporting (one thread, median of pytest-benchmark "
+                "rounds, microseconds):", "", "| what | us |", "|---|---:|"]
+        out += [f"| {k} | {v:.3f} |" for k, v in _COSTS.items()]
+    return "\n".join(out) + "\n"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report(request):
+    yield
+    if not _RESULTS and not _COSTS:
+        return
+    report_table(request.config, _table(), "FE_HANG_TABLE")
+    path = os.environ.get("FE_HANG_TABLE")
+    if path and _RESULTS:
+        Path(path).with_suffix(".json").write_text(
+            json.dumps({"runs": _RESULTS, "costs_us": _COSTS}, indent=1) + "\n")
