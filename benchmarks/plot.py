@@ -16,6 +16,8 @@ Plots and inputs:
 * ``recovery_downtime.png``: node-loss downtime by failure mode (``recovery.json``: a list
   ``runs`` of ``{"launcher", "mode", "scenario", "downtime_s", "recovered"}``; a run that did not
   recover reports its cap as ``downtime_s`` and is drawn as a lower bound).
+* ``hang_downtime.png``: a hung rank, hang -> every rank trains again, by kind of hang
+  (``hang.json``, written by ``bench_hang.py``: the same ``runs`` as ``recovery.json``).
 
 Exit status: 0 when every plot with an input was drawn, 1 when an input could not be read (its
 plot is skipped, the others are still drawn), 2 when matplotlib is missing.
@@ -189,9 +191,9 @@ def load_agent(d: Path) -> tuple[dict, str] | None:
     return res, src.name
 
 
-def load_recovery(d: Path) -> tuple[dict, str] | None:
+def load_recovery(d: Path, name: str = "recovery.json") -> tuple[dict, str] | None:
     """{(mode, scenario): {launcher: (downtime_s median, lower bound?)}}."""
-    src = d / "recovery.json"
+    src = d / name
     data = _read_json(src)
     if data is None:
         return None
@@ -391,12 +393,37 @@ def plot_recovery(plt: Any, data: dict, out: Path) -> None:
     fig.savefig(out)
 
 
+def load_hang(d: Path) -> tuple[dict, str] | None:
+    """As ``load_recovery``, from ``hang.json`` (mode = the kind of hang)."""
+    return load_recovery(d, "hang.json")
+
+
+def plot_hang(plt: Any, data: dict, out: Path) -> None:
+    order = {"native": 0, "sleep": 1, "deadlock": 2, "loop": 3}
+    keys = sorted(data, key=lambda k: (order.get(k[0], 9), k))
+    launchers = sorted({lname for k in keys for lname in data[k]},
+                       key=lambda s: (not s.startswith("fast"), "preload" not in s, s))
+    colors = dict(zip(launchers, ["#1f77b4", "#17becf", "#d62728", "#ff7f0e"], strict=False))
+    fig, ax = _figure(plt, "A hung rank (--hang-timeout 5): hang -> every rank trains again")
+    series = {lname: [data[k].get(lname, (None, False))[0] for k in keys] for lname in launchers}
+    lower = {lname: [data[k].get(lname, (None, False))[1] for k in keys] for lname in launchers}
+    _bars(ax, [m for m, _ in keys], series, colors, lower)
+    ax.set_yscale("log")
+    top = max(v for vs in series.values() for v in vs if v is not None)
+    ax.set_ylim(top=top * 3)
+    ax.set_ylabel("seconds, log scale (hatched ≥: not recovered, its bound)")
+    ax.legend(fontsize=8, loc="upper center", ncol=min(3, len(launchers)))
+    fig.tight_layout()
+    fig.savefig(out)
+
+
 PLOTS: list[tuple[str, Callable[[Path], tuple[dict, str] | None], Callable, str]] = [
     ("rendezvous_vs_nodes.png", load_rendezvous, plot_rendezvous, "rendezvous.json/.md"),
     ("multi_key.png", load_store, plot_multi_key, "store.json/.md"),
     ("connection_storm.png", load_store, plot_storm, "store.json/.md"),
     ("worker_restart.png", load_agent, plot_restart, "agent.json/.md"),
     ("recovery_downtime.png", load_recovery, plot_recovery, "recovery.json"),
+    ("hang_downtime.png", load_hang, plot_hang, "hang.json"),
 ]
 
 

@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 PLOT = REPO / "benchmarks" / "plot.py"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ALL = ["rendezvous_vs_nodes.png", "multi_key.png", "connection_storm.png", "worker_restart.png",
-       "recovery_downtime.png"]
+       "recovery_downtime.png", "hang_downtime.png"]
 
 image = pytest.importorskip(
     "matplotlib.image", reason="!!! matplotlib missing (pip install '.[bench]'): plots untested"
@@ -69,6 +69,11 @@ def synthetic(d: Path) -> None:
          "recovered": True} for m in ("kill", "freeze", "cut")] + [
         {"launcher": "torchrun", "mode": m, "scenario": "replacement", "downtime_s": 300,
          "recovered": False} for m in ("kill", "freeze", "cut")]}))
+    (d / "hang.json").write_text(json.dumps({"runs": [
+        {"launcher": lname, "mode": m, "scenario": "", "downtime_s": v, "recovered": ok}
+        for m in ("native", "sleep", "deadlock", "loop")
+        for lname, v, ok in (("fastrun --preload torch", 8.5, True), ("fastrun", 20.0, True),
+                             ("torchrun", 60.0, False))]}))
 
 
 def test_every_plot_from_json(tmp_path):
@@ -83,12 +88,13 @@ def test_every_plot_from_json(tmp_path):
 def test_missing_inputs_are_skipped_with_a_message_and_bad_ones_named(tmp_path):
     res = tmp_path / "res"
     synthetic(res)
-    for name in ("store.json", "agent.json", "recovery.json"):
+    for name in ("store.json", "agent.json", "recovery.json", "hang.json"):
         (res / name).unlink()
     (res / "agent.json").write_text("{not json")
     r = run_plot(res, tmp_path / "out")
     assert r.returncode == 1, (r.stdout, r.stderr)
     assert "skip recovery_downtime.png: no recovery.json" in r.stdout
+    assert "skip hang_downtime.png: no hang.json" in r.stdout
     assert "skip multi_key.png: no store.json/.md" in r.stdout
     assert "agent.json: not valid JSON" in r.stderr
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["rendezvous_vs_nodes.png"]
