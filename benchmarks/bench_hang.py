@@ -85,10 +85,42 @@ def _fastrun_round(out: Path, kind: str, preload: bool, job: dict) -> dict:
             "recovered": True}
 
 
-def _killpg(proc: subprocess.Popen) -> None:
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = []
+        try:
+            for t in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{t}/children") as f:
+                    kids += [int(x) for x in f.read().split()]
+        except OSError:
+            pass
+        out += kids
+        todo += kids
+    return out
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """The launcher and every process under it (torchrun starts each worker in its own
+    session, so its process group alone would leave the hung workers behind)."""
+    pids = _descendants(proc.pid)
     if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)  # its own session: the launcher and its workers
+        os.killpg(proc.pid, signal.SIGKILL)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     proc.wait()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _torchrun_round(out: Path, kind: str, job: dict, bound_s: float) -> dict:
@@ -126,8 +158,15 @@ def _torchrun_round(out: Path, kind: str, job: dict, bound_s: float) -> dict:
             time.sleep(0.1)
     finally:
         for p in procs:
-            _killpg(p)
+            _kill(p)
     assert hung is not None, f"torchrun's job never reached the hang: {recs[-4:]}"
+    left = {r["pid"] for r in records(out)}
+    for _ in range(50):  # SIGKILLed: gone within moments
+        left = {pid for pid in left if _alive(pid)}
+        if not left:
+            break
+        time.sleep(0.1)
+    assert not left, f"torchrun's workers left behind: {sorted(left)}"
     return {"verdict_s": None, "downtime_s": got if got is not None else bound_s,
             "recovered": got is not None}
 
