@@ -22,11 +22,11 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any
 
+from simstore import Node, Sim
+
 from fastelastic.errors import RendezvousConnectionError
 from fastelastic.rendezvous import _schema as sc
 from fastelastic.rendezvous._failover import PROBE_S, GoBack, Live
-
-from .simstore import Node, Sim
 
 DOWN = object()  # the reply of a request that failed as a connection error
 MAX_HOPS = 16
@@ -44,6 +44,8 @@ class MNode(Node):
     seg_start: float = -1.0
     worlds: dict[tuple[int, int], int] = field(default_factory=dict)
     log: list[str] = field(default_factory=list)
+    moved_bare: bool = False  # it moved while a member of no world (it carries none)
+    pending: tuple[Any, ...] | None = None  # a request waiting for its link to come back
 
 
 class MultiSim(Sim):
@@ -142,13 +144,15 @@ class MultiSim(Sim):
         assert isinstance(node, MNode)
         if op[0] in ("beat", "stop_beats", "sleep"):
             return super()._apply(node, op)
+        if op[0] not in ("rq", "peek"):  # ``call``: a machine request on the node's store
+            op = ("rq", node.store, op)
         i, rq = op[1], op[2]
         st = self.link(node, i)
         timeout = PROBE_S if op[0] == "peek" else self.cfg.window
         if st == "refused":
             return "now", DOWN
-        if st == "timeout":
-            node.bstore = i
+        if st == "timeout":  # answered if the link comes back before the deadline
+            node.bstore, node.pending = i, op
             return "block", ("fail", [], self.clock.t + timeout)
         self.data = self.stores[i]
         node.bstore = i
@@ -160,8 +164,16 @@ class MultiSim(Sim):
         assert isinstance(node, MNode) and node.blocked is not None
         kind, _, deadline = node.blocked
         if kind == "fail":
-            if self.clock.t >= deadline:
-                node.blocked, node.reply = None, DOWN
+            if node.pending is not None and self.link(node, node.bstore) == "ok":
+                op, node.pending, node.blocked = node.pending, None, None
+                k, value = self._apply(node, op)
+                if k == "block":
+                    node.blocked = value
+                    self._unblock(node)
+                else:
+                    node.reply = value
+            elif self.clock.t >= deadline:
+                node.blocked, node.reply, node.pending = None, DOWN, None
             return
         if kind != "sleep":
             st = self.link(node, node.bstore)
@@ -169,7 +181,7 @@ class MultiSim(Sim):
                 node.blocked, node.reply = None, DOWN
                 return
             if st == "timeout":  # the client's reply deadline
-                node.blocked = ("fail", [], self.clock.t + self.cfg.window)
+                node.blocked, node.pending = ("fail", [], self.clock.t + self.cfg.window), None
                 return
             self.data = self.stores[node.bstore]
         super()._unblock(node)
@@ -285,6 +297,8 @@ class MultiSim(Sim):
 
     def _move(self, node: MNode) -> Generator[Any, Any, None]:
         live, member = node.live, node.m.member
+        if member is None and not node.m.carried:
+            node.moved_bare = True
         try:
             yield from self._op(node, node.m.moving())
         except RendezvousConnectionError:
@@ -388,11 +402,9 @@ class MultiSim(Sim):
         except StopIteration:
             self._stop(node)
             return
-        except Exception as e:  # a RendezvousError ends the agent, as the launcher does
+        except Exception as e:  # a RendezvousError ends the launcher: its process exits
             node.error, node.error_at = e, self.clock.t
-            self._seg_end(node)
-            node.training = None
-            self._stop(node)
+            self._kill(node)
             return
         kind, value = self._apply(node, op)
         node.reply = value
@@ -436,3 +448,41 @@ class MultiSim(Sim):
             if n.training is not None and n.alive and not n.frozen:
                 count[n.training] = count.get(n.training, 0) + 1
         return [k for k, c in count.items() if c >= world[k]]
+
+    def last_world(self) -> tuple[tuple[int, int], int, int] | None:
+        """The world that trained last: (key, its size, its members still running)."""
+        ends: dict[tuple[int, int], float] = {}
+        for n in self.nodes:
+            assert isinstance(n, MNode)
+            for key, _, b in n.segs:
+                ends[key] = max(ends.get(key, 0.0), b)
+        full = [k for k in ends if self._trained(k)]
+        if not full:
+            return None
+        key = max(full, key=lambda k: ends[k])
+        members = [n for n in self.nodes if key in getattr(n, "worlds", {})]
+        return key, members[0].worlds[key], sum(n.alive for n in members)  # type: ignore[attr-defined]
+
+    def _trained(self, key: tuple[int, int]) -> bool:
+        return any(key in (a, b) for a, b, _ in self._full_spans())
+
+    def _full_spans(self) -> list[tuple[tuple[int, int], tuple[int, int], float]]:
+        return [(k, k, 0.0) for k in self._ever_full()]
+
+    def _ever_full(self) -> set[tuple[int, int]]:
+        world: dict[tuple[int, int], int] = {}
+        ev: list[tuple[float, int, tuple[int, int]]] = []
+        for n in self.nodes:
+            assert isinstance(n, MNode)
+            world.update(n.worlds)
+            for key, a, b in n.segs:
+                if b > a:
+                    ev += [(a, 1, key), (b, -1, key)]
+        ev.sort(key=lambda e: (e[0], e[1]))
+        count: dict[tuple[int, int], int] = {}
+        out = set()
+        for _, d, key in ev:
+            count[key] = count.get(key, 0) + d
+            if count[key] >= world[key]:
+                out.add(key)
+        return out
