@@ -308,7 +308,10 @@ class MultiSim(Sim):
         left = (live.index, member[0]) if member is not None else live.left
         self._switch(node, Live(i, epoch, proposed,
                                 left if proposed and live.index >= 0 else None))
-        node.m.moved(proposed)
+        if live.left is not None and i == live.left[0] and node.m.returned():
+            node.live = Live(i, epoch)  # as the handler's _move_now
+        else:
+            node.m.moved(proposed)
 
     def _check(self, node: MNode) -> Generator[Any, Any, None]:
         live = node.live

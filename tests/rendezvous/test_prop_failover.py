@@ -168,3 +168,27 @@ def test_random_schedules_time_boxed() -> None:
 def test_random_schedules_slow() -> None:
     count = int(os.environ["FASTELASTIC_PROP_SCHEDULES"])
     _explore(count, 1e9)
+
+
+def test_two_host_freezes_in_a_row_do_not_wedge_the_job() -> None:
+    """Finding B (seed 934826033, minimised): s0's host frozen 8 s (the world moves to s1),
+    then s1's host frozen 8 s: the survivor that moved to s0 and back to s1 (s1's epoch is
+    higher) came back with no membership, so every round on s1 saw it as "may be alive
+    elsewhere" and nothing trained again. Failed before ``Machine.returned`` (the late node in
+    no world after 300 s); a world trains with the late node now."""
+    for kill in ([], [(47.0, "kill", 2, -1, 0.0)]):
+        s = Schedule(-2, 3, 2, 1.0, [(5.0, "freeze", 0, -1, 13.0),
+                                     (40.0, "freeze", 1, -1, 48.0), *kill], 60.0)
+        assert check(s) == "", str(s)
+
+
+@pytest.mark.xfail(strict=True, reason="finding A, not fixed: a node that moves while a member "
+                   "of no world (cut during its first join) carries no world, so no majority "
+                   "rule holds it: it forms a world alone on the successor while the others "
+                   "train on the old store, and neither side ever looks at the other again")
+def test_finding_a_a_node_cut_during_its_first_join_forms_a_world_alone() -> None:
+    """Seed 790428447: 2 nodes, 2 candidates, torch's default last call (30 s); node 1 loses
+    store 0 at 26.7 s (during the first round's last call) until 41.7 s."""
+    s = Schedule(790428447, 2, 2, 30.0, [(26.7, "cut", 1, 0, 41.7)], 50.9)
+    why = check(s)
+    assert why == "", f"{s} -> {why}"
