@@ -503,7 +503,9 @@ class Machine:
         identity = by_rank == list(range(1, world + 1))
         record_of = dict(zip(tickets, records, strict=True))
         keys, vals = [k.gone], [b""]
-        epoch = max(map(sc.record_epoch, records), default=0) if a.last is None else 0
+        epoch = max(map(sc.record_epoch, records), default=0)
+        if epoch and a.last is not None:  # movers back on a store with history: commit too
+            epoch = epoch if epoch > int((yield _rq("add", self.keys.epoch, 0))) else 0
         if epoch:  # the first round here passing the majority rule: the move commits with it
             keys.append(self.keys.epoch)
             vals.append(b"%d" % epoch)
