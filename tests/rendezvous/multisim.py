@@ -138,7 +138,7 @@ class MultiSim(Sim):
         if node.store >= 0 and self.link(node, node.store) == "ok":
             self.data = self.stores[node.store]
             self.call(node, node.m.leave(for_good=True))
-            self._disconnect(node)
+        self._kill(node)  # then the launcher exits: its connection closes
 
     def _apply(self, node: Node, op: tuple[Any, ...]) -> tuple[str, Any]:
         assert isinstance(node, MNode)

@@ -150,19 +150,27 @@ def _explore(count: int, seconds: float) -> None:
             known.append(s.seed)
         elif why:
             failures.append(f"{s}\n    -> {why}")
-            if len(failures) >= 5:
-                break
     print(f"{ran} schedules run; finding A (test_finding_a_...) in {len(known)}: seeds "
           f"{known[:20]}")
     assert ran > 0
-    assert not failures, "\n".join(failures)
+    safety = sum("two worlds" in f for f in failures)
+    print(f"other violations: {len(failures)} ({safety} two worlds, {len(failures) - safety} "
+          "late node not in the training world)")
+    assert not failures, f"{len(failures)} of {ran} schedules:\n" + "\n".join(failures[:8])
 
 
+OPEN = ("open findings (see the branch's report): A, a node cut during its first join forms "
+        "a world alone on the successor; C, a moved world's majority counts carriers of "
+        "different worlds; F, movers stranded alone on different successors never meet")
+
+
+@pytest.mark.xfail(strict=False, reason=OPEN)
 def test_random_schedules_time_boxed() -> None:
     _explore(1_000_000, float(os.environ.get("FASTELASTIC_PROP_SECONDS", "60")))
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(strict=False, reason=OPEN)
 @pytest.mark.skipif(not os.environ.get("FASTELASTIC_PROP_SCHEDULES"),
                     reason="the slow property run: set FASTELASTIC_PROP_SCHEDULES (e.g. 10000)")
 def test_random_schedules_slow() -> None:
@@ -202,5 +210,31 @@ def test_finding_a_a_node_cut_during_its_first_join_forms_a_world_alone() -> Non
     """Seed 790428447: 2 nodes, 2 candidates, torch's default last call (30 s); node 1 loses
     store 0 at 26.7 s (during the first round's last call) until 41.7 s."""
     s = Schedule(790428447, 2, 2, 30.0, [(26.7, "cut", 1, 0, 41.7)], 50.9)
+    why = check(s)
+    assert why == "", f"{s} -> {why}"
+
+
+@pytest.mark.xfail(strict=True, reason="finding C, not fixed: on a successor the majority rule "
+                   "(_majority.moved_short) counts carriers of different worlds together")
+def test_finding_c_two_cuts_in_a_row_train_two_worlds() -> None:
+    """Seed 188095975, minimised: 3 nodes, 2 candidates, torch's default last call. Node 2
+    loses s0 (50-65 s): nodes 0, 1 go on as a world of 2; node 2 moves to s1 carrying the
+    world of 3. Node 1 loses s0 (61-76 s): node 0 goes on alone (1 of 2 is not a majority
+    away), node 1 moves to s1 carrying the world of 2: with node 2 it makes 2 carriers, the
+    largest quorum any of them needs. A world of 1 on s0 and one of 2 on s1 train at once."""
+    s = Schedule(-4, 3, 2, 30.0, [(50.0, "cut", 2, 0, 65.0), (61.0, "cut", 1, 0, 76.0)], 80.0)
+    why = check(s)
+    assert why == "", f"{s} -> {why}"
+
+
+@pytest.mark.xfail(strict=True, reason="finding F, not fixed: movers stranded alone on "
+                   "different successors (neither committed) never meet, and the stayer's "
+                   "rounds object to them: nothing trains until the join timeout")
+def test_finding_f_movers_split_across_successors_never_meet() -> None:
+    """Seed 372398597, minimised: 3 nodes, 3 candidates; s0's host frozen 8 s (40-48 s)
+    while node 2 cannot reach s1 (41-80 s): node 1 moves to s1, node 2 to s2, each 1 of a
+    moved world of 3 that needs 2; s0 objects to both. After the heal nothing re-probes."""
+    s = Schedule(-5, 3, 3, 1.0, [(40.0, "freeze", 0, -1, 48.0), (41.0, "cut", 2, 1, 80.0)],
+                 82.0)
     why = check(s)
     assert why == "", f"{s} -> {why}"
