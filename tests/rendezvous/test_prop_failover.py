@@ -148,7 +148,10 @@ def _run_seeds(seeds: list[int], end: float) -> None:
         if time.monotonic() > end:
             break
         s = schedule(seed)
-        why = check(s)
+        try:
+            why = check(s)
+        except Exception as e:  # a crash of the sim or the machine is a finding too
+            why = f"crashed: {type(e).__name__}: {e}"
         ran += 1
         if why.startswith(KNOWN_A):
             known.append(s.seed)
