@@ -83,6 +83,14 @@ def objection(records: list[bytes], last: tuple[int, int] | None, can_move: bool
     out = away(records, q, world, gone)
     if len(out) < need(world):
         return ""
+    # A member that came back by another store (it moved away and back: a new node here by
+    # its record) is in this round, not elsewhere: its address and pid are in the records.
+    here = {tuple(raw.split(b"|")[1:3]) for raw in records}
+    who = [sc.who_parts(bytes(v)) for v in (yield ("multi_get", [lk.who(i) for i in out]))]
+    out = [i for i, (_, addr, pid) in zip(out, who, strict=True)
+           if (addr.encode(), pid.encode()) not in here]
+    if len(out) < need(world):
+        return ""
     closed = proof_candidates(out, gone)
     blocked = ""
     if len(out) - len(closed) < need(world):  # the proof can decide it: ask the others

@@ -118,6 +118,7 @@ class Machine:
         self.proposed = 0  # the epoch this node proposes here after a move (see moved)
         self.no_quorum = False  # a round here failed the majority rule: no early seal now
         self.objected = ""  # why the last round this node waited for failed that rule
+        self.home: tuple[int, int, int] | None = None  # its world before it moved (returned)
         self._phases: dict[Phase, Callable[[_Attempt], Proto[Event]]] = {
             P.TICKET: self._ticket, P.RECORD: self._record, P.PUBLISH_GATE: self._full_gate,
             P.COORD_GATE: self._gate, P.DRAIN: self._drain, P.LAST_CALL: self._last_call,
@@ -134,6 +135,7 @@ class Machine:
         if self.member is not None:
             self.carried = self.member[2]
             self._identity = (self.member[1], *self._identity[1:])
+            self.home = self.member
         self.proposed = max(self.proposed, proposed)
         self.member = self.watch = self.prev_watch = self.last_seen = None
         self.leaving = self.spare_ready = False
@@ -143,7 +145,19 @@ class Machine:
         joins there as a new node (no world carried, no epoch proposed)."""
         self.moved()
         self.carried = self.proposed = 0
-        self.no_quorum = False
+        self.no_quorum, self.home = False, None
+
+    def returned(self) -> bool:
+        """A mover came back to the store where its world formed (that store is live again,
+        with the highest epoch): it is a member of that world there again, so the round
+        after it counts it back (``_majority.away``), instead of a new node whose world "may
+        be alive elsewhere". False when it has no such world (it is a mover as before)."""
+        if self.home is None:
+            return False
+        self.member, self.home = self.home, None
+        self.carried = self.proposed = 0
+        self.no_quorum, self.objected = False, ""
+        return True
 
     @property
     def quorum(self) -> int:
@@ -182,6 +196,7 @@ class Machine:
             deadline = a.deadline  # a spare's join timeout starts when its round is over
             if seat is not None:
                 self.member, self.carried, self.proposed = (r, seat.rank, seat.world), 0, 0
+                self.home = None
                 self.no_quorum, self.objected = False, ""
                 k = a.k
                 if self.cfg.hooks:  # our death: we left, the round is over, and why
@@ -488,7 +503,9 @@ class Machine:
         identity = by_rank == list(range(1, world + 1))
         record_of = dict(zip(tickets, records, strict=True))
         keys, vals = [k.gone], [b""]
-        epoch = max(map(sc.record_epoch, records), default=0) if a.last is None else 0
+        epoch = max(map(sc.record_epoch, records), default=0)
+        if epoch and a.last is not None:  # movers back on a store with history: commit too
+            epoch = epoch if epoch > int((yield _rq("add", self.keys.epoch, 0))) else 0
         if epoch:  # the first round here passing the majority rule: the move commits with it
             keys.append(self.keys.epoch)
             vals.append(b"%d" % epoch)

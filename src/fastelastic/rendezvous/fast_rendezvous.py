@@ -337,7 +337,10 @@ class FastRendezvousHandler(RendezvousHandler):
             self._run(self._m.moving(), self._store)
         self._switch(*c.move(live, member[0] if member is not None else None))
         new = self._live
-        self._m.moved(new.proposed)
+        if live.left is not None and new.index == live.left[0] and self._m.returned():
+            self._live = new = Live(new.index, new.epoch)  # back where its world formed
+        else:
+            self._m.moved(new.proposed)
         log.warning("rendezvous %s: the store at %s was lost (%s); moved to %s (epoch %d%s)",
                     self._run_id, lost, why, c.name(new.index), new.proposed or new.epoch,
                     " proposed: committed once a round forms there" if new.proposed else "")
