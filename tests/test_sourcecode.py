@@ -30,6 +30,7 @@ def test_ruff():
     _run([*_tool("ruff"), "check", "src", "tests", "examples"])
 
 
+@pytest.mark.slow
 def test_mypy():
     _run([sys.executable, "-m", "mypy", "src"] if shutil.which("mypy") else _tool("mypy"))
 

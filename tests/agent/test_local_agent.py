@@ -328,6 +328,7 @@ def test_signal_to_agent_leaves_no_worker(tmp_path, sig):
             p.wait(10)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_unmodified_torch_gloo_script_four_workers(tmp_path):
     pytest.importorskip("torch", reason="!!! torch 2.13 is required for the gloo test")

@@ -101,6 +101,7 @@ def test_missing_inputs_are_skipped_with_a_message_and_bad_ones_named(tmp_path):
     check_png(tmp_path / "out" / "rendezvous_vs_nodes.png")
 
 
+@pytest.mark.slow
 def test_markdown_tables_are_read_when_there_is_no_json(tmp_path):
     plot = plot_module()
     (tmp_path / "rendezvous.md").write_text(

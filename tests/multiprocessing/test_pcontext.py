@@ -199,6 +199,7 @@ def test_binary_killed_by_signal():
     assert failure.exitcode == -9 and "Signal 9 (SIGKILL)" in failure.message
 
 
+@pytest.mark.slow
 def test_binary_with_torch_record_error_file(logs_dir):
     pytest.importorskip("torch", reason="!!! torch 2.13 is not installed: interop test skipped")
     script = (
@@ -451,6 +452,7 @@ def test_wait_after_close_reports_the_stopped_workers():
     pc.close()  # idempotent
 
 
+@pytest.mark.slow
 def test_close_from_another_thread_ends_a_blocked_wait():
     pc = start_processes(
         "t", "/bin/sleep", {0: ("60",)}, _envs(1), DefaultLogsSpecs(log_dir=os.devnull)

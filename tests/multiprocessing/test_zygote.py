@@ -482,6 +482,7 @@ def test_no_python_keeps_the_plain_path(tmp_path, caplog):
 # ---------------------------------------------------------------- torch
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 def test_ddp_example_restarts_from_the_torch_zygote(tmp_path):
     pytest.importorskip("torch", reason="!!! torch 2.13 is not installed: --preload torch untested")

@@ -104,6 +104,7 @@ def test_function_workers_are_bound_too(tmp_path, monkeypatch):
     assert result.return_values == {0: {a}, 1: {b}}
 
 
+@pytest.mark.slow
 @needs_two
 @pytest.mark.parametrize("threads_env", [{"OMP_NUM_THREADS": "1"},
                                          {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "2"},
@@ -154,6 +155,7 @@ def test_cpu_only_host_fails_in_one_line_like_torchrun(tmp_path):
     assert _records(out)[(0, 0)]["cpus"] == MINE
 
 
+@pytest.mark.slow
 def test_cpu_only_host_with_preload_is_one_line_too(tmp_path):
     """The launch fails while the zygote still imports: it leaves quietly (no BrokenPipeError
     traceback from a zygote whose agent is gone)."""

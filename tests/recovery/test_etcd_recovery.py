@@ -78,6 +78,7 @@ def _etcd(c, tmp_path: Path) -> Cluster:
                    timing=(100, 1000)).start()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_etcd_leader_sigkilled_while_training_restarts_nothing(tmp_path):
     with cluster_or_skip(NODES + 3, "el") as c:
@@ -124,6 +125,7 @@ def _tickets(c, endpoints: str, run_id: str = "t", round_: int = 0) -> int:
     return int(out or b"0")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_etcd_leader_sigkilled_while_a_round_forms(tmp_path):
     """Nodes 0 and 1 hold tickets of a round of 3 when the leader is SIGKILLed; node 2 comes
@@ -148,6 +150,7 @@ def test_etcd_leader_sigkilled_while_a_round_forms(tmp_path):
     assert c.leftovers() == {}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("lost", ["rank0", "other"])
 def test_etcd_node_lost_round_hosted_by_a_survivor(tmp_path, lost):

@@ -84,11 +84,13 @@ def _lose_the_host(tmp_path: Path, conf: str) -> float:
         job.kill_all()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_the_rendezvous_outlives_its_host(tmp_path):
     _lose_the_host(tmp_path, "last_call_timeout=1")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_the_rendezvous_outlives_its_host_at_torch_default_timeouts(tmp_path):
     """No timeouts in --rdzv-conf (last call 30 s, join 600 s): the round on the successor

@@ -28,6 +28,7 @@ def _fault(c, mode: str, i: int) -> float:
     return t
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("mode", MODES)
 def test_the_rendezvous_host_lost_while_training(tmp_path, mode):
@@ -48,6 +49,7 @@ def test_the_rendezvous_host_lost_while_training(tmp_path, mode):
     assert c.leftovers() == {}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_a_partition_never_trains_two_worlds(tmp_path):
     """4 nodes, ``--nnodes 2:4``; nodes 2 and 3 are cut off (each from everyone): the side
@@ -67,6 +69,7 @@ def test_a_partition_never_trains_two_worlds(tmp_path):
     assert c.leftovers() == {}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_a_two_two_partition_trains_one_world_at_most(tmp_path):
     """4 nodes, ``--nnodes 2:4``, split 2|2: nodes 2 and 3 still reach each other and node 2's
@@ -87,6 +90,7 @@ def test_a_two_two_partition_trains_one_world_at_most(tmp_path):
     assert c.leftovers() == {}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_a_lone_host_never_trains_beside_the_majority_and_rejoins_it_after_the_heal(tmp_path):
     """4 nodes, ``--nnodes 1:4``: node 0, which hosts the live store, is cut off alone. Its
@@ -114,6 +118,7 @@ def test_a_lone_host_never_trains_beside_the_majority_and_rejoins_it_after_the_h
     assert c.leftovers() == {}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("mode", MODES)
 def test_the_rendezvous_host_lost_while_a_round_forms(tmp_path, mode):
@@ -137,6 +142,7 @@ def test_the_rendezvous_host_lost_while_a_round_forms(tmp_path, mode):
     assert c.leftovers() == {}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("mode", ["kill", "cut"])
 def test_the_rendezvous_host_lost_in_the_exit_barrier(tmp_path, mode):

@@ -107,6 +107,7 @@ def _route(c, i: int, verb: str, to: int) -> None:
                    check=True, capture_output=True, timeout=20)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_a_node_cut_from_the_store_alone_never_makes_a_second_world(tmp_path):
     with cluster_or_skip(5, "pc") as c:

@@ -54,6 +54,7 @@ def test_node_lost_while_training(tmp_path, mode):
     assert c.leftovers() == {}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", MODES)
 def test_node_lost_while_waiting_for_a_round(tmp_path, mode):
@@ -96,6 +97,7 @@ def test_stray_ticket_is_dropped(tmp_path):
         assert took < WINDOW + MARGIN + 4, f"round formed after {took:.1f}s\n{job.tail()}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", MODES)
 def test_node_lost_during_exit_barrier(tmp_path, mode):

@@ -89,6 +89,7 @@ def _dead(pid: int) -> bool:
         return True
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("how", sorted(HOW))
 @pytest.mark.parametrize("launcher", ["fastrun", "torchrun"])

@@ -131,11 +131,13 @@ def _leave_and_reform(tmp_path: Path, conf: str) -> float:
         job.kill_all()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_sigterm_leave_survivors_train_again_at_once(tmp_path):
     _leave_and_reform(tmp_path, "last_call_timeout=1")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_sigterm_leave_at_torch_default_timeouts(tmp_path):
     """No timeouts in --rdzv-conf (last call 30 s, join 600 s): no wait for a last call

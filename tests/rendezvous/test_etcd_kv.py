@@ -169,6 +169,7 @@ def test_wait_outlives_its_member(three):
     assert got[0] - t0 < 1.5, got[0] - t0  # main re-read after 2 s of quiet
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_lease_outlives_a_long_election(three):
     """Two of three members are SIGKILLed for longer than the lease's TTL, then one comes

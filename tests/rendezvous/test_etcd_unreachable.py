@@ -48,6 +48,7 @@ def test_unreachable_etcd_fails_within_the_rendezvous_timeouts(backend, conf, ca
     assert "/kv/range" in notes[0] and "retrying for up to" in notes[0]
 
 
+@pytest.mark.slow
 def test_retrying_request_says_so_every_few_seconds_and_stops_at_its_bound(caplog):
     from fastelastic.rendezvous.etcd_kv import EtcdKV
 

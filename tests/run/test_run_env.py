@@ -85,6 +85,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case", list(CASES))
 def test_worker_env_matches_torchrun(tmp_path, case):
@@ -109,6 +110,7 @@ def test_worker_env_matches_torchrun(tmp_path, case):
         assert e["ROLE_NAME"] == "envrole" and e["TORCHELASTIC_MAX_RESTARTS"] == "1"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_module_flag_matches_torchrun(tmp_path):
     _run_both.port = free_port()  # type: ignore[attr-defined]

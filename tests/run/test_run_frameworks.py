@@ -122,6 +122,7 @@ def test_accelerate_launch_with_the_fastelastic_rendezvous_and_a_restart(tmp_pat
     _check_accelerate_pair(got, world=2, restarts="1")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_accelerate_launch_two_machines_with_the_fastelastic_rendezvous(tmp_path):
     _need("accelerate", "accelerate==1.15.0")

@@ -56,6 +56,7 @@ def test_two_nodes_two_workers_on_loopback(tmp_path):
     assert len({(d["env"]["MASTER_ADDR"], d["env"]["MASTER_PORT"]) for d in dumps.values()}) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_a_normal_two_node_end_is_quiet(tmp_path):
     """No warning or error line in either launcher's log when a job ends normally. The node
@@ -73,6 +74,7 @@ def test_a_normal_two_node_end_is_quiet(tmp_path):
             assert not loud, f"attempt {attempt}:\n" + "\n".join(loud)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.torch
 def test_two_nodes_same_ranks_as_torchrun(tmp_path, need_torch):
@@ -275,6 +277,7 @@ def test_two_standalone_jobs_on_one_host_do_not_collide(tmp_path):
     assert all(len(p) == 1 for p in ports) and ports[0] != ports[1]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.torch
 def test_ddp_example_checkpoints_and_resumes_after_restart(tmp_path, need_torch):

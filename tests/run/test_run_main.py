@@ -116,6 +116,7 @@ def _log_lines(stderr: str) -> list[re.Match[str]]:
     return [m for m in map(_GLOG.match, stderr.splitlines()) if m]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("which", ["fastrun", pytest.param("torchrun", marks=pytest.mark.torch)])
 def test_loglevel_prints_the_agents_log_in_torchruns_format(tmp_path, which, request):

@@ -117,6 +117,7 @@ GLOO_WORKER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_gloo_process_group_on_our_store(master, torch_dist, tmp_path):
     script = tmp_path / "worker.py"

@@ -26,6 +26,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_stores_are_torch_stores_with_our_fast_paths(torch_dist):
     dist = torch_dist
     s = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=10)
