@@ -221,14 +221,13 @@ def test_finding_a_a_node_cut_during_its_first_join_forms_a_world_alone() -> Non
     assert why == "", f"{s} -> {why}"
 
 
-@pytest.mark.xfail(strict=True, reason="finding C, not fixed: on a successor the majority rule "
-                   "(_majority.moved_short) counts carriers of different worlds together")
-def test_finding_c_two_cuts_in_a_row_train_two_worlds() -> None:
-    """Seed 188095975, minimised: 3 nodes, 2 candidates, torch's default last call. Node 2
-    loses s0 (50-65 s): nodes 0, 1 go on as a world of 2; node 2 moves to s1 carrying the
-    world of 3. Node 1 loses s0 (61-76 s): node 0 goes on alone (1 of 2 is not a majority
-    away), node 1 moves to s1 carrying the world of 2: with node 2 it makes 2 carriers, the
-    largest quorum any of them needs. A world of 1 on s0 and one of 2 on s1 train at once."""
+def test_finding_c_two_cuts_in_a_row_train_one_world() -> None:
+    """Finding C (seed 188095975, minimised): 3 nodes, 2 candidates, torch's default last
+    call. Node 2 loses s0 (50-65 s): nodes 0, 1 go on as a world of 2; node 2 moves to s1
+    carrying the world of 3. Node 1 loses s0 (61-76 s): node 0 goes on alone (1 of 2 is not a
+    majority away), node 1 moves to s1 carrying the world of 2. ``moved_short`` counted both
+    carriers (2, the largest quorum either needs): a world of 1 on s0 and one of 2 on s1
+    trained at once (failed before). Now only carriers of the newest world count (1 of 2)."""
     s = Schedule(-4, 3, 2, 30.0, [(50.0, "cut", 2, 0, 65.0), (61.0, "cut", 1, 0, 76.0)], 80.0)
     why = check(s)
     assert why == "", f"{s} -> {why}"

@@ -6,8 +6,17 @@ alive on one side and the movers on the other, so both sides may try to form a r
 rules, one on each side, make that impossible. Let ``W`` be the last complete world (on the
 store it formed on) and ``need = len(W) // 2 + 1`` a majority of it.
 
-* **On a successor** (:func:`moved_short`): a node that moved carries ``need`` of its world in
-  its record; the first round there forms only with at least that many such carriers.
+* **On a successor** (:func:`moved_short`): a node that moved carries its world in its record
+  (the world's id and ``need``); the first round there forms only with at least ``need``
+  carriers of the newest world any record carries. A node carries only the last world it was
+  a member of, so carriers of an older world ``V`` are the members of ``V`` that no later
+  world took in: on ``V``'s store the next world formed with fewer than ``need(V)`` of them
+  away, and elsewhere with ``need(V)`` of them, who carry the new world from then on; either
+  way fewer than ``need(V)`` are left, and counted with the newest world's carriers they
+  could make a majority that no world has (two cuts in a row).
+* **A node that carries no world never moves the rendezvous** (``fast_rendezvous``): cut
+  during its first join, it cannot know whether a world formed with it or without it, so no
+  rule could hold it; it follows only committed epochs, or waits for the store it was on.
 * **Where W formed** (:func:`away`): when a round re-forms without some members of ``W``, those
   that did not say they quit (preempted) or finished may be alive behind the partition, and may
   have moved. The round forms only while they are fewer than ``need``, so they can never make a
@@ -15,7 +24,9 @@ store it formed on) and ``need = len(W) // 2 + 1`` a majority of it.
   while the others moved sees their connections close when it wakes, as it would after a crash.
 
 Both sides count members of the same ``W``, so the two sets are disjoint and at most one of them
-reaches ``need``. With a single endpoint nothing can move and the second rule is off (torch's
+reaches ``need``: the carriers are among the members away from the world that formed on ``W``'s
+store, which are fewer than ``need``, or they formed the successor's world and no longer carry
+``W``. With a single endpoint nothing can move and the second rule is off (torch's
 behaviour: any survivors at or above ``min_nodes`` go on).
 
 **A majority lost at once** (a rack): where ``W`` formed, members whose connection closed here
@@ -41,12 +52,22 @@ def need(world: int) -> int:
 
 
 def moved_short(records: list[bytes]) -> tuple[int, int] | None:
-    """On a successor: ``(carriers, needed)`` when the records hold fewer nodes of a moved
-    world than the largest majority any of them carries, else None."""
-    quorums = [q for q in map(sc.record_quorum, records) if q]
-    if len(quorums) < max(quorums, default=0):
-        return len(quorums), max(quorums)
-    return None
+    """On a successor: ``(carriers, needed)`` when the records hold fewer carriers of the
+    newest moved world (the highest generation any record names) than a majority of it, else
+    None. Carriers of older worlds count as new nodes, however many: they cannot make that
+    majority (see the module doc), and counted together with it they could."""
+    carried = [(sc.world_gen(w), w, q) for w, q in
+               ((sc.record_world(r), sc.record_quorum(r)) for r in records) if q]
+    if not carried:
+        return None
+    gen = max(g for g, _, _ in carried)
+    best = (0, 0)
+    for wid in sorted({w for g, w, _ in carried if g == gen}):
+        of = [q for _, w, q in carried if w == wid]
+        if len(of) >= max(of):
+            return None
+        best = max(best, (len(of), max(of)))
+    return best
 
 
 def away(records: list[bytes], last_round: int, world: int, gone: dict[int, str]) -> list[int]:

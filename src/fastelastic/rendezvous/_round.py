@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+import zlib
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -119,6 +120,7 @@ class Machine:
         self.no_quorum = False  # a round here failed the majority rule: no early seal now
         self.objected = ""  # why the last round this node waited for failed that rule
         self.home: tuple[int, int, int] | None = None  # its world before it moved (returned)
+        self.world_id = b""  # of the world it is a member of, or carries (_majority)
         self._phases: dict[Phase, Callable[[_Attempt], Proto[Event]]] = {
             P.TICKET: self._ticket, P.RECORD: self._record, P.PUBLISH_GATE: self._full_gate,
             P.COORD_GATE: self._gate, P.DRAIN: self._drain, P.LAST_CALL: self._last_call,
@@ -145,7 +147,7 @@ class Machine:
         joins there as a new node (no world carried, no epoch proposed)."""
         self.moved()
         self.carried = self.proposed = 0
-        self.no_quorum, self.home = False, None
+        self.no_quorum, self.home, self.world_id = False, None, b""
 
     def returned(self) -> bool:
         """A mover came back to the store where its world formed (that store is live again,
@@ -196,7 +198,7 @@ class Machine:
             deadline = a.deadline  # a spare's join timeout starts when its round is over
             if seat is not None:
                 self.member, self.carried, self.proposed = (r, seat.rank, seat.world), 0, 0
-                self.home = None
+                self.home, self.world_id = None, a.res.wid
                 self.no_quorum, self.objected = False, ""
                 k = a.k
                 if self.cfg.hooks:  # our death: we left, the round is over, and why
@@ -249,7 +251,8 @@ class Machine:
         member_of, pref = self.member[:2] if self.member is not None else (-1, node_rank)
         # The record; a placeholder for our seat, which the publisher overwrites before it
         # decides res; and the keep-alive counter, bumped from the ticket on.
-        rec = sc.encode_record(pref, addr, pid, wstore, self.quorum, member_of, self.proposed)
+        rec = sc.encode_record(pref, addr, pid, wstore, self.quorum, member_of, self.proposed,
+                               self.world_id)
         yield _rq("multi_set", [k.record(t), k.seat(t), k.beat(t)], [rec, b"-1", b"0"])
         yield _rq("beat", k.beat(t))
         if t == cfg.max_nodes:
@@ -517,7 +520,10 @@ class Machine:
                 vals.append(sc.encode_seat(rank, [by_rank[(rank + i) % world]
                                                   for i in range(1, _watched(world) + 1)]))
         yield _rq("multi_set", keys, vals)
-        blob = sc.encode_outcome(world, sc.record_wstore(record_of[by_rank[0]]), identity)
+        gen = 1 + max(sc.world_gen(sc.record_world(raw)) for raw in records)
+        wid = b"%d.%08x" % (gen, zlib.crc32(repr((self._identity[1:3], k.p, self.clock(),
+                                                  time.time_ns())).encode()))
+        blob = sc.encode_outcome(world, sc.record_wstore(record_of[by_rank[0]]), identity, wid)
         if bytes((yield _rq("compare_set", k.outcome, "", blob))) == blob:
             yield _rq("set", self.keys.open, b"%d" % (k.r + 1))
         return E.DONE
