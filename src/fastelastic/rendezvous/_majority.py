@@ -84,12 +84,15 @@ def proof_candidates(out: list[int], gone: dict[int, str]) -> list[int]:
 
 
 def objection(records: list[bytes], last: tuple[int, int] | None, can_move: bool,
-              keys: sc.Keys) -> Generator[tuple[Any, ...], Any, str]:
+              keys: sc.Keys, last_gen: int = 0) -> Generator[tuple[Any, ...], Any, str]:
     """Why a round with these records must not form ("" if it may), for its publisher.
 
     Before any round completed on this store (``last`` None): :func:`moved_short`. After one,
     that round's world is the one both sides count (a node that moves here later is a new node
-    to it); when the rendezvous ``can_move``, :func:`away` (one read of that round's ``gone``),
+    to it), unless movers here carry a world of a higher generation than that round's
+    (``last_gen``: formed elsewhere from it, or after it): then :func:`moved_short` over
+    those carriers too. When the rendezvous ``can_move``,
+    :func:`away` (one read of that round's ``gone``),
     then, if a majority is away, the proof that those whose connection closed are gone (their
     ``who`` entries, then ``gone_elsewhere``: every other candidate asked, see the module doc).
     """
@@ -100,6 +103,9 @@ def objection(records: list[bytes], last: tuple[int, int] | None, can_move: bool
         return ""
     q, world = last
     lk = keys.round(q)
+    short = moved_short([r for r in records if sc.world_gen(sc.record_world(r)) > last_gen])
+    if short:  # a world formed elsewhere after this store's last: its majority rules
+        return "%d of a moved world need %d of it" % short
     gone = sc.parse_gone(bytes((yield ("get", lk.gone, None))))
     out = away(records, q, world, gone)
     if len(out) < need(world):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import time
-import zlib
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -111,6 +110,7 @@ class Machine:
         self.watch: Watch | None = None
         self.prev_watch: Watch | None = None  # the last round's, for the drain
         self.last_seen: tuple[int, int] | None = None  # see _last_complete
+        self.last_gen = 0  # the generation of last_seen's world (sc.world_gen)
         self.waited_as_spare = False  # this node waited behind a full, running round
         self.leaving = False  # tell the last round it left, once the new ticket is counted
         self.spare_ready = False  # a node waits behind this node's full round
@@ -375,7 +375,7 @@ class Machine:
             else:
                 res, _ = yield from self._wait_outcome(k, deadline, mine=False)
             if res.kind == "M":
-                self.last_seen = (q, res.world)
+                self.last_seen, self.last_gen = (q, res.world), sc.world_gen(res.wid)
                 return self.last_seen
             if res.kind == "C":
                 raise self.closed_error()
@@ -488,7 +488,8 @@ class Machine:
             if (yield _rq("check", [k.outcome])):  # a joiner died before writing its record
                 return E.DONE
         records = [bytes(v) for v in (yield _rq("multi_get", [k.record(i) for i in tickets]))]
-        why = yield from _majority.objection(records, a.last, cfg.can_move, self.keys)
+        last_gen = self.last_gen if a.last is not None else 0
+        why = yield from _majority.objection(records, a.last, cfg.can_move, self.keys, last_gen)
         if why or len(tickets) < cfg.min_nodes:
             log.warning("rendezvous %s round %d: %d nodes (%s); abandoning the round",
                         cfg.run_id, k.r, len(tickets), why or f"min_nodes is {cfg.min_nodes}")
@@ -520,9 +521,8 @@ class Machine:
                 vals.append(sc.encode_seat(rank, [by_rank[(rank + i) % world]
                                                   for i in range(1, _watched(world) + 1)]))
         yield _rq("multi_set", keys, vals)
-        gen = 1 + max(sc.world_gen(sc.record_world(raw)) for raw in records)
-        wid = b"%d.%08x" % (gen, zlib.crc32(repr((self._identity[1:3], k.p, self.clock(),
-                                                  time.time_ns())).encode()))
+        gen = 1 + max(last_gen, *(sc.world_gen(sc.record_world(raw)) for raw in records))
+        wid = sc.world_id(gen, self._identity[1:3], k.p, self.clock())
         blob = sc.encode_outcome(world, sc.record_wstore(record_of[by_rank[0]]), identity, wid)
         if bytes((yield _rq("compare_set", k.outcome, "", blob))) == blob:
             yield _rq("set", self.keys.open, b"%d" % (k.r + 1))

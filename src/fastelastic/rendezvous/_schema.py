@@ -55,6 +55,8 @@ Round ``r``:
 
 from __future__ import annotations
 
+import time
+import zlib
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -128,13 +130,20 @@ def record_world(raw: bytes) -> bytes:
 
 
 def world_gen(wid: bytes) -> int:
-    """A world id's generation, ``<gen>.<nonce>``: one more than the highest generation any
-    record of the round that formed it named (0: no world). A world formed from (some of) the
-    members of another has a higher generation than it."""
+    """A world id's generation, ``<gen>.<nonce>``: one more than the highest generation of the
+    last world on the store where it formed and of any world the records of its round named
+    (0: no world). A world formed after another on the same store, or from (some of) its
+    members elsewhere, has a higher generation than it."""
     try:
         return int(wid.partition(b".")[0]) if wid else 0
     except ValueError as e:
         raise RendezvousStateError(f"corrupt world id {wid[:40]!r}") from e
+
+
+def world_id(gen: int, *salt: object) -> bytes:
+    """A new world's id: its generation and a nonce (from ``salt``, the publisher's identity,
+    and the wall clock: unique across stores and restarts)."""
+    return b"%d.%08x" % (gen, zlib.crc32(repr((salt, time.time_ns())).encode()))
 
 
 def record_epoch(raw: bytes) -> int:

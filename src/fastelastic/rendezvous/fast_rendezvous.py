@@ -28,7 +28,7 @@ from fastelastic.errors import (
 from fastelastic.events import NodeState, construct_and_record_rdzv_event
 
 from . import _store_ops as ops
-from ._failover import Candidates, GoBack, Live, parse_candidates
+from ._failover import Candidates, GoBack, Live, Regroup, parse_candidates
 from ._liveness import BEATER
 from ._round import Config, Machine
 from ._schema import assign_ranks
@@ -295,8 +295,11 @@ class FastRendezvousHandler(RendezvousHandler):
 
     def _next_rendezvous_anywhere(self) -> RendezvousInfo:
         """``_next_rendezvous`` on the live store, moving to the next candidate when the
-        store's host is lost (bounded by the number of candidates)."""
+        store's host is lost (bounded by the number of candidates). A node that carries no
+        world never moves the rendezvous (``_failover.NO_WORLD_RULE``): it follows a committed
+        move, or waits for its store, within the join timeout."""
         moves = len(self._candidates.endpoints) - 1 if self._candidates is not None else 0
+        until = time.monotonic() + self._timeout.join.total_seconds()
         for _ in range(_MAX_HOPS):  # bounded: each pass moves (at most ``moves``) or goes back
             store = self._store
             try:
@@ -305,7 +308,13 @@ class FastRendezvousHandler(RendezvousHandler):
                 return info
             except GoBack as e:
                 self._go_back(e, store)
+            except Regroup as e:
+                self._regroup(e, store)
             except (RendezvousConnectionError, StoreTimeoutError) as e:
+                if self._candidates is not None and self._m.member is None and not (
+                        self._m.carried):
+                    self._follow(e, store, until)
+                    continue
                 if moves <= 0:
                     raise
                 moves -= 1
@@ -345,17 +354,57 @@ class FastRendezvousHandler(RendezvousHandler):
                     self._run_id, lost, why, c.name(new.index), new.proposed or new.epoch,
                     " proposed: committed once a round forms there" if new.proposed else "")
 
-    def _go_back(self, why: BaseException, failed: Any) -> None:
-        """A mover whose move was not committed finds the store it left alive, its world gone
-        on there: it goes back and joins that world as a new node."""
+    def _go_back(self, why: GoBack, failed: Any) -> None:
+        """A mover whose move was not committed finds the store it left answering again: it
+        goes back, as a member of its world when no round formed there since (``rejoin``),
+        else as a new node."""
         assert self._candidates is not None
         with self._move_lock:
             if self._store is not failed:
                 return
             self._stop_heartbeats()
             self._switch(*self._candidates.back(self._live))
-            self._m.back()
+            if not (why.rejoin and self._m.returned()):
+                self._m.back()
             log.warning("rendezvous %s: %s; went back to it", self._run_id, why)
+
+    def _regroup(self, why: Regroup, failed: Any) -> None:
+        """A mover whose round failed the majority rule regroups on an earlier candidate (its
+        world's store not answering): the movers of a world meet there."""
+        assert self._candidates is not None
+        with self._move_lock:
+            if self._store is not failed:
+                return
+            self._stop_heartbeats()
+            self._switch(*self._candidates.regroup(self._live, why.index))
+            self._m.moved(self._live.proposed)
+            log.warning("rendezvous %s: %s; regrouped there", self._run_id, why)
+
+    def _follow(self, why: BaseException, failed: Any, until: float) -> None:
+        """A node that carries no world lost its store: it follows a committed move, or
+        reconnects to its store once it answers (``Candidates.follow``; raises after
+        ``until``)."""
+        assert self._candidates is not None
+        with self._move_lock:
+            if self._store is not failed:
+                return
+            self._stop_heartbeats()
+            lost = self._candidates.name(self._live.index)
+            log.warning("rendezvous %s: the store at %s was lost (%s) while this node belonged "
+                        "to no world: it does not move the rendezvous; it waits up to %.0fs "
+                        "for that store or a committed move", self._run_id, lost, why,
+                        max(0.0, until - time.monotonic()))
+            try:
+                client, live = self._candidates.follow(self._live, until)
+            except RendezvousTimeoutError as e:
+                raise RendezvousTimeoutError(
+                    f"The rendezvous '{self._run_id}' did not complete within "
+                    f"{self._timeout.join.total_seconds():g} seconds: {e} (first: {why})") from e
+            self._switch(client, live)
+            self._m.moved()
+            log.warning("rendezvous %s: the store at %s (lost while this node belonged to no "
+                        "world) is now at %s (epoch %d)", self._run_id, lost,
+                        self._candidates.name(live.index), live.epoch)
 
     def _switch(self, client: Any, live: Live) -> None:
         """Talks to the rendezvous through ``client`` (at ``live``) from now on."""
