@@ -122,13 +122,33 @@ def objection(records: list[bytes], last: tuple[int, int] | None, can_move: bool
     blocked = ""
     if len(out) - len(closed) < need(world):  # the proof can decide it: ask the others
         who = [sc.who_parts(bytes(v)) for v in (yield ("multi_get", [lk.who(i) for i in closed]))]
-        blocked = yield ("gone_elsewhere", [f"{addr}|{pid}" for _, addr, pid in who])
+        idents = [f"{addr}|{pid}" for _, addr, pid in who]
+        blocked = yield from _back_here(idents, keys)
+        blocked = blocked or (yield ("gone_elsewhere", idents))
         if not blocked:
             return ""
     reason = (f"; their connections closed here, but {blocked}" if blocked else
               "; some did not close their connections here (cut, silent or moved)")
     return (f"ranks {out} of round {q} (a world of {world}) may be alive elsewhere: a "
             f"majority of it, which may form a round on another candidate{reason}")
+
+
+def _back_here(idents: list[str], keys: sc.Keys) -> Generator[tuple[Any, ...], Any, str]:
+    """Which of ``idents`` moved (back) to this very store, their move not committed: a mark
+    here proposing an epoch above this store's. They are not gone: one that carries a world
+    formed elsewhere may be all that is left of it, and a world formed here without it would
+    leave it blocking every later round (sim seed 8320). "" when none."""
+    if not (yield ("check", [keys.moving])):
+        return ""
+    marks = bytes((yield ("get", keys.moving, None)))
+    epoch = int((yield ("add", keys.epoch, 0)))
+    here = set()
+    for mark in marks.split(b";"):
+        proposed, _, ident = mark.partition(b"|")
+        if proposed.isdigit() and int(proposed) > epoch:
+            here.add(ident.decode("utf-8", "replace"))
+    back = [x for x in idents if x in here]
+    return f"{back} moved back here, their move not committed" if back else ""
 
 
 WAY_OUT = ("This is the majority rule of --rdzv-endpoint with several candidates: it keeps a "
