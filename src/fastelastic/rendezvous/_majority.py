@@ -32,8 +32,10 @@ behaviour: any survivors at or above ``min_nodes`` go on).
 **A majority lost at once** (a rack): where ``W`` formed, members whose connection closed here
 without the word ``moved`` (:func:`proof_candidates`) are proven gone, and count as gone for
 good, when every other candidate answers and has no mark of them (``moving``), or refuses the
-connection (nothing listens there). A timeout or no route blocks the proof: a cut or powered-off
-host may hold a majority behind it. Then the objection names the rule and the way out.
+connection (nothing listens there), and no mark here proposing an epoch above this store's
+says one of them moved back (:func:`_back_here`). A timeout or no route blocks the proof: a cut
+or powered-off host may hold a majority behind it. Then the objection names the rule and the
+way out.
 """
 
 from __future__ import annotations
