@@ -167,6 +167,7 @@ def test_random_schedules_time_boxed() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # 10,000 schedules: about 7 minutes on an idle core
 @pytest.mark.skipif(not os.environ.get("FASTELASTIC_PROP_SCHEDULES"),
                     reason="the slow property run: set FASTELASTIC_PROP_SCHEDULES (e.g. 10000)")
 def test_random_schedules_slow() -> None:
