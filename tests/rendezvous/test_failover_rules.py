@@ -11,7 +11,7 @@ from datetime import timedelta
 
 import pytest
 
-from fastelastic.errors import RendezvousConnectionError
+from fastelastic.errors import RendezvousConnectionError, RendezvousTimeoutError
 from fastelastic.rendezvous import RendezvousParameters
 from fastelastic.rendezvous._failover import Candidates, GoBack, Live, Regroup
 from fastelastic.rendezvous.fast_rendezvous import create_fast_handler
@@ -72,6 +72,30 @@ def test_a_node_with_no_world_that_loses_its_store_follows_only_a_committed_move
         for x in (h, h2):
             if x is not None:
                 x._close_owned(linger=False)
+        s1.shutdown_server()
+
+
+@pytest.mark.timeout(30)
+def test_a_node_with_no_world_whose_store_never_comes_back_gets_the_rule_at_its_join_timeout():
+    """The liveness cost of finding A's rule, said: the first store lost for good before any
+    world formed. The node waits (nothing is written elsewhere) and its join timeout's error
+    names the rule and the way out, instead of forming a world on the next candidate."""
+    s0, s1 = _store(), _store()
+    h = None
+    try:
+        params = _params([s0.port, s1.port])
+        params.config["join_timeout"] = 3
+        h = create_fast_handler(params)
+        s0.shutdown_server()
+        t0 = time.monotonic()
+        with pytest.raises(RendezvousTimeoutError, match="belongs to no world") as e:
+            h.next_rendezvous()
+        assert "did not complete within 3 seconds" in str(e.value), e.value
+        assert "restart the job" in str(e.value) and time.monotonic() - t0 < 10
+        assert not s1.check([K + "moving"]) and not s1.check([K + "0/t"])
+    finally:
+        if h is not None:
+            h._close_owned(linger=False)
         s1.shutdown_server()
 
 

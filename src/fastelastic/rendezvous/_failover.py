@@ -96,11 +96,11 @@ class Regroup(RendezvousConnectionError):
 
 
 NO_WORLD_RULE = (
-    "a node that belongs to no world (it lost the store during its first join) does not move "
-    "the rendezvous: it cannot know whether a world formed there with it or without it, and "
-    "a world it formed elsewhere could train beside that one. It follows only a committed "
-    "move (a candidate with a higher epoch), or waits for the store it was on. Bring that "
-    "store (or its link) back, or restart the job")
+    "a node that belongs to no world (starting, or cut from the store during its first "
+    "join) does not move the rendezvous: it cannot know whether a world formed there with it "
+    "or without it, and a world it formed elsewhere could train beside that one. It follows "
+    "only a committed move (a candidate with a higher epoch), or waits for the store it was "
+    "on. Bring that store (or its link) back, or restart the job.")
 
 
 class Candidates:
@@ -164,12 +164,14 @@ class Candidates:
                 break
             for _, _, c in found:  # at a start, only empty standbys: the first may be coming
                 c.close()
+            if time.monotonic() >= deadline and found:  # a start: only empty standbys
+                raise RendezvousConnectionError(
+                    f"The first rendezvous store candidate did not answer within the read "
+                    f"timeout ({'; '.join(errors)}), and no other holds a committed epoch: "
+                    f"{NO_WORLD_RULE}")
             if time.monotonic() >= deadline:
                 raise RendezvousConnectionError(
-                    "No rendezvous store candidate could be reached: " + "; ".join(errors)
-                    + ("" if exclude >= 0 or not found else
-                       f"; the first, {self.name(0)}, did not answer, and no other holds a "
-                       f"committed epoch: {NO_WORLD_RULE}"))
+                    "No rendezvous store candidate could be reached: " + "; ".join(errors))
             time.sleep(0.2)
         else:
             raise RendezvousConnectionError("No rendezvous store candidate could be reached")

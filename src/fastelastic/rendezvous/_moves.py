@@ -119,7 +119,7 @@ class Moves:
             except RendezvousTimeoutError as e:
                 raise RendezvousTimeoutError(
                     f"The rendezvous '{self._run_id}' did not complete within "
-                    f"{self._timeout.join.total_seconds():g} seconds: {e} (first: {why})") from e
+                    f"{self._timeout.join.total_seconds():g} seconds ({why}): {e}") from e
             self._switch(client, live)
             self._m.moved()
             log.warning("rendezvous %s: the store at %s (lost while this node belonged to no "
