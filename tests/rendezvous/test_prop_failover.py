@@ -290,3 +290,18 @@ def test_the_proof_does_not_take_a_member_moved_back_here_for_gone() -> None:
     s = Schedule(-9, 5, 3, 1.0, [(23.53, "freeze", 0, -1, 53.53), (35.85, "kill", 4, -1, 0.0),
                                  (36.24, "term", 3, -1, 0.0), (52.38, "kill", 1, -1, 0.0)], 62.5)
     assert check(s) == "", str(s)
+
+
+def test_a_mover_back_where_its_world_formed_forgets_the_successor_s_last_round() -> None:
+    """Seed 24681 (a crash of the machine, on main too): 4 nodes, 2 candidates, last call
+    1 s; freezes and cuts move the world between s0 and s1 and back. A mover that came back to
+    the store where its world formed (``Machine.returned``) kept the last complete round it
+    had seen on the other store (round 2 there, a world of 4), so its drain here read the
+    ``who`` entries of this store's round 2, a world of 3: the fourth is missing (failed
+    before: the simulated store's multi_get of a missing key; the drain would also have
+    waited for members that are not this round's). ``returned`` now drops the other store's
+    round state, as ``moved`` does."""
+    s = Schedule(-10, 4, 2, 1.0, [(19.43, "freeze", 3, -1, 27.43), (40.39, "freeze", 0, -1, 48.39),
+                                  (64.61, "cut", 3, 1, 79.61), (78.4, "freeze", 2, -1, 86.4),
+                                  (80.68, "cut", 2, 1, 120.68)], 130.61)
+    assert check(s) == "", str(s)

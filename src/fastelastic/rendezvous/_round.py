@@ -159,6 +159,7 @@ class Machine:
         self.member, self.home = self.home, None
         self.carried = self.proposed = 0
         self.no_quorum, self.objected = False, ""
+        self.watch = self.prev_watch = self.last_seen = None  # the successor's, not this store's
         return True
 
     @property
