@@ -253,12 +253,12 @@ class MultiSim(Sim):
 
     def _connect(self, node: MNode, exclude: int = -1,
                  at_least: int = 0) -> Generator[Any, Any, tuple[int, int, int]]:
-        deadline = self.clock.t + START_PATIENCE
-        for _ in range(10_000):  # as Candidates.connect: a start never proposes an epoch
+        start, deadline = self.clock.t, self.clock.t + START_PATIENCE
+        for _ in range(100_000):  # as Candidates.connect: a start never proposes an epoch
             found = yield from self._probe(node, exclude)
             if found and (exclude >= 0 or found[0][0] != 0 or found[0][1] == 0):
                 break
-            if self.clock.t >= deadline:
+            if self.clock.t >= deadline and (not found or self.clock.t >= start + self.cfg.join):
                 raise RendezvousConnectionError("no candidate could be reached")
             yield ("sleep", 0.2)
         else:

@@ -116,6 +116,7 @@ class Candidates:
         self.endpoints = endpoints
         self.read_timeout = read_timeout
         self.token = token
+        self.start_wait = 0.0  # a start waits this long (the join timeout) for a committed epoch
         self.standby: Any = None  # the store this node hosts, if it owns a candidate
         self.standby_index = -1
         if is_host is not False:
@@ -148,7 +149,9 @@ class Candidates:
         with the first round there that passes the majority rule (``_round.Machine._publish``).
 
         At a node's start (``exclude`` -1) the first candidate is waited for up to the read
-        timeout, as a single endpoint is; a store that moved (epoch above 0) is taken at once.
+        timeout, as a single endpoint is; a store that moved (epoch above 0) is taken at once;
+        while other candidates answer, empty (the rendezvous may be moving), up to
+        ``start_wait`` (the join timeout).
         A starting node carries no world, so it never starts the rendezvous on another
         candidate (``NO_WORLD_RULE``): cut from the first alone, it would form a world of its
         own there while the others form one on the first.
@@ -157,19 +160,23 @@ class Candidates:
             RendezvousConnectionError: No candidate answered within the read timeout (at a
                 start: the first did not, and no other holds a committed epoch).
         """
-        deadline = time.monotonic() + self.read_timeout.total_seconds()
-        for _ in range(100_000):  # bounded by the deadline; each pass probes every candidate
+        start = time.monotonic()
+        deadline = start + self.read_timeout.total_seconds()
+        for _ in range(1_000_000):  # bounded by the deadline; each pass probes every candidate
             found, errors = self._probe(exclude)
             if found and (exclude >= 0 or found[0][0] != 0 or found[0][1] == 0):
                 break
             for _, _, c in found:  # at a start, only empty standbys: the first may be coming
                 c.close()
-            if time.monotonic() >= deadline and found:  # a start: only empty standbys
+            # ... or the rendezvous may be moving: a start then waits up to the join timeout
+            if found and time.monotonic() >= start + max(self.start_wait, 0.0) and (
+                    time.monotonic() >= deadline):
                 raise RendezvousConnectionError(
-                    f"The first rendezvous store candidate did not answer within the read "
-                    f"timeout ({'; '.join(errors)}), and no other holds a committed epoch: "
+                    f"The first rendezvous store candidate did not answer within "
+                    f"{max(self.start_wait, self.read_timeout.total_seconds()):g} seconds "
+                    f"({'; '.join(errors)}), and no other holds a committed epoch: "
                     f"{NO_WORLD_RULE}")
-            if time.monotonic() >= deadline:
+            if not found and time.monotonic() >= deadline:
                 raise RendezvousConnectionError(
                     "No rendezvous store candidate could be reached: " + "; ".join(errors))
             time.sleep(0.2)
