@@ -16,11 +16,13 @@ outcome while watching that the deciders are alive.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from fastelastic._waits import Slices
 from fastelastic.errors import (
     RendezvousClosedError,
     RendezvousError,
@@ -45,6 +47,7 @@ Proto = Generator[tuple[Any, ...], Any, T]  # yields a store request, is sent it
 SLICE = 1.0  # seconds: how often a blocked decider re-checks whether the round was decided
 MAX_WALK = 10_000  # bound on rounds walked forward/back
 MAX_WATCHED = 8  # peers whose keep-alive counters a member reads per membership check
+MAX_SPARE_WAITS = 1_000_000  # join timeouts a spare waits behind a running round (years)
 
 
 @dataclass(frozen=True)
@@ -328,22 +331,22 @@ class Machine:
         """
         cfg = self.cfg
         watch = Deciders(cfg, self.clock, k, ticket) if ticket else None
-        while True:
-            remaining = deadline - self.clock()
-            if remaining <= 0:
-                if mine and (yield from self._spare(k.r)):
-                    self.waited_as_spare = True
-                    deadline = self.clock() + cfg.join
-                    continue
-                if mine:  # give up our ticket: nobody may count this node in any more
-                    yield _rq("append", k.outcome, sc.ABANDONED)
-                raise self.timeout_error()
-            step = remaining if watch is None else min(remaining, cfg.window / 4)
-            raw = yield _rq("get", k.outcome, max(step, 0.001))  # one round trip either way
-            if raw is not None:
-                return sc.parse_outcome(bytes(raw)), deadline
-            if watch is not None and (yield from watch.stalled()):
-                yield _rq("compare_set", k.outcome, "", sc.ABANDONED)
+        slices = Slices(deadline, math.inf if watch is None else cfg.window / 4,
+                        clock=self.clock, floor=0.001)
+        for _ in range(MAX_SPARE_WAITS):  # a spare's join timeout starts over while it is one
+            for step in slices:
+                raw = yield _rq("get", k.outcome, step)  # one round trip either way
+                if raw is not None:
+                    return sc.parse_outcome(bytes(raw)), slices.deadline
+                if watch is not None and (yield from watch.stalled()):
+                    yield _rq("compare_set", k.outcome, "", sc.ABANDONED)
+            if not (mine and (yield from self._spare(k.r))):
+                break
+            self.waited_as_spare = True
+            slices.deadline = self.clock() + cfg.join
+        if mine:  # give up our ticket: nobody may count this node in any more
+            yield _rq("append", k.outcome, sc.ABANDONED)
+        raise self.timeout_error()
 
     def _spare(self, r: int) -> Proto[bool]:
         """True while the last round before ``r`` is complete, full and not over: a node
@@ -404,8 +407,8 @@ class Machine:
             return True
         lk = self.keys.round(a.last[0])
         waited = False
-        for _ in range(MAX_WALK * 1000):  # bounded in count; each pass is a SLICE
-            why = yield _rq("get", lk.broken, SLICE)  # wait, and read why (C: closed)
+        for step in Slices(math.inf, SLICE, clock=self.clock, passes=MAX_WALK * 1000):
+            why = yield _rq("get", lk.broken, step)  # wait, and read why (C: closed)
             if why is not None:
                 break
             waited = self.waited_as_spare = True
@@ -438,13 +441,10 @@ class Machine:
         prev = self.prev_watch
         if prev is not None and prev.k.p == lk.p:
             beats.since.update(prev.beats.since)
-        step = max(0.05, min(cfg.window / 4, cfg.ka_interval / 2))
+        every = max(0.05, min(cfg.window / 4, cfg.ka_interval / 2))
         tickets: list[str] | None = None
-        while missing:
-            remaining = a.deadline - self.clock()
-            if remaining <= 0:
-                return E.DECIDED  # the wait for the outcome reports the timeout
-            if (yield _rq("wait", [lk.left(i) for i in missing], min(step, remaining))):
+        for step in Slices(a.deadline, every, clock=self.clock):
+            if (yield _rq("wait", [lk.left(i) for i in missing], step)):
                 break
             if (yield _rq("check", [a.k.outcome])):
                 return E.DECIDED
@@ -461,6 +461,10 @@ class Machine:
                 yield _rq("multi_set", [lk.left(rank), lk.broken], [b"hung", b"1"])
                 gone[rank] = "silent"
             missing = [i for i in missing if i not in gone]
+            if not missing:
+                break
+        else:
+            return E.DECIDED  # the wait for the outcome reports the timeout
         return E.DRAINED
 
     def _publish(self, a: _Attempt) -> Proto[Event]:
@@ -468,22 +472,20 @@ class Machine:
         k, cfg = a.k, self.cfg
         tickets = list(range(1, a.count + 1))
         drop_at = min(a.deadline, self.clock() + cfg.window)
-        while True:
-            remaining = drop_at - self.clock()
-            if remaining <= 0:  # tickets without a record: lost after their add, or strays
-                have = []
-                for i in tickets:
-                    if (yield _rq("check", [k.record(i)])):
-                        have.append(i)
-                log.warning("rendezvous %s round %d: dropping tickets %s (no record within "
-                            "%gs)", cfg.run_id, k.r, sorted(set(tickets) - set(have)),
-                            cfg.window)
-                tickets = have
-                break
-            if (yield _rq("wait", [k.record(i) for i in tickets], min(SLICE, remaining))):
+        for step in Slices(drop_at, SLICE, clock=self.clock):
+            if (yield _rq("wait", [k.record(i) for i in tickets], step)):
                 break
             if (yield _rq("check", [k.outcome])):  # a joiner died before writing its record
                 return E.DONE
+        else:  # tickets without a record: lost after their add, or strays
+            have = []
+            for i in tickets:
+                if (yield _rq("check", [k.record(i)])):
+                    have.append(i)
+            log.warning("rendezvous %s round %d: dropping tickets %s (no record within "
+                        "%gs)", cfg.run_id, k.r, sorted(set(tickets) - set(have)),
+                        cfg.window)
+            tickets = have
         records = [bytes(v) for v in (yield _rq("multi_get", [k.record(i) for i in tickets]))]
         why = yield from _majority.objection(records, a.last, cfg.can_move, self.keys)
         if why or len(tickets) < cfg.min_nodes:

@@ -16,6 +16,7 @@ import time
 from collections.abc import Generator, Iterator
 from typing import Any, TypeVar
 
+from fastelastic._waits import Slices
 from fastelastic.errors import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -503,16 +504,13 @@ class FastRendezvousHandler(RendezvousHandler):
             RendezvousMemberLostError: a member of this node's round was lost.
             RendezvousTimeoutError: ``deadline`` (monotonic) passed.
         """
-        slice_s = max(0.05, min(self._ka_interval, 1.0))
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise RendezvousTimeoutError(f"timed out waiting for {keys[:3]} of other members")
-            if ops.wait(store, keys, min(slice_s, remaining)):
+        for step in Slices(deadline, max(0.05, min(self._ka_interval, 1.0))):
+            if ops.wait(store, keys, step):
                 return
             lost = self.lost_members()
             if lost:
                 raise RendezvousMemberLostError(lost)
+        raise RendezvousTimeoutError(f"timed out waiting for {keys[:3]} of other members")
 
     def shutdown(self) -> bool:
         """See base class: stops keep-alives and closes the rendezvous.
@@ -586,9 +584,10 @@ class FastRendezvousHandler(RendezvousHandler):
             return
         own = 1 + (self._side is not None and self._side is not self._store)
         bound = _LINGER_S if waiters else _MEMBERS_LINGER_S
-        until = time.monotonic() + min(bound, self._timeout.close.total_seconds())
-        while server.num_connections > own and time.monotonic() < until:
-            time.sleep(0.01)  # bounded: the server has no "connections dropped to N" event
+        for _ in Slices(time.monotonic() + min(bound, self._timeout.close.total_seconds())):
+            if server.num_connections <= own:
+                break
+            time.sleep(0.01)  # polled: the server has no "connections dropped to N" event
 
     # ------------------------------------------------------------------ workers' store
 
