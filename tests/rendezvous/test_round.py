@@ -396,3 +396,15 @@ def test_a_blocked_proof_names_the_rule_and_the_way_out():
     assert "did not complete within 600 seconds: ranks [1, 2, 3] of round 0" in err, err
     assert "a candidate did not answer" in err and "majority rule" in err, err
     assert "restart the job with the nodes that are left" in err, err
+
+
+def test_the_simulated_stores_reject_a_request_that_is_not_a_typed_op():
+    from multisim import MultiSim
+
+    def legacy():
+        yield ("add", "k", 1)  # the tuples of before the typed requests
+
+    for sim in (Sim(1, 1), MultiSim(1, 1, 2)):
+        node = sim.start()
+        with pytest.raises(TypeError, match=r"not a rendezvous store request: \('add'"):
+            sim.call(node, legacy())

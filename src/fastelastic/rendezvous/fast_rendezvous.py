@@ -13,7 +13,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Iterator
 from typing import Any, TypeVar
 
 from fastelastic._waits import Slices
@@ -28,6 +28,7 @@ from fastelastic.errors import (
 )
 from fastelastic.events import NodeState, construct_and_record_rdzv_event
 
+from . import _requests as rq
 from . import _store_ops as ops
 from ._failover import Candidates, GoBack, Live, parse_candidates
 from ._liveness import BEATER
@@ -149,7 +150,7 @@ class FastRendezvousHandler(RendezvousHandler):
 
     # ------------------------------------------------------------------ running the protocol
 
-    def _run(self, gen: Generator[tuple[Any, ...], Any, T], store: Any) -> T:
+    def _run(self, gen: rq.Proto[T], store: Any) -> T:
         """Runs one of the machine's operations on ``store``: sends each request, feeds the
         reply back. A connection failure ends it as ``RendezvousConnectionError``."""
         reply: Any = None
@@ -166,29 +167,24 @@ class FastRendezvousHandler(RendezvousHandler):
         finally:
             gen.close()
 
-    def _do(self, store: Any, op: tuple[Any, ...]) -> Any:
-        name = op[0]
-        if name == "get":
-            return ops.get(store, op[1], op[2], self._slice)
-        if name == "wait":
-            return ops.wait(store, op[1], op[2], self._slice)
-        if name == "beat":
-            BEATER.add(self, op[1])
-            return None
-        if name == "stop_beats":
-            BEATER.remove(self)
-            return None
-        if name == "on_disconnect":
-            ops.on_disconnect(store, op[1], op[2])
-            return None
-        if name == "gone_elsewhere":  # the proof of _majority (only when the rendezvous can move)
-            assert self._candidates is not None
-            return self._candidates.gone_elsewhere(self._live.index, op[1])
-        if name == "moved_elsewhere":  # one endpoint: nowhere else to be
-            if self._candidates is not None:
-                self._candidates.check(self._live)
-            return None
-        return getattr(store, name)(*op[1:])
+    def _do(self, store: Any, op: rq.Op) -> Any:
+        """One request of the machine on ``store``; its reply (see :mod:`._requests`)."""
+        match op:
+            case rq.Beat(key):
+                BEATER.add(self, key)
+                return None
+            case rq.StopBeats():
+                BEATER.remove(self)
+                return None
+            case rq.GoneElsewhere(idents):  # the proof of _majority (only when it can move)
+                assert self._candidates is not None
+                return self._candidates.gone_elsewhere(self._live.index, idents)
+            case rq.MovedElsewhere():  # one endpoint: nowhere else to be
+                if self._candidates is not None:
+                    self._candidates.check(self._live)
+                return None
+            case _:  # the store's own requests (an unknown one is a TypeError)
+                return ops.apply(store, op, self._slice)
 
     @contextlib.contextmanager
     def _conn(self) -> Iterator[Any]:
@@ -226,11 +222,11 @@ class FastRendezvousHandler(RendezvousHandler):
             with contextlib.suppress(Exception):
                 side.close()
 
-    def _side_call(self, gen: Generator[tuple[Any, ...], Any, T]) -> T:
+    def _side_call(self, gen: rq.Proto[T]) -> T:
         with self._conn() as store:
             return self._run(gen, store)
 
-    def _watchful(self, gen: Generator[tuple[Any, ...], Any, T]) -> T:
+    def _watchful(self, gen: rq.Proto[T]) -> T:
         """``_side_call`` for a membership check with several candidates: a store that does
         not answer within the detection window is as lost as one whose connection closed."""
         assert self._candidates is not None
@@ -619,8 +615,8 @@ class FastRendezvousHandler(RendezvousHandler):
         BEATER.remove(self)
 
 
-def _check(key: str) -> Generator[tuple[Any, ...], Any, bool]:
-    return bool((yield ("check", [key])))
+def _check(key: str) -> rq.Proto[bool]:
+    return bool((yield rq.Check([key])))
 
 
 def _prefix_store(prefix: str, store: Any) -> Any:
