@@ -50,7 +50,7 @@ from ._requests import (
     StopBeats,
     Wait,
 )
-from ._schema import Seat
+from ._schema import Kind, Seat
 
 __all__ = ["Config", "Event", "Machine", "Phase", "Seat", "transition"]
 
@@ -98,7 +98,7 @@ class _Attempt:
     ticket: int = 0
     count: int = 0
     last: tuple[int, int] | None = None  # the last complete round: (round, world)
-    res: sc.Outcome = sc.Outcome("")
+    res: sc.Outcome | None = None  # the round's outcome, once awaited
     seat: Seat | None = None
 
 
@@ -301,7 +301,7 @@ class Machine:
         a.res, a.deadline = yield from self._wait_outcome(a.k, a.deadline, mine=True,
                                                           ticket=a.ticket)
         kind = a.res.kind
-        if kind == "D":
+        if kind is Kind.ABANDONED:
             self.no_quorum |= a.res.no_quorum
             if a.res.no_quorum:  # not before the last call: a full round would spin
                 self.objected = a.res.why or self.objected
@@ -311,18 +311,20 @@ class Machine:
                           max(0.001, min(self.cfg.last_call, a.deadline - self.clock())))
             log.info("rendezvous %s round %d abandoned; re-joining", self.cfg.run_id, a.k.r)
             return E.ABANDONED
-        return E.COMPLETE if kind == "M" else E.CLOSED
+        return E.COMPLETE if kind is Kind.COMPLETE else E.CLOSED
 
     def _seat(self, a: _Attempt) -> Proto[Event]:
-        world = a.res.world
-        if a.res.identity:  # the fast path: no request
+        res = a.res
+        assert res is not None  # _await set it
+        world = res.world
+        if res.identity:  # the fast path: no request
             rank = a.ticket - 1 if a.ticket <= world else -1
             peers = [b"%d" % ((rank + i) % world + 1) for i in range(1, _watched(world) + 1)]
         else:
             rank, peers = sc.parse_seat(bytes((yield Get(a.k.seat(a.ticket), None))))
         if rank < 0:  # not admitted (round full, or our record came too late)
             return E.NOT_ADMITTED
-        a.seat = Seat(a.k.r, rank, world, peers, a.res.wstore)
+        a.seat = Seat(a.k.r, rank, world, peers, res.wstore)
         return E.ADMITTED
 
     # ------------------------------------------------------------------ deciding
@@ -380,10 +382,10 @@ class Machine:
                 res = sc.parse_outcome(bytes(raw))
             else:
                 res, _ = yield from self._wait_outcome(k, deadline, mine=False)
-            if res.kind == "M":
+            if res.kind is Kind.COMPLETE:
                 self.last_seen = (q, res.world)
                 return self.last_seen
-            if res.kind == "C":
+            if res.kind is Kind.CLOSED:
                 raise self.closed_error()
         return None
 
@@ -426,7 +428,7 @@ class Machine:
             # The job ended (closed, or a member finished its work): spares go home before
             # the job's store does.
             gone = sc.parse_gone(bytes((yield Get(lk.gone, None))))
-            if b"C" in bytes(why) or "done" in gone.values():
+            if sc.BROKEN_CLOSED in bytes(why) or "done" in gone.values():
                 raise self.closed_error()
             a.deadline = self.clock() + self.cfg.join
         return True
@@ -587,7 +589,7 @@ class Machine:
         for r in sorted(rounds):
             yield Append(self.keys.round(r).outcome, sc.CLOSED)
         if self.member is not None:  # wakes the spares waiting behind our round at once
-            yield Append(self.keys.round(self.member[0]).broken, b"C")
+            yield Append(self.keys.round(self.member[0]).broken, sc.BROKEN_CLOSED)
 
     def has_waiters(self) -> Proto[bool]:
         """True when nodes wait for the round after this node's (spares, at shutdown)."""
