@@ -151,7 +151,6 @@ class MultiSim(Sim):
         self._seg_end(node)
         node.training = None
         self._stop(node)
-        node.m.leaving = True
         if node.store >= 0 and self.link(node, node.store) == "ok":
             self.data = self.stores[node.store]
             self.call(node, node.m.leave(for_good=True))

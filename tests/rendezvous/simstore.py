@@ -96,9 +96,7 @@ class Sim:
         ``proposed``: the epoch it proposes here (its move is committed by a round here)."""
         node = Node(len(self.nodes), Machine(self.cfg, self.clock), node_rank)
         if moved_from or proposed:
-            if moved_from:
-                node.m.member = (0, node_rank, moved_from)
-            node.m.moved(proposed)
+            node.m.moved(proposed, (0, node_rank, moved_from) if moved_from else None)
         self.nodes.append(node)
         self.at(t, lambda: self._launch(node))
         return node
@@ -134,7 +132,6 @@ class Sim:
     def quit(self, node: Node) -> None:
         """SIGTERM: the agent stops and tells its round it leaves for good (its ``leave()``)."""
         self._stop(node)
-        node.m.leaving = True
         self.call(node, node.m.leave(for_good=True))
 
     def call(self, node: Node, gen: rq.Proto[Any]) -> Any:

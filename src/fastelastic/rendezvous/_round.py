@@ -136,11 +136,16 @@ class Machine:
         }
         self._identity = (-1, "", 0, b"")
 
-    def moved(self, proposed: int = 0) -> None:
+    def moved(self, proposed: int = 0,
+              member: tuple[int, int, int] | None = None) -> None:
         """The rendezvous moved to a successor store (its host was lost): rounds start over
         there. This node's world comes along: the first round there needs a majority of it
         (:mod:`._majority`) and is sealed once all of it but the lost host is back. That round
-        commits ``proposed`` as the store's epoch (in the record: any publisher commits it)."""
+        commits ``proposed`` as the store's epoch (in the record: any publisher commits it).
+        ``member``: (round, rank, world) it had on the lost store, when not the last round it
+        joined through this machine (a node the tests start as a mover)."""
+        if member is not None:
+            self.member = member
         if self.member is not None:
             self.carried = self.member[2]
             self._identity = (self.member[1], *self._identity[1:])
@@ -554,11 +559,12 @@ class Machine:
         return v
 
     def leave(self, for_good: bool = False) -> Proto[None]:
-        """Tells the members of this node's last round that it left, if it is leaving:
-        ``left/<rank>`` (what the next round's coordinator waits for), ``broken`` (a next
-        round may form) and ``<rank>:left;`` in ``gone`` (``quit`` when ``for_good``: it is
-        nowhere else; the others restart at their next membership check). Fire-and-forget."""
-        if self.member is None or not self.leaving:
+        """Tells the members of this node's last round that it left, if it is leaving (a
+        re-join whose ticket is counted) or ``for_good``: ``left/<rank>`` (what the next
+        round's coordinator waits for), ``broken`` (a next round may form) and ``<rank>:left;``
+        in ``gone`` (``quit`` when ``for_good``: it is nowhere else; the others restart at
+        their next membership check). Fire-and-forget."""
+        if self.member is None or not (self.leaving or for_good):
             return
         self.leaving = False
         q, rank, _ = self.member

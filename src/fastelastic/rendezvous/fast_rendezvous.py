@@ -475,7 +475,6 @@ class FastRendezvousHandler(RendezvousHandler):
         self._stop_heartbeats()
         if self._m.member is None:
             return
-        self._m.leaving = True
         try:
             self._run(self._m.leave(for_good=True), self._store)
             return
@@ -486,7 +485,6 @@ class FastRendezvousHandler(RendezvousHandler):
         # own, made within a short bound (a lost host must not hold up the shutdown).
         try:
             with ops.fresh(self._store, min(self._window, _LEAVE_CONNECT_S)) as conn:
-                self._m.leaving = True
                 self._run(self._m.leave(for_good=True), conn)
                 conn.check([self._m.keys.closed])  # a round trip: the writes are in
         except (RendezvousConnectionError, StoreError, OSError, AttributeError) as e:
