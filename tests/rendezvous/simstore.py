@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 from fastelastic.errors import RendezvousConnectionError, RendezvousError
 from fastelastic.rendezvous import _requests as rq
 from fastelastic.rendezvous._round import Config, Machine, Seat
+from fastelastic.rendezvous._schema import Membership
 
 MAX_STEPS = 2_000_000
 LOCAL = ("beat", "stop_beats", "sleep", "moved_elsewhere", "gone_elsewhere")  # not the store
@@ -96,7 +97,7 @@ class Sim:
         ``proposed``: the epoch it proposes here (its move is committed by a round here)."""
         node = Node(len(self.nodes), Machine(self.cfg, self.clock), node_rank)
         if moved_from or proposed:
-            node.m.moved(proposed, (0, node_rank, moved_from) if moved_from else None)
+            node.m.moved(proposed, Membership(0, node_rank, moved_from) if moved_from else None)
         self.nodes.append(node)
         self.at(t, lambda: self._launch(node))
         return node

@@ -614,7 +614,7 @@ def test_a_signal_during_a_rendezvous_wait_still_announces_the_leave(server, nod
     nodes.start(1, lambda i: b.next_rendezvous())
     nodes.join(30)
     assert not nodes.errors
-    rank = a._m.member[1]
+    rank = a._m.member.rank
 
     def term(signum, frame):
         raise _Term()

@@ -50,7 +50,7 @@ from ._requests import (
     StopBeats,
     Wait,
 )
-from ._schema import Kind, Seat
+from ._schema import Kind, Membership, Seat
 
 __all__ = ["Config", "Event", "Machine", "Phase", "Seat", "transition"]
 
@@ -115,7 +115,7 @@ class Machine:
         self.cfg = cfg
         self.clock = clock
         self.keys = sc.Keys(cfg.run_id)
-        self.member: tuple[int, int, int] | None = None  # (round, rank, world)
+        self.member: Membership | None = None  # of the last round it joined here
         self.watch: Watch | None = None
         self.prev_watch: Watch | None = None  # the last round's, for the drain
         self.last_seen: tuple[int, int] | None = None  # see _last_complete
@@ -127,7 +127,7 @@ class Machine:
         self.proposed = 0  # the epoch this node proposes here after a move (see moved)
         self.no_quorum = False  # a round here failed the majority rule: no early seal now
         self.objected = ""  # why the last round this node waited for failed that rule
-        self.home: tuple[int, int, int] | None = None  # its world before it moved (returned)
+        self.home: Membership | None = None  # its world before it moved (returned)
         self._phases: dict[Phase, Callable[[_Attempt], Proto[Event]]] = {
             P.TICKET: self._ticket, P.RECORD: self._record, P.PUBLISH_GATE: self._full_gate,
             P.COORD_GATE: self._gate, P.DRAIN: self._drain, P.LAST_CALL: self._last_call,
@@ -137,12 +137,12 @@ class Machine:
         self._identity = (-1, "", 0, b"")
 
     def moved(self, proposed: int = 0,
-              member: tuple[int, int, int] | None = None) -> None:
+              member: Membership | None = None) -> None:
         """The rendezvous moved to a successor store (its host was lost): rounds start over
         there. This node's world comes along: the first round there needs a majority of it
         (:mod:`._majority`) and is sealed once all of it but the lost host is back. That round
         commits ``proposed`` as the store's epoch (in the record: any publisher commits it).
-        ``member``: (round, rank, world) it had on the lost store, when not the last round it
+        ``member``: its membership on the lost store, when not the last round it
         joined through this machine (a node the tests start as a mover)."""
         if member is not None:
             self.member = member
@@ -198,7 +198,7 @@ class Machine:
         # No ``closed`` check (a round trip): ``set_closed`` marks C in every round a node can
         # join next, so a node joining a closed rendezvous learns it from the round's outcome.
         if self.member is not None:
-            r = self.member[0] + 1
+            r = self.member.round + 1
             self.leaving = True
         else:
             r = int((yield Add(self.keys.open, 0)))
@@ -209,7 +209,8 @@ class Machine:
             seat = yield from self._attempt(a)
             deadline = a.deadline  # a spare's join timeout starts when its round is over
             if seat is not None:
-                self.member, self.carried, self.proposed = (r, seat.rank, seat.world), 0, 0
+                self.member = Membership(r, seat.rank, seat.world)
+                self.carried = self.proposed = 0
                 self.home = None
                 self.no_quorum, self.objected = False, ""
                 k = a.k
@@ -260,7 +261,8 @@ class Machine:
         if cfg.hooks:  # our death abandons the round while it forms
             yield AppendOnDisconnect(k.outcome, sc.ABANDONED)
         node_rank, addr, pid, wstore = self._identity
-        member_of, pref = self.member[:2] if self.member is not None else (-1, node_rank)
+        member_of, pref = (-1, node_rank) if self.member is None else (
+            self.member.round, self.member.rank)
         # The record; a placeholder for our seat, which the publisher overwrites before it
         # decides res; and the keep-alive counter, bumped from the ticket on.
         rec = sc.encode_record(pref, addr, pid, wstore, self.quorum, member_of, self.proposed)
@@ -591,17 +593,17 @@ class Machine:
         cur = int((yield Add(self.keys.open, 0)))
         rounds = {cur, cur + 1}
         if self.member is not None:
-            rounds.add(self.member[0] + 1)
+            rounds.add(self.member.round + 1)
         for r in sorted(rounds):
             yield Append(self.keys.round(r).outcome, sc.CLOSED)
         if self.member is not None:  # wakes the spares waiting behind our round at once
-            yield Append(self.keys.round(self.member[0]).broken, sc.BROKEN_CLOSED)
+            yield Append(self.keys.round(self.member.round).broken, sc.BROKEN_CLOSED)
 
     def has_waiters(self) -> Proto[bool]:
         """True when nodes wait for the round after this node's (spares, at shutdown)."""
         if self.member is None:
             return False
-        return bool(int((yield Add(self.keys.round(self.member[0] + 1).tickets, 0))))
+        return bool(int((yield Add(self.keys.round(self.member.round + 1).tickets, 0))))
 
     def closed_error(self) -> RendezvousError:
         """Closed: a spare (waiting behind a full round) exits gracefully, as torch's does."""

@@ -180,6 +180,14 @@ class Seat:
     wstore: bytes  # rank 0's workers' store address (b"" if not in the outcome)
 
 
+class Membership(NamedTuple):
+    """A node's membership of a complete round, a value replaced as a whole."""
+
+    round: int
+    rank: int
+    world: int
+
+
 def encode_seat(rank: int, peers: list[int]) -> bytes:
     return b"%d|%s" % (rank, b",".join(b"%d" % t for t in peers))
 

@@ -33,7 +33,7 @@ from . import _store_ops as ops
 from ._failover import Candidates, GoBack, Live, parse_candidates
 from ._liveness import BEATER
 from ._round import Config, Machine
-from ._schema import assign_ranks
+from ._schema import Membership, assign_ranks
 from ._store_hosting import host_store, token_from
 from ._worker_store import WorkerStoreHost
 from .api import (
@@ -251,7 +251,7 @@ class FastRendezvousHandler(RendezvousHandler):
         return self._store
 
     @property
-    def _member(self) -> tuple[int, int, int] | None:
+    def _member(self) -> Membership | None:
         return self._m.member
 
     @property
@@ -259,7 +259,7 @@ class FastRendezvousHandler(RendezvousHandler):
         """Key prefix of the store returned by the last :py:meth:`next_rendezvous` (per round)."""
         if self._m.member is None:
             return None
-        return f"torch.rendezvous.{self._run_id}.{self._m.member[0]}"
+        return f"torch.rendezvous.{self._run_id}.{self._m.member.round}"
 
     def next_rendezvous(self) -> RendezvousInfo:
         """See base class."""
@@ -286,7 +286,7 @@ class FastRendezvousHandler(RendezvousHandler):
             finally:
                 self._owner = None
         member = self._m.member
-        self._record(f"joined round {member[0] if member else -1} as rank "
+        self._record(f"joined round {member.round if member else -1} as rank "
                      f"{info.rank} of {info.world_size}", NodeState.SUCCEEDED, info.rank)
         return info
 
