@@ -216,7 +216,7 @@ class Machine:
                 k = a.k
                 if self.cfg.hooks:  # our death: we left, the round is over, and why
                     yield OnDisconnect([k.left(seat.rank), k.broken, k.gone],
-                              [b"1", b"1", b"%d:closed;" % seat.rank])
+                                       [b"1", b"1", b"%d:closed;" % seat.rank])
                 self.watch = Watch(k, seat.rank, seat.world, seat.peers, self.cfg.window,
                                    self.cfg.ka_interval / 2)
                 return seat
@@ -315,7 +315,7 @@ class Machine:
                 if self.cfg.can_move:  # did the majority move (on)? (raises if so)
                     yield MovedElsewhere()
                 yield Wait([self.keys.round(a.k.r + 1).outcome],
-                          max(0.001, min(self.cfg.last_call, a.deadline - self.clock())))
+                           max(0.001, min(self.cfg.last_call, a.deadline - self.clock())))
             log.info("rendezvous %s round %d abandoned; re-joining", self.cfg.run_id, a.k.r)
             return E.ABANDONED
         return E.COMPLETE if kind is Kind.COMPLETE else E.CLOSED
@@ -507,7 +507,7 @@ class Machine:
             log.warning("rendezvous %s round %d: %d nodes (%s); abandoning the round",
                         cfg.run_id, k.r, len(tickets), why or f"min_nodes is {cfg.min_nodes}")
             yield CompareSet(k.outcome, "",
-                      sc.encode_no_quorum(why) if why else sc.ABANDONED)
+                             sc.encode_no_quorum(why) if why else sc.ABANDONED)
             return E.DONE
         world = len(tickets)
         ranks = sc.assign_ranks([sc.record_pref(raw) for raw in records], world)
