@@ -158,11 +158,11 @@ class MultiSim(Sim):
 
     def _apply(self, node: Node, op: Any) -> tuple[str, Any]:
         assert isinstance(node, MNode)
-        match op:
-            case rq.Beat() | rq.StopBeats() | Sleep():
-                return super()._apply(node, op)
+        match op:  # the most frequent first (a match tries its cases in order)
             case At() | Peek():
                 pass
+            case Sleep() | rq.Beat() | rq.StopBeats():
+                return super()._apply(node, op)
             case _:  # ``call``: a machine request on the node's store
                 op = At(node.store, op)
         i = op.store

@@ -239,42 +239,30 @@ class Sim:
     def _apply(self, node: Node, op: Any) -> tuple[str, Any]:
         d, now = self.data, self.clock.t
         node.requests[getattr(op, "name", "?")] += 1
-        match op:
+        match op:  # the most frequent first (a match tries its cases in order)
+            case rq.Get(key, timeout):
+                return "block", ("get", [key], now + (300.0 if timeout is None else timeout))
             case rq.Add(key, amount):
                 if amount:
                     self.writes.append((now, op.name, [key]))
                 v = int(d.get(key, b"0")) + amount
                 d[key] = b"%d" % v
                 return "now", v
-            case rq.Set(key, value):
-                self.writes.append((now, op.name, [key]))
-                d[key] = bytes(value)
-                return "now", None
-            case rq.Append(key, value):
-                self.writes.append((now, op.name, [key]))
-                d[key] = d.get(key, b"") + bytes(value)
-                return "now", None
+            case rq.MultiGet(keys):
+                missing = [k for k in keys if k not in d]
+                assert not missing, f"multi_get of missing keys {missing[:3]}"
+                return "now", [d[k] for k in keys]
+            case Sleep(seconds):
+                return "block", ("sleep", [], now + seconds)
+            case rq.Wait(keys, timeout):
+                return "block", ("wait", list(keys), now + timeout)
             case rq.MultiSet(keys, values):
                 self.writes.append((now, op.name, list(keys)))
                 for k, v in zip(keys, values, strict=True):
                     d[k] = bytes(v)
                 return "now", None
-            case rq.MultiGet(keys):
-                missing = [k for k in keys if k not in d]
-                assert not missing, f"multi_get of missing keys {missing[:3]}"
-                return "now", [d[k] for k in keys]
-            case rq.Check(keys):
-                return "now", all(k in d for k in keys)
-            case rq.CompareSet(key, expected, desired):
-                cur = d.get(key)
-                if (cur is None and expected == "") or cur == expected:
-                    d[key] = bytes(desired)
-                return "now", d[key]
             case rq.AppendOnDisconnect(key, value):
                 node.on_disconnect.append((key, bytes(value)))
-                return "now", None
-            case rq.OnDisconnect(keys, values):
-                node.on_disconnect += [(k, bytes(v)) for k, v in zip(keys, values, strict=True)]
                 return "now", None
             case rq.Beat(key):
                 node.beat_key, node.next_beat = key, now + self.cfg.ka_interval
@@ -282,12 +270,24 @@ class Sim:
             case rq.StopBeats():
                 node.beat_key = None
                 return "now", None
-            case rq.Get(key, timeout):
-                return "block", ("get", [key], now + (300.0 if timeout is None else timeout))
-            case rq.Wait(keys, timeout):
-                return "block", ("wait", list(keys), now + timeout)
-            case Sleep(seconds):
-                return "block", ("sleep", [], now + seconds)
+            case rq.CompareSet(key, expected, desired):
+                cur = d.get(key)
+                if (cur is None and expected == "") or cur == expected:
+                    d[key] = bytes(desired)
+                return "now", d[key]
+            case rq.OnDisconnect(keys, values):
+                node.on_disconnect += [(k, bytes(v)) for k, v in zip(keys, values, strict=True)]
+                return "now", None
+            case rq.Append(key, value):
+                self.writes.append((now, op.name, [key]))
+                d[key] = d.get(key, b"") + bytes(value)
+                return "now", None
+            case rq.Set(key, value):
+                self.writes.append((now, op.name, [key]))
+                d[key] = bytes(value)
+                return "now", None
+            case rq.Check(keys):
+                return "now", all(k in d for k in keys)
             case rq.GoneElsewhere():
                 return "now", self.elsewhere
             case rq.MovedElsewhere():

@@ -209,14 +209,17 @@ class Kind(enum.Enum):
     ABANDONED = b"D"
 
 
+# each kind's byte, read once (an enum's ``value`` is a descriptor call: parse_outcome is hot)
+_COMPLETE, _CLOSED, _ABANDONED = Kind.COMPLETE.value, Kind.CLOSED.value, Kind.ABANDONED.value
+
+
 def encode_outcome(world: int, wstore: bytes, identity: bool) -> bytes:
-    return b"%s%d\n%s\n%s" % (Kind.COMPLETE.value, world, wstore,
-                              IDENTITY if identity else b"")
+    return b"%s%d\n%s\n%s" % (_COMPLETE, world, wstore, IDENTITY if identity else b"")
 
 
-ABANDONED = Kind.ABANDONED.value + b";"
-NO_QUORUM = Kind.ABANDONED.value + b"Q;"  # by a majority rule (_round.Machine.moved, _publish)
-CLOSED = Kind.CLOSED.value + b";"
+ABANDONED = _ABANDONED + b";"
+NO_QUORUM = _ABANDONED + b"Q;"  # abandoned by a majority rule (_round.Machine.moved, _publish)
+CLOSED = _CLOSED + b";"
 IDENTITY = b"=\n"  # third line of a complete outcome: rank = ticket - 1, no seats written
 BROKEN_CLOSED = b"C"  # in a round's ``broken``: it is over because the rendezvous closed
 
@@ -238,16 +241,16 @@ def encode_no_quorum(why: str) -> bytes:
 def parse_outcome(raw: bytes) -> Outcome:
     """``res``: complete (world, workers' store, identity), closed or abandoned."""
     head, _, rest = raw.partition(b"\n")
-    if head.startswith(Kind.COMPLETE.value):
+    if head.startswith(_COMPLETE):
         try:
             world = int(head[1:])
         except ValueError as e:
             raise RendezvousStateError(f"corrupt rendezvous outcome {raw[:40]!r}") from e
         wstore, nl, rest = rest.partition(b"\n")
         return Outcome(Kind.COMPLETE, world, wstore if nl else b"", rest.startswith(IDENTITY))
-    if Kind.CLOSED.value in head:  # closed wins over an abandon it was appended to
+    if _CLOSED in head:  # closed wins over an abandon it was appended to
         return Outcome(Kind.CLOSED)
-    if head.startswith(Kind.ABANDONED.value):
+    if head.startswith(_ABANDONED):
         no_quorum = head.startswith(NO_QUORUM[:2])
         why = rest.partition(b"\n")[0].decode("utf-8", "replace") if no_quorum else ""
         return Outcome(Kind.ABANDONED, no_quorum=no_quorum, why=why)
