@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from fastelastic._waits import Slices
 from fastelastic.errors import RendezvousConnectionError, StoreError
 
 from ._schema import Keys
@@ -44,6 +45,7 @@ def _is_mine(host: str) -> bool:
 log = logging.getLogger("fastelastic.rendezvous.fast_rendezvous.failover")
 
 PROBE_S = 2.0  # seconds a candidate has to accept and answer a probe
+_RETRY_S = 0.2  # seconds between the probes of a node waiting for a candidate
 
 
 def parse_candidates(endpoint: str, default_port: int) -> list[tuple[str, int]]:
@@ -133,19 +135,21 @@ class Candidates:
         Raises:
             RendezvousConnectionError: No candidate answered within the read timeout.
         """
-        deadline = time.monotonic() + self.read_timeout.total_seconds()
-        for _ in range(100_000):  # bounded by the deadline; each pass probes every candidate
+        # each pass probes every candidate; the last pass is the first after the deadline
+        probes = Slices(time.monotonic() + self.read_timeout.total_seconds(), _RETRY_S,
+                        passes=100_000, last_look=True)
+        for _ in probes:
             found, errors = self._probe(exclude)
-            patient = exclude < 0 and time.monotonic() < deadline
+            patient = exclude < 0 and not probes.expired()
             if found and not (patient and found[0][0] == 0 and found[0][1] != 0):
                 break
             if found and patient:  # only an empty standby so far: the first may be coming
                 for _, _, c in found:
                     c.close()
-            elif not found and time.monotonic() >= deadline:
+            elif not found and probes.expired():
                 raise RendezvousConnectionError(
                     "No rendezvous store candidate could be reached: " + "; ".join(errors))
-            time.sleep(0.2)
+            time.sleep(_RETRY_S)
         else:
             raise RendezvousConnectionError("No rendezvous store candidate could be reached")
         if exclude < 0 and found[0][1] != 0:

@@ -27,10 +27,8 @@ host may hold a majority behind it. Then the objection names the rule and the wa
 
 from __future__ import annotations
 
-from collections.abc import Generator
-from typing import Any
-
 from . import _schema as sc
+from ._requests import Get, GoneElsewhere, MultiGet, Proto
 
 GONE_FOR_GOOD = sc.FOR_GOOD  # ``gone`` reasons of members that are nowhere else
 
@@ -63,7 +61,7 @@ def proof_candidates(out: list[int], gone: dict[int, str]) -> list[int]:
 
 
 def objection(records: list[bytes], last: tuple[int, int] | None, can_move: bool,
-              keys: sc.Keys) -> Generator[tuple[Any, ...], Any, str]:
+              keys: sc.Keys) -> Proto[str]:
     """Why a round with these records must not form ("" if it may), for its publisher.
 
     Before any round completed on this store (``last`` None): :func:`moved_short`. After one,
@@ -79,14 +77,14 @@ def objection(records: list[bytes], last: tuple[int, int] | None, can_move: bool
         return ""
     q, world = last
     lk = keys.round(q)
-    gone = sc.parse_gone(bytes((yield ("get", lk.gone, None))))
+    gone = sc.parse_gone(bytes((yield Get(lk.gone, None))))
     out = away(records, q, world, gone)
     if len(out) < need(world):
         return ""
     # A member that came back by another store (it moved away and back: a new node here by
     # its record) is in this round, not elsewhere: its address and pid are in the records.
     here = {tuple(raw.split(b"|")[1:3]) for raw in records}
-    who = [sc.who_parts(bytes(v)) for v in (yield ("multi_get", [lk.who(i) for i in out]))]
+    who = [sc.who_parts(bytes(v)) for v in (yield MultiGet([lk.who(i) for i in out]))]
     out = [i for i, (_, addr, pid) in zip(out, who, strict=True)
            if (addr.encode(), pid.encode()) not in here]
     if len(out) < need(world):
@@ -94,8 +92,8 @@ def objection(records: list[bytes], last: tuple[int, int] | None, can_move: bool
     closed = proof_candidates(out, gone)
     blocked = ""
     if len(out) - len(closed) < need(world):  # the proof can decide it: ask the others
-        who = [sc.who_parts(bytes(v)) for v in (yield ("multi_get", [lk.who(i) for i in closed]))]
-        blocked = yield ("gone_elsewhere", [f"{addr}|{pid}" for _, addr, pid in who])
+        who = [sc.who_parts(bytes(v)) for v in (yield MultiGet([lk.who(i) for i in closed]))]
+        blocked = yield GoneElsewhere([f"{addr}|{pid}" for _, addr, pid in who])
         if not blocked:
             return ""
     reason = (f"; their connections closed here, but {blocked}" if blocked else
