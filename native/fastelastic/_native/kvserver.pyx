@@ -71,8 +71,8 @@ cdef class KVServer(KVProtocol):
     (ResourceWarning). A forked child never closes its parent's fds.
 
     Args:
-        listen_fds: listening TCP sockets (made non-blocking here); once constructed, the server owns and
-            closes them.
+        listen_fds: listening TCP sockets (made non-blocking here); once constructed, the
+            server owns and closes them.
         max_key: longest key accepted, in bytes (wire bytes, including the client's ``/``).
         max_value: longest value accepted, in bytes.
         max_keys: most keys in one CHECK, WAIT, MULTI_GET or MULTI_SET.
