@@ -121,11 +121,16 @@ def test_a_lone_host_never_trains_beside_the_majority_and_rejoins_it_after_the_h
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("mode", MODES)
-def test_the_rendezvous_host_lost_while_a_round_forms(tmp_path, mode):
+def test_the_rendezvous_host_lost_while_the_first_round_forms(tmp_path, mode):
     """Nodes 0-2 of ``--nnodes 2:4`` wait in the first round's 8 s last call when node 0, whose
-    store is the live one, is lost: nodes 1 and 2 move to node 1's candidate and form the
-    round there, a world of 2, within 1.5 detection windows (a waiting node's slice, then the
-    reply deadline) plus that last call."""
+    store is the live one, is lost. No world formed yet, so nodes 1 and 2 belong to none, and
+    such a node never moves the rendezvous (issue 27's finding A: a node cut alone from the
+    store cannot tell this from a loss, and would form a world of its own on a successor
+    beside the one formed there without it). They neither train nor mark another candidate;
+    once node 0 is back (a freeze or a cut healed) the round forms on its store. Before, they
+    moved to node 1's store and formed a world of 2 there (safe here only because node 0 was
+    really lost). A host lost for good before the first world forms stops the job until the
+    join timeout, whose error names the rule."""
     last_call = 8
     with cluster_or_skip(3, "f" + mode[0]) as c:
         job = Job(c, tmp_path, "2:4", candidates=3, last_call=last_call)
@@ -133,12 +138,15 @@ def test_the_rendezvous_host_lost_while_a_round_forms(tmp_path, mode):
             job.start(i)
         wait_for(lambda: job.tickets(0) == 3, 60, "3 tickets in round 0", step=0.2)
         t = _fault(c, mode, 0)
-        limit = 1.5 * WINDOW + last_call + MARGIN
-        got = job.wait_world({1, 2}, 2, after=t, timeout=limit + 20)
-        took = max(s["t"] for s in got.values()) - t
-        print(f"host lost while a round forms ({mode}): training {took:.2f}s later")
-        assert took < limit, f"{mode}: formed after {took:.1f}s\n{job.tail()}"
-        assert f"moved to {c.addr(1)}:" in job.log(1) + job.log(2), job.tail()
+        job.assert_never_trains({1, 2}, after=t, seconds=1.5 * WINDOW + last_call + MARGIN)
+        log = job.log(1) + job.log(2)
+        assert "moved to" not in log and "belonged to no world" in log, job.tail()
+        if mode in ("freeze", "cut"):
+            (c.thaw if mode == "freeze" else c.heal)(0)
+            got = job.wait_world({0, 1, 2}, 3, after=t, timeout=60)
+            took = max(s["t"] for s in got.values()) - t
+            print(f"first store lost while the first round forms ({mode}): no move; a world "
+                  f"of 3 on it {took:.2f}s after the fault, once back")
     assert c.leftovers() == {}
 
 

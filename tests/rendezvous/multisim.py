@@ -1,6 +1,7 @@
 """Several candidate stores, links cut per (node, store) pair, and a thin driver that mirrors
 the handler's failover (``fast_rendezvous._next_rendezvous_anywhere``, ``_move``, ``_go_back``,
-``lost_members``'s move, and ``_failover.Candidates``' probes, marks and proofs).
+``_follow``, ``lost_members``'s move, and ``_failover.Candidates``' probes, marks, proofs,
+``connect``'s start, ``follow`` and ``check``).
 
 What is simulated, precisely: the round state machine (``_round.Machine``) runs unchanged; the
 moves around it are this module's driver, written from the handler's code, not the handler
@@ -24,10 +25,10 @@ from typing import Any
 
 from simstore import Node, Sim, Sleep
 
-from fastelastic.errors import RendezvousConnectionError
+from fastelastic.errors import RendezvousConnectionError, RendezvousTimeoutError
 from fastelastic.rendezvous import _requests as rq
 from fastelastic.rendezvous import _schema as sc
-from fastelastic.rendezvous._failover import PROBE_S, GoBack, Live
+from fastelastic.rendezvous._failover import PROBE_S, GoBack, Live, Regroup
 
 DOWN = object()  # the reply of a request that failed as a connection error
 MAX_HOPS = 16
@@ -61,7 +62,6 @@ class MNode(Node):
     seg_start: float = -1.0
     worlds: dict[tuple[int, int], int] = field(default_factory=dict)
     log: list[str] = field(default_factory=list)
-    moved_bare: bool = False  # it moved while a member of no world (it carries none)
     pending: At | Peek | None = None  # a request waiting for its link to come back
 
 
@@ -274,18 +274,15 @@ class MultiSim(Sim):
     def _connect(self, node: MNode, exclude: int = -1,
                  at_least: int = 0) -> Generator[Any, Any, tuple[int, int, int]]:
         deadline = self.clock.t + START_PATIENCE
-        for _ in range(10_000):
+        for _ in range(10_000):  # as Candidates.connect: a start never proposes an epoch
             found = yield from self._probe(node, exclude)
-            patient = exclude < 0 and self.clock.t < deadline
-            if found and not (patient and found[0][0] == 0 and found[0][1] != 0):
+            if found and (exclude >= 0 or found[0][0] != 0 or found[0][1] == 0):
                 break
-            if not found and self.clock.t >= deadline:
+            if self.clock.t >= deadline:
                 raise RendezvousConnectionError("no candidate could be reached")
             yield Sleep(0.2)
         else:
             raise RendezvousConnectionError("no candidate could be reached")
-        if exclude < 0 and found[0][1] != 0:
-            at_least = max(at_least, 1)
         epoch, i = -found[0][0], found[0][1]
         proposed = at_least if epoch < at_least else 0
         if exclude >= 0 or proposed:
@@ -317,8 +314,6 @@ class MultiSim(Sim):
 
     def _move(self, node: MNode) -> Generator[Any, Any, None]:
         live, member = node.live, node.m.member
-        if member is None and not node.m.carried:
-            node.moved_bare = True
         try:
             yield from self._op(node, node.m.moving())
         except RendezvousConnectionError:
@@ -334,6 +329,7 @@ class MultiSim(Sim):
             node.m.moved(proposed)
 
     def _check(self, node: MNode) -> Generator[Any, Any, None]:
+        """``Candidates.check``."""
         live = node.live
         found = yield from self._probe(node, live.index)
         if found and -found[0][0] > live.epoch:
@@ -343,15 +339,53 @@ class MultiSim(Sim):
             v = yield Peek(j, lambda d: int(d.get(self.keys.open, b"0")))
             if v is not DOWN and v > left + 1:
                 raise GoBack("the store left went on")
+            if v is not DOWN and v == left + 1:
+                raise GoBack("the store left answers, no round since", rejoin=True)
+            lower = sorted(i for _, i in found if i < live.index and i != j)
+            if lower:
+                raise Regroup("an earlier candidate answers", lower[0])
 
-    def _back(self, node: MNode) -> Generator[Any, Any, None]:
+    def _regroup(self, node: MNode, j: int) -> Generator[Any, Any, None]:
+        """``fast_rendezvous._regroup`` (``Candidates.regroup``)."""
+        live = node.live
+        v = yield Peek(j, lambda d: int(d.get(self.keys.epoch, b"0")))
+        if v is DOWN:
+            raise RendezvousConnectionError(f"store {j} lost")
+        proposed = live.proposed if live.proposed > v else 0
+        me = f"10.0.0.{node.id}|{1000 + node.id}"
+        r = yield At(j, rq.Append(self.keys.moving, b"%d|%s;" % (proposed or v, me.encode())))
+        if r is DOWN:
+            raise RendezvousConnectionError(f"store {j} lost")
+        self._switch(node, Live(j, v, proposed, live.left if proposed else None))
+        node.m.moved(proposed)
+
+    def _back(self, node: MNode, rejoin: bool) -> Generator[Any, Any, None]:
+        """``fast_rendezvous._go_back`` (``Candidates.back``)."""
         assert node.live.left is not None
         j = node.live.left[0]
         v = yield Peek(j, lambda d: int(d.get(self.keys.epoch, b"0")))
         if v is DOWN:
             raise RendezvousConnectionError(f"store {j} lost")
         self._switch(node, Live(j, v))
-        node.m.back()
+        if not (rejoin and node.m.returned()):
+            node.m.back()
+
+    def _follow(self, node: MNode, until: float) -> Generator[Any, Any, None]:
+        """``fast_rendezvous._follow`` (``Candidates.follow``): a node that carries no world
+        never moves the rendezvous; it follows a committed epoch or waits for its store."""
+        live = node.live
+        for _ in range(1_000_000):
+            found = yield from self._probe(node, -1)
+            pick = next((f for f in found if -f[0] > live.epoch or (
+                f[1] == live.index and -f[0] >= live.epoch)), None)
+            if pick is not None:
+                self._switch(node, Live(pick[1], -pick[0]))
+                node.m.moved()
+                return
+            if self.clock.t >= until:
+                break
+            yield Sleep(0.2)
+        raise RendezvousTimeoutError("lost its store while in no world; none came back")
 
     def _gone_elsewhere(self, node: MNode, idents: list[str]) -> Generator[Any, Any, str]:
         for i in range(len(self.stores)):
@@ -371,15 +405,21 @@ class MultiSim(Sim):
     def _join(self, node: MNode) -> Generator[Any, Any, Any]:
         m, addr = node.m, f"10.0.0.{node.id}"
         moves = len(self.stores) - 1
+        until = self.clock.t + self.cfg.join
         for _ in range(MAX_HOPS):
             try:
                 seat = yield from self._op(node, m.join(
                     node.node_rank, addr, 1000 + node.id, b"%s:%d" % (addr.encode(), 29500)))
                 node.live = node.live.member()
                 return seat
-            except GoBack:
-                yield from self._back(node)
+            except GoBack as e:
+                yield from self._back(node, e.rejoin)
+            except Regroup as e:
+                yield from self._regroup(node, e.index)
             except RendezvousConnectionError:
+                if m.member is None and not m.carried:  # as _next_rendezvous_anywhere
+                    yield from self._follow(node, until)
+                    continue
                 if moves <= 0:
                     raise
                 moves -= 1
@@ -473,39 +513,36 @@ class MultiSim(Sim):
         return [k for k, c in count.items() if c >= world[k]]
 
     def last_world(self) -> tuple[tuple[int, int], int, int] | None:
-        """The world that trained last: (key, its size, its members still running)."""
-        ends: dict[tuple[int, int], float] = {}
-        for n in self.nodes:
-            assert isinstance(n, MNode)
-            for key, _, b in n.segs:
-                ends[key] = max(ends.get(key, 0.0), b)
-        full = [k for k in ends if self._trained(k)]
-        if not full:
+        """The world that trained last (whose members all trained together latest): (key, its
+        size, its members still running)."""
+        ends = self._full_ends()
+        if not ends:
             return None
-        key = max(full, key=lambda k: ends[k])
+        key = max(ends, key=lambda k: ends[k])
         members = [n for n in self.nodes if key in getattr(n, "worlds", {})]
         return key, members[0].worlds[key], sum(n.alive for n in members)  # type: ignore[attr-defined]
 
-    def _trained(self, key: tuple[int, int]) -> bool:
-        return any(key in (a, b) for a, b, _ in self._full_spans())
-
-    def _full_spans(self) -> list[tuple[tuple[int, int], tuple[int, int], float]]:
-        return [(k, k, 0.0) for k in self._ever_full()]
-
-    def _ever_full(self) -> set[tuple[int, int]]:
+    def _full_ends(self) -> dict[tuple[int, int], float]:
+        """For each world that ever trained (all members at once): when that last ended."""
         world: dict[tuple[int, int], int] = {}
         ev: list[tuple[float, int, tuple[int, int]]] = []
         for n in self.nodes:
             assert isinstance(n, MNode)
             world.update(n.worlds)
-            for key, a, b in n.segs:
+            segs = list(n.segs)
+            if n.training is not None and n.seg_start >= 0:
+                segs.append((n.training, n.seg_start, self.clock.t))
+            for key, a, b in segs:
                 if b > a:
                     ev += [(a, 1, key), (b, -1, key)]
         ev.sort(key=lambda e: (e[0], e[1]))
         count: dict[tuple[int, int], int] = {}
-        out = set()
-        for _, d, key in ev:
+        out: dict[tuple[int, int], float] = {}
+        for t, d, key in ev:
+            was = count.get(key, 0) >= world[key]
             count[key] = count.get(key, 0) + d
-            if count[key] >= world[key]:
-                out.add(key)
+            if was and count[key] < world[key]:
+                out[key] = t
+            elif count[key] >= world[key]:
+                out[key] = self.clock.t  # full now: until the end so far
         return out

@@ -1,6 +1,6 @@
 """Finding the live candidate at a node's start (``_failover.Candidates.connect``) on loopback:
-the first candidate is waited for up to the read timeout; after it, the probe that comes
-first takes the best other one."""
+the first candidate is waited for up to the read timeout; a store the rendezvous moved to is
+taken at once, an empty standby never (``NO_WORLD_RULE``)."""
 
 from __future__ import annotations
 
@@ -53,19 +53,21 @@ def test_the_first_candidate_is_taken_at_once():
         second.shutdown_server()
 
 
-def test_an_empty_standby_is_taken_only_after_the_read_timeout_and_proposes_epoch_1():
+def test_an_empty_standby_is_not_taken_at_a_start_but_a_moved_store_is_at_once():
     second = _standby()
     try:
         c = Candidates(RUN, [("127.0.0.1", _refused_port()), ("127.0.0.1", second.port)],
                        False, timedelta(seconds=1.0))
         t0 = time.monotonic()
+        with pytest.raises(RendezvousConnectionError, match="no other holds a committed epoch"):
+            c.connect()  # patient until the read timeout (probes 0.2 s apart), then gives up
+        assert 1.0 <= time.monotonic() - t0 < 3.0
+        second.set(f"fe.rdzv.{RUN}/epoch", b"2")  # the rendezvous moved there
+        t0 = time.monotonic()
         client, index, epoch, proposed = c.connect()
-        took = time.monotonic() - t0
         client.close()
-        assert (index, epoch, proposed) == (1, 0, 1)
-        # patient until the read timeout (probes 0.2 s apart), then the first probe after it
-        assert 1.0 <= took < 3.0, took
-        assert second.get(f"fe.rdzv.{RUN}/moving").startswith(b"1|")  # the move's mark
+        assert (index, epoch, proposed) == (1, 2, 0)
+        assert time.monotonic() - t0 < 1.0
     finally:
         second.shutdown_server()
 

@@ -349,7 +349,8 @@ def test_when_ranks_follow_tickets_no_seat_is_written_or_read():
     sim.run(5)
     assert {v for k, v in sim.data.items() if "/rank/" in k} == {b"-1"}  # placeholders only
     assert sorted(n.seats[0][1].rank for n in sim.nodes[:3]) == [0, 1, 2]
-    assert sim.data["fe.rdzv.sim/0/res"].endswith(b"\n=\n")
+    res = sim.data["fe.rdzv.sim/0/res"]
+    assert b"\n=\nw1." in res and res.endswith(b"\n"), res  # identity, then the world's id
 
 
 def test_when_preferred_ranks_reorder_the_seats_every_node_reads_its_own():
@@ -429,7 +430,30 @@ def test_outcome_kinds_are_an_enum_and_their_bytes_on_the_wire_are_those_of_befo
         b"D;C;": (sc.Kind.CLOSED, 0, b"", False, False, ""),
     }
     for raw, want in cases.items():
-        assert tuple(sc.parse_outcome(raw)) == want, raw
+        assert tuple(sc.parse_outcome(raw))[:6] == want, raw
     assert [k.value for k in sc.Kind] == [b"M", b"C", b"D"]
     with pytest.raises(RendezvousError, match="corrupt"):
         sc.parse_outcome(b"X;")
+
+
+def test_a_successor_counts_only_carriers_of_the_newest_world():
+    """Finding C's rule (``_majority.moved_short``): records name the world they carry; the
+    first round on a successor needs a majority of the newest one (highest generation);
+    carriers of an older world count as new nodes. Before, two carriers of different worlds
+    (one of a world of 3, one of its successor, a world of 2) made "2, the largest quorum"."""
+    from fastelastic.rendezvous import _schema as sc
+    from fastelastic.rendezvous._majority import moved_short
+
+    def rec(quorum: int, wid: bytes) -> bytes:
+        return sc.encode_record(-1, "10.0.0.1", 1, b"", quorum, -1, 1, wid)
+
+    old, new = b"4.aa", b"5.bb"
+    assert moved_short([rec(2, old), rec(2, new)]) == (1, 2)       # the two-cuts split
+    assert moved_short([rec(2, old), rec(2, old)]) is None          # a majority of one world
+    assert moved_short([rec(2, new), rec(2, new), rec(2, old)]) is None
+    assert moved_short([rec(2, old), rec(2, old), rec(2, new)]) == (1, 2)  # older: new nodes
+    assert moved_short([rec(0, b""), rec(0, b"")]) is None          # nobody carries a world
+    assert sc.record_world(b"0|a|1|w|0|-1|0") == b""                # a 7-field record
+    out = sc.parse_outcome(sc.encode_outcome(3, b"h:1", True, b"7.cafe") + b"C;")
+    assert (out.kind, out.world, out.identity, out.wid) == (sc.Kind.COMPLETE, 3, True, b"7.cafe")
+    assert sc.parse_outcome(b"M3\nh:1\n").wid == b""               # an older publisher's

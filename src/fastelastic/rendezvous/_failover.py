@@ -21,7 +21,7 @@ from datetime import timedelta
 from typing import Any
 
 from fastelastic._waits import Slices
-from fastelastic.errors import RendezvousConnectionError, StoreError
+from fastelastic.errors import RendezvousConnectionError, RendezvousTimeoutError, StoreError
 
 from ._schema import Keys
 from .utils import _matches_machine_hostname, parse_rendezvous_endpoint
@@ -80,7 +80,29 @@ class Live:
 
 
 class GoBack(RendezvousConnectionError):
-    """The store a mover left is alive and its world went on there without it."""
+    """The store a mover left answers again: its world went on there without it (it re-joins
+    as a new node), or formed no round there since (``rejoin``: it is a member there again)."""
+
+    def __init__(self, message: str, rejoin: bool = False) -> None:
+        super().__init__(message)
+        self.rejoin = rejoin
+
+
+class Regroup(RendezvousConnectionError):
+    """A mover whose round failed the majority rule, its world's store not answering, moves
+    to a candidate earlier in the list (``index``): the movers of a world meet there."""
+
+    def __init__(self, message: str, index: int) -> None:
+        super().__init__(message)
+        self.index = index
+
+
+NO_WORLD_RULE = (
+    "a node that belongs to no world (starting, or cut from the store during its first "
+    "join) does not move the rendezvous: it cannot know whether a world formed there with it "
+    "or without it, and a world it formed elsewhere could train beside that one. It follows "
+    "only a committed move (a candidate with a higher epoch), or waits for the store it was "
+    "on. Bring that store (or its link) back, or restart the job.")
 
 
 class Candidates:
@@ -129,31 +151,34 @@ class Candidates:
 
         At a node's start (``exclude`` -1) the first candidate is waited for up to the read
         timeout, as a single endpoint is; a store that moved (epoch above 0) is taken at once.
-        Should the first never answer, the best other one is taken and epoch 1 proposed there,
-        so that the first, coming up late and empty, is not mistaken for the live one.
+        A starting node carries no world, so it never starts the rendezvous on another
+        candidate (``NO_WORLD_RULE``): cut from the first alone, it would form a world of its
+        own there while the others form one on the first.
 
         Raises:
-            RendezvousConnectionError: No candidate answered within the read timeout.
+            RendezvousConnectionError: No candidate answered within the read timeout (at a
+                start: the first did not, and no other holds a committed epoch).
         """
         # each pass probes every candidate; the last pass is the first after the deadline
         probes = Slices(time.monotonic() + self.read_timeout.total_seconds(), _RETRY_S,
                         passes=100_000, last_look=True)
         for _ in probes:
             found, errors = self._probe(exclude)
-            patient = exclude < 0 and not probes.expired()
-            if found and not (patient and found[0][0] == 0 and found[0][1] != 0):
+            if found and (exclude >= 0 or found[0][0] != 0 or found[0][1] == 0):
                 break
-            if found and patient:  # only an empty standby so far: the first may be coming
-                for _, _, c in found:
-                    c.close()
-            elif not found and probes.expired():
+            for _, _, c in found:  # at a start, only empty standbys: the first may be coming
+                c.close()
+            if probes.expired() and found:  # a start: only empty standbys
+                raise RendezvousConnectionError(
+                    f"The first rendezvous store candidate did not answer within the read "
+                    f"timeout ({'; '.join(errors)}), and no other holds a committed epoch: "
+                    f"{NO_WORLD_RULE}")
+            if probes.expired():
                 raise RendezvousConnectionError(
                     "No rendezvous store candidate could be reached: " + "; ".join(errors))
             time.sleep(_RETRY_S)
         else:
             raise RendezvousConnectionError("No rendezvous store candidate could be reached")
-        if exclude < 0 and found[0][1] != 0:
-            at_least = max(at_least, 1)
         neg, i, client = found[0]
         for _, _, other in found[1:]:
             other.close()
@@ -185,22 +210,48 @@ class Candidates:
         client.set_timeout(self.read_timeout)
         return client, epoch
 
-    def newer_round(self, i: int, left: int) -> bool:
-        """Whether candidate ``i`` answers and a round after ``left`` completed there (its
-        ``open`` is past ``left + 1``): the world a mover left went on without it."""
+    def opened(self, i: int) -> int:
+        """Candidate ``i``'s ``open`` (the round after its last complete one; 0 when none
+        completed there), or -1 when it does not answer."""
         from fastelastic.store import TCPStore
 
         host, port = self.endpoints[i]
         try:
             c = TCPStore(host, port, timeout=timedelta(seconds=PROBE_S), token=self.token)
         except (StoreError, OSError):
-            return False
+            return -1
         try:
-            return int(c.add(self.open_key, 0)) > left + 1
+            return int(c.add(self.open_key, 0))
         except (StoreError, OSError):
-            return False
+            return -1
         finally:
             c.close()
+
+    def follow(self, live: Live, until: float) -> tuple[Any, Live]:
+        """For a node that carries no world whose store was lost (``NO_WORLD_RULE``): the
+        candidate with a committed epoch above ``live``'s, or the store it was on once that
+        answers again (at its epoch or above); probes every 0.2 s until ``until`` (monotonic).
+
+        Raises:
+            RendezvousTimeoutError: Neither happened by ``until``.
+        """
+        for _ in range(1_000_000):  # bounded by ``until``
+            found, _ = self._probe(-1)
+            pick = next((f for f in found if -f[0] > live.epoch or (
+                f[1] == live.index and -f[0] >= live.epoch)), None)
+            for f in found:
+                if f is not pick:
+                    f[2].close()
+            if pick is not None:
+                pick[2].set_timeout(self.read_timeout)
+                return pick[2], Live(pick[1], -pick[0])
+            if time.monotonic() >= until:
+                break
+            time.sleep(0.2)
+        raise RendezvousTimeoutError(
+            f"the rendezvous store at {self.name(live.index)} was lost and did not answer "
+            f"again, and no other candidate holds a committed epoch above {live.epoch}: "
+            f"{NO_WORLD_RULE}")
 
     def move(self, live: Live, member_round: int | None) -> tuple[Any, Live]:
         """The live store was lost: the next live candidate, with a proposed epoch (and where
@@ -219,13 +270,43 @@ class Candidates:
     def check(self, live: Live) -> None:
         """For a node whose round failed the majority rule: raises when the rendezvous
         moved on elsewhere (a higher committed epoch), or :class:`GoBack` when the store an
-        uncommitted move left is alive with a round newer than the one left."""
-        self.raise_if_moved(live.index, live.epoch)
-        if live.left is not None and self.newer_round(*live.left):
-            raise GoBack(f"the store this node left, {self.name(live.left[0])}, is alive and "
-                         f"its world formed a round after round {live.left[1]}")
+        uncommitted move left answers again: its world formed a round there after the one
+        left (it re-joins as a new node), or none (``rejoin``: it re-joins as a member of its
+        world). Movers stranded on different successors (each too few for the rule) thus
+        meet again where their world formed, once it answers; every mover of a world goes
+        back to the same store, and only one hop (a store that lost its rounds, ``open`` 0,
+        is not where its world formed). While that store does not answer, a mover regroups
+        on the first candidate in list order that answers (:class:`Regroup`), one hop each
+        time and only to a lower index, so the movers of a world meet there."""
+        answering = self.raise_if_moved(live.index, live.epoch)
+        if live.left is None:
+            return
+        i, left = live.left
+        opened = self.opened(i)
+        if opened > left + 1:
+            raise GoBack(f"the store this node left, {self.name(i)}, is alive and its world "
+                         f"formed a round after round {left}")
+        if opened == left + 1:
+            raise GoBack(f"the store this node left, {self.name(i)}, answers again and its "
+                         f"world formed no round there after round {left}", rejoin=True)
+        lower = [j for j in answering if j < live.index and j != i]
+        if lower:
+            raise Regroup(f"{self.name(lower[0])} answers, before this node's "
+                          f"{self.name(live.index)} in the list", lower[0])
 
-    def raise_if_moved(self, index: int, epoch: int) -> None:
+    def regroup(self, live: Live, j: int) -> tuple[Any, Live]:
+        """A connection to candidate ``j`` for a mover that regroups there (see ``check``):
+        the same move, its proposal and mark carried over."""
+        client, epoch = self.connect_to(j)
+        proposed = live.proposed if live.proposed > epoch else 0
+        try:
+            client.append(self.moving_key, b"%d|%s;" % (proposed or epoch, self.me.encode()))
+        except (StoreError, OSError) as e:
+            client.close()
+            raise RendezvousConnectionError(f"{self.name(j)}: {e}") from e
+        return client, Live(j, epoch, proposed, live.left if proposed else None)
+
+    def raise_if_moved(self, index: int, epoch: int) -> list[int]:
         """Raises ``RendezvousConnectionError`` when a candidate other than ``index`` answers
         with an epoch above ``epoch``: the rendezvous moved there while this node's store
         stayed up (a partition, or this node's host frozen while the others moved)."""
@@ -235,6 +316,7 @@ class Candidates:
         if found and -found[0][0] > epoch:
             raise RendezvousConnectionError(
                 f"the rendezvous moved on to {self.name(found[0][1])} (epoch {-found[0][0]})")
+        return sorted(i for _, i, _ in found)
 
     def _probe(self, exclude: int) -> tuple[list[tuple[int, int, Any]], list[str]]:
         """Every answering candidate but ``exclude``: ``(-epoch, index, client)``, best

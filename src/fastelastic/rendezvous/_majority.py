@@ -6,8 +6,17 @@ alive on one side and the movers on the other, so both sides may try to form a r
 rules, one on each side, make that impossible. Let ``W`` be the last complete world (on the
 store it formed on) and ``need = len(W) // 2 + 1`` a majority of it.
 
-* **On a successor** (:func:`moved_short`): a node that moved carries ``need`` of its world in
-  its record; the first round there forms only with at least that many such carriers.
+* **On a successor** (:func:`moved_short`): a node that moved carries its world in its record
+  (the world's id and ``need``); the first round there forms only with at least ``need``
+  carriers of the newest world any record carries. A node carries only the last world it was
+  a member of, so carriers of an older world ``V`` are the members of ``V`` that no later
+  world took in: on ``V``'s store the next world formed with fewer than ``need(V)`` of them
+  away, and elsewhere with ``need(V)`` of them, who carry the new world from then on; either
+  way fewer than ``need(V)`` are left, and counted with the newest world's carriers they
+  could make a majority that no world has (two cuts in a row).
+* **A node that carries no world never moves the rendezvous** (``fast_rendezvous``): cut
+  during its first join, it cannot know whether a world formed with it or without it, so no
+  rule could hold it; it follows only committed epochs, or waits for the store it was on.
 * **Where W formed** (:func:`away`): when a round re-forms without some members of ``W``, those
   that did not say they quit (preempted) or finished may be alive behind the partition, and may
   have moved. The round forms only while they are fewer than ``need``, so they can never make a
@@ -15,20 +24,24 @@ store it formed on) and ``need = len(W) // 2 + 1`` a majority of it.
   while the others moved sees their connections close when it wakes, as it would after a crash.
 
 Both sides count members of the same ``W``, so the two sets are disjoint and at most one of them
-reaches ``need``. With a single endpoint nothing can move and the second rule is off (torch's
+reaches ``need``: the carriers are among the members away from the world that formed on ``W``'s
+store, which are fewer than ``need``, or they formed the successor's world and no longer carry
+``W``. With a single endpoint nothing can move and the second rule is off (torch's
 behaviour: any survivors at or above ``min_nodes`` go on).
 
 **A majority lost at once** (a rack): where ``W`` formed, members whose connection closed here
 without the word ``moved`` (:func:`proof_candidates`) are proven gone, and count as gone for
 good, when every other candidate answers and has no mark of them (``moving``), or refuses the
-connection (nothing listens there). A timeout or no route blocks the proof: a cut or powered-off
-host may hold a majority behind it. Then the objection names the rule and the way out.
+connection (nothing listens there), and no mark here proposing an epoch above this store's
+says one of them moved back (:func:`_back_here`). A timeout or no route blocks the proof: a cut
+or powered-off host may hold a majority behind it. Then the objection names the rule and the
+way out.
 """
 
 from __future__ import annotations
 
 from . import _schema as sc
-from ._requests import Get, GoneElsewhere, MultiGet, Proto
+from ._requests import Add, Check, Get, GoneElsewhere, MultiGet, Proto
 
 GONE_FOR_GOOD = sc.FOR_GOOD  # ``gone`` reasons of members that are nowhere else
 
@@ -39,12 +52,22 @@ def need(world: int) -> int:
 
 
 def moved_short(records: list[bytes]) -> tuple[int, int] | None:
-    """On a successor: ``(carriers, needed)`` when the records hold fewer nodes of a moved
-    world than the largest majority any of them carries, else None."""
-    quorums = [q for q in map(sc.record_quorum, records) if q]
-    if len(quorums) < max(quorums, default=0):
-        return len(quorums), max(quorums)
-    return None
+    """On a successor: ``(carriers, needed)`` when the records hold fewer carriers of the
+    newest moved world (the highest generation any record names) than a majority of it, else
+    None. Carriers of older worlds count as new nodes, however many: they cannot make that
+    majority (see the module doc), and counted together with it they could."""
+    carried = [(sc.world_gen(w), w, q) for w, q in
+               ((sc.record_world(r), sc.record_quorum(r)) for r in records) if q]
+    if not carried:
+        return None
+    gen = max(g for g, _, _ in carried)
+    best = (0, 0)
+    for wid in sorted({w for g, w, _ in carried if g == gen}):
+        of = [q for _, w, q in carried if w == wid]
+        if len(of) >= max(of):
+            return None
+        best = max(best, (len(of), max(of)))
+    return best
 
 
 def away(records: list[bytes], last_round: int, world: int, gone: dict[int, str]) -> list[int]:
@@ -61,12 +84,15 @@ def proof_candidates(out: list[int], gone: dict[int, str]) -> list[int]:
 
 
 def objection(records: list[bytes], last: tuple[int, int] | None, can_move: bool,
-              keys: sc.Keys) -> Proto[str]:
+              keys: sc.Keys, last_gen: int = 0) -> Proto[str]:
     """Why a round with these records must not form ("" if it may), for its publisher.
 
     Before any round completed on this store (``last`` None): :func:`moved_short`. After one,
     that round's world is the one both sides count (a node that moves here later is a new node
-    to it); when the rendezvous ``can_move``, :func:`away` (one read of that round's ``gone``),
+    to it), unless movers here carry a world of a higher generation than that round's
+    (``last_gen``: formed elsewhere from it, or after it): then :func:`moved_short` over
+    those carriers too. When the rendezvous ``can_move``,
+    :func:`away` (one read of that round's ``gone``),
     then, if a majority is away, the proof that those whose connection closed are gone (their
     ``who`` entries, then ``gone_elsewhere``: every other candidate asked, see the module doc).
     """
@@ -77,6 +103,9 @@ def objection(records: list[bytes], last: tuple[int, int] | None, can_move: bool
         return ""
     q, world = last
     lk = keys.round(q)
+    short = moved_short([r for r in records if sc.world_gen(sc.record_world(r)) > last_gen])
+    if short:  # a world formed elsewhere after this store's last: its majority rules
+        return "%d of a moved world need %d of it" % short
     gone = sc.parse_gone(bytes((yield Get(lk.gone, None))))
     out = away(records, q, world, gone)
     if len(out) < need(world):
@@ -93,13 +122,33 @@ def objection(records: list[bytes], last: tuple[int, int] | None, can_move: bool
     blocked = ""
     if len(out) - len(closed) < need(world):  # the proof can decide it: ask the others
         who = [sc.who_parts(bytes(v)) for v in (yield MultiGet([lk.who(i) for i in closed]))]
-        blocked = yield GoneElsewhere([f"{addr}|{pid}" for _, addr, pid in who])
+        idents = [f"{addr}|{pid}" for _, addr, pid in who]
+        blocked = yield from _back_here(idents, keys)
+        blocked = blocked or (yield GoneElsewhere(idents))
         if not blocked:
             return ""
     reason = (f"; their connections closed here, but {blocked}" if blocked else
               "; some did not close their connections here (cut, silent or moved)")
     return (f"ranks {out} of round {q} (a world of {world}) may be alive elsewhere: a "
             f"majority of it, which may form a round on another candidate{reason}")
+
+
+def _back_here(idents: list[str], keys: sc.Keys) -> Proto[str]:
+    """Which of ``idents`` moved (back) to this very store, their move not committed: a mark
+    here proposing an epoch above this store's. They are not gone: one that carries a world
+    formed elsewhere may be all that is left of it, and a world formed here without it would
+    leave it blocking every later round (sim seed 8320). "" when none."""
+    if not (yield Check([keys.moving])):
+        return ""
+    marks = bytes((yield Get(keys.moving, None)))
+    epoch = int((yield Add(keys.epoch, 0)))
+    here = set()
+    for mark in marks.split(b";"):
+        proposed, _, ident = mark.partition(b"|")
+        if proposed.isdigit() and int(proposed) > epoch:
+            here.add(ident.decode("utf-8", "replace"))
+    back = [x for x in idents if x in here]
+    return f"{back} moved back here, their move not committed" if back else ""
 
 
 WAY_OUT = ("This is the majority rule of --rdzv-endpoint with several candidates: it keeps a "

@@ -119,6 +119,7 @@ class Machine:
         self.watch: Watch | None = None
         self.prev_watch: Watch | None = None  # the last round's, for the drain
         self.last_seen: tuple[int, int] | None = None  # see _last_complete
+        self.last_gen = 0  # the generation of last_seen's world (sc.world_gen)
         self.waited_as_spare = False  # this node waited behind a full, running round
         self.leaving = False  # tell the last round it left, once the new ticket is counted
         self.spare_ready = False  # a node waits behind this node's full round
@@ -128,6 +129,7 @@ class Machine:
         self.no_quorum = False  # a round here failed the majority rule: no early seal now
         self.objected = ""  # why the last round this node waited for failed that rule
         self.home: Membership | None = None  # its world before it moved (returned)
+        self.world_id = b""  # of the world it is a member of, or carries (_majority)
         self._phases: dict[Phase, Callable[[_Attempt], Proto[Event]]] = {
             P.TICKET: self._ticket, P.RECORD: self._record, P.PUBLISH_GATE: self._full_gate,
             P.COORD_GATE: self._gate, P.DRAIN: self._drain, P.LAST_CALL: self._last_call,
@@ -159,7 +161,7 @@ class Machine:
         joins there as a new node (no world carried, no epoch proposed)."""
         self.moved()
         self.carried = self.proposed = 0
-        self.no_quorum, self.home = False, None
+        self.no_quorum, self.home, self.world_id = False, None, b""
 
     def returned(self) -> bool:
         """A mover came back to the store where its world formed (that store is live again,
@@ -171,6 +173,7 @@ class Machine:
         self.member, self.home = self.home, None
         self.carried = self.proposed = 0
         self.no_quorum, self.objected = False, ""
+        self.watch = self.prev_watch = self.last_seen = None  # the successor's, not this store's
         return True
 
     @property
@@ -209,9 +212,10 @@ class Machine:
             seat = yield from self._attempt(a)
             deadline = a.deadline  # a spare's join timeout starts when its round is over
             if seat is not None:
+                assert a.res is not None  # a seat comes with the round's outcome
                 self.member = Membership(r, seat.rank, seat.world)
                 self.carried = self.proposed = 0
-                self.home = None
+                self.home, self.world_id = None, a.res.wid
                 self.no_quorum, self.objected = False, ""
                 k = a.k
                 if self.cfg.hooks:  # our death: we left, the round is over, and why
@@ -265,7 +269,8 @@ class Machine:
             self.member.round, self.member.rank)
         # The record; a placeholder for our seat, which the publisher overwrites before it
         # decides res; and the keep-alive counter, bumped from the ticket on.
-        rec = sc.encode_record(pref, addr, pid, wstore, self.quorum, member_of, self.proposed)
+        rec = sc.encode_record(pref, addr, pid, wstore, self.quorum, member_of, self.proposed,
+                               self.world_id)
         yield MultiSet([k.record(t), k.seat(t), k.beat(t)], [rec, b"-1", b"0"])
         yield Beat(k.beat(t))
         if t == cfg.max_nodes:
@@ -390,7 +395,7 @@ class Machine:
             else:
                 res, _ = yield from self._wait_outcome(k, deadline, mine=False)
             if res.kind is Kind.COMPLETE:
-                self.last_seen = (q, res.world)
+                self.last_seen, self.last_gen = (q, res.world), sc.world_gen(res.wid)
                 return self.last_seen
             if res.kind is Kind.CLOSED:
                 raise self.closed_error()
@@ -502,7 +507,8 @@ class Machine:
                         cfg.window)
             tickets = have
         records = [bytes(v) for v in (yield MultiGet([k.record(i) for i in tickets]))]
-        why = yield from _majority.objection(records, a.last, cfg.can_move, self.keys)
+        last_gen = self.last_gen if a.last is not None else 0
+        why = yield from _majority.objection(records, a.last, cfg.can_move, self.keys, last_gen)
         if why or len(tickets) < cfg.min_nodes:
             log.warning("rendezvous %s round %d: %d nodes (%s); abandoning the round",
                         cfg.run_id, k.r, len(tickets), why or f"min_nodes is {cfg.min_nodes}")
@@ -534,7 +540,9 @@ class Machine:
                 vals.append(sc.encode_seat(rank, [by_rank[(rank + i) % world]
                                                   for i in range(1, _watched(world) + 1)]))
         yield MultiSet(keys, vals)
-        blob = sc.encode_outcome(world, sc.record_wstore(record_of[by_rank[0]]), identity)
+        gen = 1 + max(last_gen, *(sc.world_gen(sc.record_world(raw)) for raw in records))
+        wid = sc.world_id(gen, self._identity[1:3], k.p, self.clock())
+        blob = sc.encode_outcome(world, sc.record_wstore(record_of[by_rank[0]]), identity, wid)
         if bytes((yield CompareSet(k.outcome, "", blob))) == blob:
             yield Set(self.keys.open, b"%d" % (k.r + 1))
         return E.DONE

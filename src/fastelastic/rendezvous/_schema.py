@@ -22,10 +22,11 @@ Round ``r``:
   coordinator seals the round with ``add(t, SEAL)``: the value it gets back minus ``SEAL`` is
   the final count, and every later ticket is above ``SEAL``.
 * ``n/<ticket>`` (:py:meth:`RoundKeys.record`): the node's record,
-  ``pref|addr|pid|wstore|quorum|from|epoch`` (preferred rank, address, pid, its workers' store
-  address, the fewest members it accepts: a majority of its last world after a move, else 0;
-  the round of this store it was a member of, -1 for none; the epoch it proposes after a
-  move, else 0).
+  ``pref|addr|pid|wstore|quorum|from|epoch|world`` (preferred rank, address, pid, its workers'
+  store address, the fewest members it accepts: a majority of its last world after a move,
+  else 0; the round of this store it was a member of, -1 for none; the epoch it proposes after
+  a move, else 0; the id of the world it is a member of or carries, ``<gen>.<nonce>``, empty
+  for none: see :func:`world_gen`). Fields past the 5th are read tolerantly (absent: none).
 * ``rank/<ticket>`` (:py:meth:`RoundKeys.seat`): the node's seat, ``<rank>|<tickets of the
   peers it watches>``; ``-1`` until the publisher writes it (and for a node not admitted).
 * ``who/<rank>`` (:py:meth:`RoundKeys.who`): ``<ticket>|<record>`` of each member, by rank.
@@ -33,7 +34,8 @@ Round ``r``:
   keep-alive interval from the moment it took its ticket.
 * ``res`` (:py:attr:`RoundKeys.outcome`): the round's outcome, decided by one compare-and-set
   from absent: ``M<world>\\n<rank 0's workers' store address>\\n`` (complete; a third line
-  ``=`` when every rank is the ticket minus one, so nobody needs to read a seat) or ``D;``
+  ``=`` when every rank is the ticket minus one, so nobody needs to read a seat; then
+  ``w<world id>``, read tolerantly) or ``D;``
   (abandoned: everyone re-joins ``r + 1``; also appended by the server when a joined node's
   connection closes). A ``C;`` appended by ``set_closed`` means closed. Text after the first
   newline is not part of the verdict, so late appends never corrupt a complete outcome.
@@ -54,6 +56,8 @@ Round ``r``:
 from __future__ import annotations
 
 import enum
+import time
+import zlib
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -114,9 +118,33 @@ class RoundKeys:
 
 
 def encode_record(pref: int, addr: str, pid: int, wstore: bytes, quorum: int = 0,
-                  member_of: int = -1, epoch: int = 0) -> bytes:
-    return b"%d|%s|%d|%s|%d|%d|%d" % (pref, addr.encode(), pid, wstore, quorum, member_of,
-                                      epoch)
+                  member_of: int = -1, epoch: int = 0, world: bytes = b"") -> bytes:
+    return b"%d|%s|%d|%s|%d|%d|%d|%s" % (pref, addr.encode(), pid, wstore, quorum, member_of,
+                                         epoch, world)
+
+
+def record_world(raw: bytes) -> bytes:
+    """The id of the world the node is a member of, or carries after a move (b"": none, or
+    a record written before worlds were named); see :func:`world_gen`."""
+    parts = raw.split(b"|")
+    return parts[7] if len(parts) > 7 else b""
+
+
+def world_gen(wid: bytes) -> int:
+    """A world id's generation, ``<gen>.<nonce>``: one more than the highest generation of the
+    last world on the store where it formed and of any world the records of its round named
+    (0: no world). A world formed after another on the same store, or from (some of) its
+    members elsewhere, has a higher generation than it."""
+    try:
+        return int(wid.partition(b".")[0]) if wid else 0
+    except ValueError as e:
+        raise RendezvousStateError(f"corrupt world id {wid[:40]!r}") from e
+
+
+def world_id(gen: int, *salt: object) -> bytes:
+    """A new world's id: its generation and a nonce (from ``salt``, the publisher's identity,
+    and the wall clock: unique across stores and restarts)."""
+    return b"%d.%08x" % (gen, zlib.crc32(repr((salt, time.time_ns())).encode()))
 
 
 def record_epoch(raw: bytes) -> int:
@@ -213,8 +241,9 @@ class Kind(enum.Enum):
 _COMPLETE, _CLOSED, _ABANDONED = Kind.COMPLETE.value, Kind.CLOSED.value, Kind.ABANDONED.value
 
 
-def encode_outcome(world: int, wstore: bytes, identity: bool) -> bytes:
-    return b"%s%d\n%s\n%s" % (_COMPLETE, world, wstore, IDENTITY if identity else b"")
+def encode_outcome(world: int, wstore: bytes, identity: bool, wid: bytes = b"") -> bytes:
+    return b"%s%d\n%s\n%s%s" % (_COMPLETE, world, wstore, IDENTITY if identity else b"",
+                                b"w%s\n" % wid if wid else b"")
 
 
 ABANDONED = _ABANDONED + b";"
@@ -231,6 +260,7 @@ class Outcome(NamedTuple):
     identity: bool = False  # every node's rank is its ticket - 1 (no seat to read)
     no_quorum: bool = False  # abandoned by a majority rule (a moved world, or a split)
     why: str = ""  # the majority rule's objection (its second line), for the timeout's error
+    wid: bytes = b""  # a complete round's world id (see world_gen; b"" from older publishers)
 
 
 def encode_no_quorum(why: str) -> bytes:
@@ -247,7 +277,11 @@ def parse_outcome(raw: bytes) -> Outcome:
         except ValueError as e:
             raise RendezvousStateError(f"corrupt rendezvous outcome {raw[:40]!r}") from e
         wstore, nl, rest = rest.partition(b"\n")
-        return Outcome(Kind.COMPLETE, world, wstore if nl else b"", rest.startswith(IDENTITY))
+        identity = rest.startswith(IDENTITY)
+        rest = rest[len(IDENTITY):] if identity else rest
+        wid, wnl, _ = rest.partition(b"\n")  # a line of its own: later appends follow it
+        wid = wid[1:] if wid.startswith(b"w") and wnl else b""
+        return Outcome(Kind.COMPLETE, world, wstore if nl else b"", identity, wid=wid)
     if _CLOSED in head:  # closed wins over an abandon it was appended to
         return Outcome(Kind.CLOSED)
     if head.startswith(_ABANDONED):

@@ -30,8 +30,9 @@ from fastelastic.events import NodeState, construct_and_record_rdzv_event
 
 from . import _requests as rq
 from . import _store_ops as ops
-from ._failover import Candidates, GoBack, Live, parse_candidates
+from ._failover import Candidates, GoBack, Live, Regroup, parse_candidates
 from ._liveness import BEATER
+from ._moves import Moves
 from ._round import Config, Machine
 from ._schema import Membership, assign_ranks
 from ._store_hosting import host_store, token_from
@@ -59,7 +60,7 @@ DEFAULT_KEEP_ALIVE_INTERVAL = 1.0  # seconds
 DEFAULT_KEEP_ALIVE_MAX_ATTEMPT = 5  # detection window: interval * attempts = 5 s (torch: 15 s)
 
 
-class FastRendezvousHandler(RendezvousHandler):
+class FastRendezvousHandler(Moves, RendezvousHandler):
     """Rendezvous handler running the ticket protocol of :mod:`._round` on a store.
 
     Args:
@@ -292,8 +293,11 @@ class FastRendezvousHandler(RendezvousHandler):
 
     def _next_rendezvous_anywhere(self) -> RendezvousInfo:
         """``_next_rendezvous`` on the live store, moving to the next candidate when the
-        store's host is lost (bounded by the number of candidates)."""
+        store's host is lost (bounded by the number of candidates). A node that carries no
+        world never moves the rendezvous (``_failover.NO_WORLD_RULE``): it follows a committed
+        move, or waits for its store, within the join timeout."""
         moves = len(self._candidates.endpoints) - 1 if self._candidates is not None else 0
+        until = time.monotonic() + self._timeout.join.total_seconds()
         for _ in range(_MAX_HOPS):  # bounded: each pass moves (at most ``moves``) or goes back
             store = self._store
             try:
@@ -302,7 +306,13 @@ class FastRendezvousHandler(RendezvousHandler):
                 return info
             except GoBack as e:
                 self._go_back(e, store)
+            except Regroup as e:
+                self._regroup(e, store)
             except (RendezvousConnectionError, StoreTimeoutError) as e:
+                if self._candidates is not None and self._m.member is None and not (
+                        self._m.carried):
+                    self._follow(e, store, until)
+                    continue
                 if moves <= 0:
                     raise
                 moves -= 1
@@ -310,56 +320,6 @@ class FastRendezvousHandler(RendezvousHandler):
         raise RendezvousConnectionError(
             f"The rendezvous '{self._run_id}' moved between its candidates {_MAX_HOPS} times "
             "without forming a round.")
-
-    def _move(self, why: BaseException, failed: Any) -> bool:
-        """The live store's host is lost: connect to the next live candidate, raise its epoch
-        past the lost one's, and start the rounds over there (see :mod:`._failover`).
-
-        ``failed`` is the store client the failure came from. Moves are serialised
-        (``_move_lock``): when another call moved while this one failed, the failure was the
-        old store's and this one does not move again (False)."""
-        assert self._candidates is not None
-        with self._move_lock:
-            if self._store is not failed:
-                return False
-            self._move_now(why)
-            return True
-
-    def _move_now(self, why: BaseException) -> None:
-        assert self._candidates is not None
-        c, live, member = self._candidates, self._live, self._m.member
-        lost = c.name(live.index) if live.index >= 0 else "?"
-        self._stop_heartbeats()
-        with contextlib.suppress(RendezvousConnectionError, StoreError):  # before any close
-            self._run(self._m.moving(), self._store)
-        self._switch(*c.move(live, member[0] if member is not None else None))
-        new = self._live
-        if live.left is not None and new.index == live.left[0] and self._m.returned():
-            self._live = new = Live(new.index, new.epoch)  # back where its world formed
-        else:
-            self._m.moved(new.proposed)
-        log.warning("rendezvous %s: the store at %s was lost (%s); moved to %s (epoch %d%s)",
-                    self._run_id, lost, why, c.name(new.index), new.proposed or new.epoch,
-                    " proposed: committed once a round forms there" if new.proposed else "")
-
-    def _go_back(self, why: BaseException, failed: Any) -> None:
-        """A mover whose move was not committed finds the store it left alive, its world gone
-        on there: it goes back and joins that world as a new node."""
-        assert self._candidates is not None
-        with self._move_lock:
-            if self._store is not failed:
-                return
-            self._stop_heartbeats()
-            self._switch(*self._candidates.back(self._live))
-            self._m.back()
-            log.warning("rendezvous %s: %s; went back to it", self._run_id, why)
-
-    def _switch(self, client: Any, live: Live) -> None:
-        """Talks to the rendezvous through ``client`` (at ``live``) from now on."""
-        old, self._store, self._live = self._store, client, live
-        self._close_side()
-        with contextlib.suppress(Exception):
-            old.close()
 
     def _next_rendezvous(self) -> RendezvousInfo:
         wstore = self._wstore.address() if self.use_agent_store else b""

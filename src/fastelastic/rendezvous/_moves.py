@@ -1,0 +1,135 @@
+"""The rendezvous handler's moves between the ``--rdzv-endpoint`` candidates (the policy
+of :mod:`._failover`, run under the handler's move lock): a member that lost the live store
+moves to the next candidate; a node that carries no world only follows a committed move or
+waits for its store; a mover whose round failed the majority rule goes back to its world's
+store or regroups on an earlier candidate."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from fastelastic.errors import RendezvousConnectionError, RendezvousTimeoutError, StoreError
+
+from ._failover import GoBack, Live, Regroup
+
+if TYPE_CHECKING:
+    import threading
+
+    from ._failover import Candidates
+    from ._requests import Proto
+    from ._round import Machine
+    from .timeouts import RendezvousTimeout
+
+log = logging.getLogger("fastelastic.rendezvous.fast_rendezvous")
+
+
+class Moves:
+    """Mixin of ``FastRendezvousHandler``: its moves (every one holds ``_move_lock`` and acts
+    only when the failure came from the store it still talks through)."""
+
+    if TYPE_CHECKING:
+        _candidates: Candidates | None
+        _live: Live
+        _m: Machine
+        _store: Any
+        _move_lock: threading.RLock
+        _run_id: str
+        _timeout: RendezvousTimeout
+
+        def _run(self, gen: Proto[Any], store: Any) -> Any: ...
+        def _stop_heartbeats(self) -> None: ...
+        def _close_side(self) -> None: ...
+
+    def _move(self, why: BaseException, failed: Any) -> bool:
+        """The live store's host is lost: connect to the next live candidate, raise its epoch
+        past the lost one's, and start the rounds over there (see :mod:`._failover`).
+
+        ``failed`` is the store client the failure came from. Moves are serialised
+        (``_move_lock``): when another call moved while this one failed, the failure was the
+        old store's and this one does not move again (False)."""
+        assert self._candidates is not None
+        with self._move_lock:
+            if self._store is not failed:
+                return False
+            self._move_now(why)
+            return True
+
+    def _move_now(self, why: BaseException) -> None:
+        assert self._candidates is not None
+        c, live, member = self._candidates, self._live, self._m.member
+        lost = c.name(live.index) if live.index >= 0 else "?"
+        self._stop_heartbeats()
+        with contextlib.suppress(RendezvousConnectionError, StoreError):  # before any close
+            self._run(self._m.moving(), self._store)
+        self._switch(*c.move(live, member[0] if member is not None else None))
+        new = self._live
+        if live.left is not None and new.index == live.left[0] and self._m.returned():
+            self._live = new = Live(new.index, new.epoch)  # back where its world formed
+        else:
+            self._m.moved(new.proposed)
+        log.warning("rendezvous %s: the store at %s was lost (%s); moved to %s (epoch %d%s)",
+                    self._run_id, lost, why, c.name(new.index), new.proposed or new.epoch,
+                    " proposed: committed once a round forms there" if new.proposed else "")
+
+    def _go_back(self, why: GoBack, failed: Any) -> None:
+        """A mover whose move was not committed finds the store it left answering again: it
+        goes back, as a member of its world when no round formed there since (``rejoin``),
+        else as a new node."""
+        assert self._candidates is not None
+        with self._move_lock:
+            if self._store is not failed:
+                return
+            self._stop_heartbeats()
+            self._switch(*self._candidates.back(self._live))
+            if not (why.rejoin and self._m.returned()):
+                self._m.back()
+            log.warning("rendezvous %s: %s; went back to it", self._run_id, why)
+
+    def _regroup(self, why: Regroup, failed: Any) -> None:
+        """A mover whose round failed the majority rule regroups on an earlier candidate (its
+        world's store not answering): the movers of a world meet there."""
+        assert self._candidates is not None
+        with self._move_lock:
+            if self._store is not failed:
+                return
+            self._stop_heartbeats()
+            self._switch(*self._candidates.regroup(self._live, why.index))
+            self._m.moved(self._live.proposed)
+            log.warning("rendezvous %s: %s; regrouped there", self._run_id, why)
+
+    def _follow(self, why: BaseException, failed: Any, until: float) -> None:
+        """A node that carries no world lost its store: it follows a committed move, or
+        reconnects to its store once it answers (``Candidates.follow``; raises after
+        ``until``)."""
+        assert self._candidates is not None
+        with self._move_lock:
+            if self._store is not failed:
+                return
+            self._stop_heartbeats()
+            lost = self._candidates.name(self._live.index)
+            log.warning("rendezvous %s: the store at %s was lost (%s) while this node belonged "
+                        "to no world: it does not move the rendezvous; it waits up to %.0fs "
+                        "for that store or a committed move", self._run_id, lost, why,
+                        max(0.0, until - time.monotonic()))
+            try:
+                client, live = self._candidates.follow(self._live, until)
+            except RendezvousTimeoutError as e:
+                raise RendezvousTimeoutError(
+                    f"The rendezvous '{self._run_id}' did not complete within "
+                    f"{self._timeout.join.total_seconds():g} seconds ({why}): {e}") from e
+            self._switch(client, live)
+            self._m.moved()
+            log.warning("rendezvous %s: the store at %s (lost while this node belonged to no "
+                        "world) is now at %s (epoch %d)", self._run_id, lost,
+                        self._candidates.name(live.index), live.epoch)
+
+    def _switch(self, client: Any, live: Live) -> None:
+        """Talks to the rendezvous through ``client`` (at ``live``) from now on."""
+        old, self._store, self._live = self._store, client, live
+        self._close_side()
+        with contextlib.suppress(Exception):
+            old.close()
+
