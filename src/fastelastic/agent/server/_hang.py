@@ -164,7 +164,11 @@ class HangWatch:
                 idle = node_stalled(views.values(), now, timeout, self.allowance_s)
                 if idle is None:
                     return None
+                t0 = time.monotonic()
                 stacks = self.slots.dump_stacks(self._pids)
+                logger.info("hang: ranks %s made no progress for %.1f s; their stacks dumped "
+                            "in %.3f s", sorted(self._ranks.values()), idle,
+                            time.monotonic() - t0)
                 reports = [
                     rank_report(self._ranks[lr], self._host, views[lr], now, stacks.get(lr, ""))
                     for lr in sorted(self._pids) if lr in views
@@ -202,7 +206,12 @@ class HangWatch:
         # when none stands out, while the processes still exist
         named = {lr: pid for lr, pid in self._pids.items()
                  if not verdict.culprits or self._ranks.get(lr) in verdict.culprits}
-        for lr, text in native_stacks(named).items():
+        t0 = time.monotonic()
+        native = native_stacks(named)
+        if native:
+            logger.info("hang: py-spy dumped %d ranks in %.3f s", len(native),
+                        time.monotonic() - t0)
+        for lr, text in native.items():
             self._stacks[lr] = (self._stacks.get(lr) or "") + (
                 "\n--- py-spy dump --native ---\n" + text)
         path = self._write(verdict, reports, first, log_dir)
