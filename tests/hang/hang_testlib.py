@@ -141,7 +141,7 @@ def phases(recs: list[dict[str, Any]], logs: list[str]) -> dict[str, Any]:
     died = [(float(m[2]), m[3]) for _, msg in lines if msg.startswith("Stopped by")
             for m in _STOPPED.finditer(msg)]
     pyspy = [float(msg.rsplit(" in ", 1)[1].split()[0]) for _, msg in lines
-             if msg.startswith("hang: py-spy dumped")]
+             if msg.startswith("hang: py-spy dump")]
     return {
         "stacks_dumped": last(lambda m: "their stacks dumped" in m),
         "verdict": last(lambda m: m.startswith("hang: rank") or "stands out" in m, first=True),

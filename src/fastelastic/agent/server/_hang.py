@@ -31,7 +31,7 @@ from fastelastic.agent.server._hang_verdict import (
     rank_report,
 )
 from fastelastic.errors import RendezvousError, StoreError
-from fastelastic.progress._launch import PROGRESS_ENV, Slots, native_stacks
+from fastelastic.progress._launch import PROGRESS_ENV, NativeDumps, Slots
 
 logger = logging.getLogger("fastelastic.agent.server.api")  # the agent's log
 
@@ -97,6 +97,7 @@ class HangWatch:
         self._ranks: dict[int, int] = {}
         self._published = False
         self._stacks: dict[int, str] = {}
+        self._native: NativeDumps | None = None  # py-spy, begun when this node stalled
         self._published_steps = 0
         self.last_verdict = ""  # the line of the last verdict (for its event)
         self._host = socket.gethostname()
@@ -106,6 +107,7 @@ class HangWatch:
         for lr, path in self.slots.prepare(sorted(envs)).items():
             envs[lr][PROGRESS_ENV] = path
         self._published = False
+        self._drop_native()
         self.intervals.reset_attempt()
 
     def started(self, pids: dict[int, int], ranks: dict[int, int]) -> None:
@@ -130,7 +132,13 @@ class HangWatch:
         return self._published
 
     def close(self) -> None:
+        self._drop_native()
         self.slots.close()
+
+    def _drop_native(self) -> None:
+        if self._native is not None:
+            self._native.cancel()
+            self._native = None
 
     def check(self, store: Any, group_rank: int, group_world_size: int,
               log_dir: str | None, reused_store: bool = False) -> HangAction | None:
@@ -158,6 +166,7 @@ class HangWatch:
                     if steps == self._published_steps:
                         return None
                     self._published = False  # progress again before the verdict: withdraw
+                    self._drop_native()
                     store.delete_key(key)
                     return None
             else:
@@ -169,6 +178,10 @@ class HangWatch:
                 logger.info("hang: ranks %s made no progress for %.1f s; their stacks dumped "
                             "in %.3f s", sorted(self._ranks.values()), idle,
                             time.monotonic() - t0)
+                # native frames in the background (after the Python dump: one at a time in
+                # the process) while the other nodes report: none of it in the restart's path
+                self._drop_native()
+                self._native = NativeDumps(self._pids, self.slots.dir)
                 reports = [
                     rank_report(self._ranks[lr], self._host, views[lr], now, stacks.get(lr, ""))
                     for lr in sorted(self._pids) if lr in views
@@ -207,9 +220,10 @@ class HangWatch:
         named = {lr: pid for lr, pid in self._pids.items()
                  if not verdict.culprits or self._ranks.get(lr) in verdict.culprits}
         t0 = time.monotonic()
-        native = native_stacks(named)
+        native = self._native.collect(set(named)) if self._native is not None else {}
+        self._native = None
         if native:
-            logger.info("hang: py-spy dumped %d ranks in %.3f s", len(native),
+            logger.info("hang: py-spy dumps of %d ranks collected in %.3f s", len(native),
                         time.monotonic() - t0)
         for lr, text in native.items():
             self._stacks[lr] = (self._stacks.get(lr) or "") + (
