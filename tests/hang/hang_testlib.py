@@ -35,7 +35,7 @@ def job_env(out: Path, **hang: Any) -> dict[str, str]:
     return env
 
 
-def fastrun_argv(nproc: int, hang_timeout: float | str | None, preload: bool,
+def fastrun_argv(nproc: int, hang_timeout: float | str | None, preload: bool | str,
                  nnodes: int = 1, port: int = 0, log_dir: Path | None = None,
                  max_restarts: int = 3) -> list[str]:
     argv = [sys.executable, "-m", "fastelastic.run", "--nproc-per-node", str(nproc),
@@ -47,15 +47,15 @@ def fastrun_argv(nproc: int, hang_timeout: float | str | None, preload: bool,
                  "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "hang"]
     if hang_timeout is not None:
         argv += ["--hang-timeout", str(hang_timeout)]
-    if preload:
-        argv += ["--preload", "torch"]
+    if preload:  # True: torch; a string: those modules
+        argv += ["--preload", preload if isinstance(preload, str) else "torch"]
     if log_dir is not None:
         argv += ["--log-dir", str(log_dir)]
     return [*argv, str(WORKER)]
 
 
 def run_job(out: Path, nproc: int = 2, nnodes: int = 1, hang_timeout: float | str | None = 2,
-            preload: bool = False, timeout: float = 240, max_restarts: int = 3,
+            preload: bool | str = False, timeout: float = 240, max_restarts: int = 3,
             **hang: Any) -> list[subprocess.CompletedProcess[str]]:
     """Runs ``nnodes`` launchers of ``nproc`` workers each until they end; their results."""
     env = job_env(out, **hang)
@@ -144,7 +144,8 @@ def phases(recs: list[dict[str, Any]], logs: list[str]) -> dict[str, Any]:
              if msg.startswith("hang: py-spy dump")]
     return {
         "stacks_dumped": last(lambda m: "their stacks dumped" in m),
-        "verdict": last(lambda m: m.startswith("hang: rank") or "stands out" in m, first=True),
+        "verdict": last(lambda m: re.match(r"hang: rank \d", m) or "stands out" in m,
+                        first=True),
         "pyspy_s": max(pyspy) if pyspy else None,
         "stop_began": last(lambda m: "Stopping worker group" in m),
         "stopped": last(lambda m: m.startswith("Stopped by")),

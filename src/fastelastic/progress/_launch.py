@@ -182,6 +182,7 @@ class NativeDumps:
     waits for a py-spy begun then (it only waits for what is left of one)."""
 
     def __init__(self, pids: dict[int, int], out_dir: str) -> None:
+        self.local_ranks = set(pids)
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
         self._files: dict[int, str] = {}
         self._errors: dict[int, str] = {}

@@ -175,18 +175,22 @@ class HangWatch:
                     return None
                 t0 = time.monotonic()
                 stacks = self.slots.dump_stacks(self._pids)
-                logger.info("hang: ranks %s made no progress for %.1f s; their stacks dumped "
+                logger.info("hang: no progress on ranks %s for %.1f s; their stacks dumped "
                             "in %.3f s", sorted(self._ranks.values()), idle,
                             time.monotonic() - t0)
-                # native frames in the background (after the Python dump: one at a time in
-                # the process) while the other nodes report: none of it in the restart's path
-                self._drop_native()
-                self._native = NativeDumps(self._pids, self.slots.dir)
-                reports = [
-                    rank_report(self._ranks[lr], self._host, views[lr], now, stacks.get(lr, ""))
+                mine = {
+                    lr: rank_report(self._ranks[lr], self._host, views[lr], now,
+                                    stacks.get(lr, ""))
                     for lr in sorted(self._pids) if lr in views
-                ]
+                }
+                reports = list(mine.values())
                 self._stacks = stacks
+                # native frames of the likely culprits (outside a collective) in the
+                # background while the other nodes report: less of it in the restart's path
+                self._drop_native()
+                self._native = NativeDumps(
+                    {lr: self._pids[lr] for lr, r in mine.items() if not r.collective},
+                    self.slots.dir)
                 store.set(key, json.dumps([r.to_json() for r in reports]))
                 self._published = True
                 self._published_steps = steps
@@ -220,8 +224,11 @@ class HangWatch:
         named = {lr: pid for lr, pid in self._pids.items()
                  if not verdict.culprits or self._ranks.get(lr) in verdict.culprits}
         t0 = time.monotonic()
-        native = self._native.collect(set(named)) if self._native is not None else {}
-        self._native = None
+        begun, self._native = self._native, None
+        late = set(named) - (begun.local_ranks if begun is not None else set())
+        extra = NativeDumps({lr: named[lr] for lr in late}, self.slots.dir) if late else None
+        native = begun.collect(set(named)) if begun is not None else {}
+        native.update(extra.collect(late) if extra is not None else {})
         if native:
             logger.info("hang: py-spy dumps of %d ranks collected in %.3f s", len(native),
                         time.monotonic() - t0)
