@@ -261,7 +261,7 @@ def marks():
 
 def _cost(benchmark, name: str) -> None:
     if not benchmark.disabled and benchmark.stats is not None:
-        _COSTS[name] = benchmark.stats.stats.median * 1e6
+        _COSTS[f"{name} (us)"] = benchmark.stats.stats.median * 1e6
 
 
 @pytest.mark.parametrize("impl", ["fastelastic", "torch"])
@@ -319,6 +319,107 @@ def test_training_step(benchmark, request, impl: str) -> None:
     _cost(benchmark, f"training step: {impl}")
 
 
+def _marks_on(w, on: bool) -> None:
+    """The step mark registered (as in a worker) or not (as without --hang-timeout)."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    if on and w._opt_handle is None:
+        w._opt_handle = register_optimizer_step_post_hook(w._on_step)
+    elif not on and w._opt_handle is not None:
+        w._opt_handle.remove()
+        w._opt_handle = None
+
+
+def _ddp_example_step(tmp_path: Path):
+    """One training step of README's DDP example (``examples/ddp_train.py``: its model,
+    batch, loss and optimizer) in a gloo group of 1; the group's teardown."""
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(REPO / "examples"))
+    try:
+        from ddp_train import Net, _dataset
+    finally:
+        sys.path.remove(str(REPO / "examples"))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
+                            world_size=1)
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(Net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    x, y = _dataset()
+    g = torch.Generator().manual_seed(0)
+    loss_fn = torch.nn.MSELoss()
+
+    def step() -> None:
+        idx = torch.randint(0, x.shape[0], (64,), generator=g)
+        opt.zero_grad(set_to_none=True)
+        loss_fn(model(x[idx]), y[idx]).backward()
+        opt.step()
+
+    return step, dist.destroy_process_group
+
+
+def _sequential_step():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(1000)])
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    x = torch.randn(32, 64)
+
+    def step() -> None:
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    return step, lambda: None
+
+
+@pytest.mark.parametrize("model", ["ddp example", "sequential 1000 x Linear(64,64)"])
+def test_share_of_a_step(benchmark, request, tmp_path: Path, model: str, marks) -> None:
+    """The marks' whole cost while training, as a share of a step: blocks of steps with the
+    marks on and off alternate (ABBA) in one process, one thread; the median of the blocks'
+    ratios on/off - 1 (the target: <= 1 %)."""
+    torch.set_num_threads(1)
+    step, done = _ddp_example_step(tmp_path) if model == "ddp example" else _sequential_step()
+    smoke = _smoke(request)
+    per_block = (1 if smoke else 2) if model.startswith("sequential") else (5 if smoke else 100)
+    blocks = 2 if smoke else 40
+    ratios: list[float] = []
+    times = {True: [], False: []}
+
+    def block(on: bool) -> float:
+        _marks_on(marks, on)
+        t0 = time.perf_counter_ns()
+        for _ in range(per_block):
+            step()
+        dt = (time.perf_counter_ns() - t0) / per_block
+        times[on].append(dt)
+        return dt
+
+    def run() -> None:
+        for _ in range(3):
+            step()  # warm up
+        before = marks._slot[marks.F_STEPS]
+        for i in range(blocks):
+            order = (True, False) if i % 2 else (False, True)
+            t = {on: block(on) for on in order}
+            ratios.append(t[True] / t[False])
+        # the marks counted exactly the steps made with them on
+        assert marks._slot[marks.F_STEPS] - before == blocks * per_block
+
+    try:
+        benchmark.pedantic(run, rounds=1, iterations=1)
+    finally:
+        _marks_on(marks, True)
+        done()
+    share = (statistics.median(ratios) - 1) * 100
+    step_us = statistics.median(times[False]) / 1e3
+    _COSTS[f"training step, {model}: without the marks (us)"] = step_us
+    _COSTS[f"training step, {model}: with the marks (us)"] = statistics.median(times[True]) / 1e3
+    _COSTS[f"training step, {model}: marks' share (%, median of {blocks} paired blocks)"] = share
+    benchmark.extra_info.update({"share_pct": share, "step_us": step_us})
+    if not smoke:
+        assert share <= 1.0, (share, step_us)
+
+
 # ------------------------------------------------------------------------------ report
 
 
@@ -358,11 +459,12 @@ def _phase_table() -> list[str]:
             cells += [_fmt(statistics.median(death) if death else None),
                       _fmt(_med(rs, "pyspy_s"))]
             out.append(f"| {what} | {launcher} | " + " | ".join(cells) + " |")
-    exits = sorted({e for r in _RESULTS for e in (r.get("phases") or {}).get("worker_exits", [])})
-    out += ["", f"Exit codes of the stopped workers, all rounds: {', '.join(exits) or '—'} "
-            "(-15: SIGTERM; no worker needed the SIGKILL that follows the grace period)."
-            if exits and set(exits) <= {"-15"} else
-            f"Exit codes of the stopped workers, all rounds: {', '.join(exits) or '—'}."]
+    exits = sorted({e for r in _RESULTS if r["mode"] != "crash"
+                    for e in (r.get("phases") or {}).get("worker_exits", [])})
+    out += ["", f"Exit codes of the hung groups' stopped workers, all rounds: "
+            f"{', '.join(exits) or '—'}" + (
+                " (SIGTERM: none needed the SIGKILL that follows the grace period)."
+                if exits and set(exits) <= {"-15"} else ".")]
     return out
 
 
@@ -382,6 +484,9 @@ def _table() -> str:
            f"load average at each round's start: {span}; at the end: {load}).", "",
            "| hang | launcher | hang -> verdict s | hang -> all ranks training s | "
            "target | met |", "|---|---|---:|---:|---|---|"]
+    if not _RESULTS:  # the costs alone
+        out = ["# Hang check: the cost of progress reporting (benchmarks/bench_hang.py)", "",
+               f"Shared 2-core machine (load average at the end: {load})."]
     crash = _med([r for r in _RESULTS if r["mode"] == "crash" and r["launcher"] == "fastrun"],
                  "downtime_s")
     for kind, what in KINDS.items():
@@ -410,8 +515,9 @@ def _table() -> str:
     if any(r.get("phases") for r in _RESULTS):
         out += _phase_table()
     if _COSTS:
-        out += ["", "Cost of progress reporting (one thread, median of pytest-benchmark "
-                "rounds, microseconds):", "", "| what | us |", "|---|---:|"]
+        out += ["", "Cost of progress reporting (one thread; medians of pytest-benchmark "
+                "rounds, or of paired blocks of steps with the marks on and off):", "",
+                "| what | value |", "|---|---:|"]
         out += [f"| {k} | {v:.3f} |" for k, v in _COSTS.items()]
     return "\n".join(out) + "\n"
 
