@@ -399,20 +399,23 @@ def load_hang(d: Path) -> tuple[dict, str] | None:
 
 
 def plot_hang(plt: Any, data: dict, out: Path) -> None:
-    order = {"native": 0, "sleep": 1, "deadlock": 2, "loop": 3}
+    order = {"native": 0, "sleep": 1, "deadlock": 2, "loop": 3, "crash": 4}
     keys = sorted(data, key=lambda k: (order.get(k[0], 9), k))
     launchers = sorted({lname for k in keys for lname in data[k]},
-                       key=lambda s: (not s.startswith("fast"), "preload" not in s, s))
+                       key=lambda s: (not s.startswith("fast"), "preload" not in s, -len(s)))
     colors = dict(zip(launchers, ["#1f77b4", "#17becf", "#d62728", "#ff7f0e"], strict=False))
-    fig, ax = _figure(plt, "A hung rank (--hang-timeout 5): hang -> every rank trains again")
+    fig, ax = _figure(plt, "A hung rank (--hang-timeout 5): hang -> every rank trains again",
+                      size=(9.0, 4.8))
     series = {lname: [data[k].get(lname, (None, False))[0] for k in keys] for lname in launchers}
     lower = {lname: [data[k].get(lname, (None, False))[1] for k in keys] for lname in launchers}
-    _bars(ax, [m for m, _ in keys], series, colors, lower)
+    names = {"crash": "crash\n(no hang)"}
+    _bars(ax, [names.get(m, m) for m, _ in keys], series, colors, lower)
     ax.set_yscale("log")
     top = max(v for vs in series.values() for v in vs if v is not None)
     ax.set_ylim(top=top * 3)
     ax.set_ylabel("seconds, log scale (hatched ≥: not recovered, its bound)")
-    ax.legend(fontsize=8, loc="upper center", ncol=min(3, len(launchers)))
+    ax.axhline(10, ls="--", lw=1, color="gray", label="target with --preload: 10 s")
+    ax.legend(fontsize=8, loc="upper center", ncol=3)
     fig.tight_layout()
     fig.savefig(out)
 

@@ -101,7 +101,9 @@ class SlowFile:
 
 
 def main():
+    note(event="start")  # the phases of a restart: the script runs, then its group forms
     dist.init_process_group("gloo")
+    note(event="init")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -151,3 +151,40 @@ def test_watch_shows_steps_and_progress_age(nodes) -> None:
     assert "STEPS" in table.splitlines()[0]
     assert "11 (0.5s ago)" in table
     assert v.bad_messages == 1
+
+
+def test_py_spy_runs_while_the_other_nodes_report_not_in_the_restart(
+        store, nodes, tmp_path, monkeypatch) -> None:
+    """py-spy (here a stand-in taking 1 s) begins when a node stalls: the verdict that comes
+    once the last node reported does not wait for it again (it was in the restart's path)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "py-spy"
+    fake.write_text("#!/bin/sh\nsleep 1\necho \"native frames of $4\"\n"
+                    f"touch {tmp_path}/done.$4\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{__import__('os').environ['PATH']}")
+    monkeypatch.delenv("FASTELASTIC_HANG_PYSPY", raising=False)
+    a, b = nodes
+    for n in nodes:
+        n.step(0, 20, ago_s=2)
+        n.step(1, 20, ago_s=2)
+    b.views[1][w.F_STEPS] = 19  # rank 3 fell behind: the culprit
+    a.step(0, 1)  # node 0 still moving
+    t0 = time.monotonic()
+    assert b.check(store, tmp_path / "b") is None  # stalled and reported; py-spy begun
+    assert time.monotonic() - t0 < 0.9  # ... in the background
+    done = [tmp_path / f"done.{10_000 + r}" for r in (2, 3)]
+    deadline = time.monotonic() + 10
+    while not all(p.exists() for p in done) and time.monotonic() < deadline:
+        time.sleep(0.05)  # node 0 reports only after node 1's py-spy finished
+    assert all(p.exists() for p in done)
+    a.views[0][w.F_LAST_NS] -= int(2e9)
+    assert a.check(store, tmp_path / "a") is HangAction.RESTART
+    t0 = time.monotonic()
+    assert b.check(store, tmp_path / "b") is HangAction.RETRY
+    assert time.monotonic() - t0 < 0.5  # before: py-spy ran here, 1 s
+    text = (tmp_path / "b" / "hang_1" / "rank3.stacks.txt").read_text()
+    assert "--- py-spy dump --native ---\nnative frames of 10003" in text
+    assert "py-spy" not in (tmp_path / "b" / "hang_1" / "rank2.stacks.txt").read_text()
+    assert not list(Path(b.watch.slots.dir).glob("native.*"))  # the dumps' files are gone

@@ -19,19 +19,36 @@ A world "trains" at a time when every one of its members is in its training loop
 from __future__ import annotations
 
 import heapq
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
-from simstore import Node, Sim
+from simstore import Node, Sim, Sleep
 
 from fastelastic.errors import RendezvousConnectionError, RendezvousTimeoutError
+from fastelastic.rendezvous import _requests as rq
 from fastelastic.rendezvous import _schema as sc
 from fastelastic.rendezvous._failover import PROBE_S, GoBack, Live, Regroup
 
 DOWN = object()  # the reply of a request that failed as a connection error
 MAX_HOPS = 16
 START_PATIENCE = 60.0  # the read timeout a node waits at its start for the first candidate
+
+
+@dataclass(frozen=True, slots=True)
+class At:
+    """The driver's request: the machine's ``op`` on store ``store``."""
+
+    store: int
+    op: rq.Op
+
+
+@dataclass(frozen=True, slots=True)
+class Peek:
+    """The driver's probe of store ``store`` (answered within ``PROBE_S``): ``read(data)``."""
+
+    store: int
+    read: Callable[[dict[str, bytes]], Any]
 
 
 @dataclass
@@ -45,7 +62,7 @@ class MNode(Node):
     seg_start: float = -1.0
     worlds: dict[tuple[int, int], int] = field(default_factory=dict)
     log: list[str] = field(default_factory=list)
-    pending: tuple[Any, ...] | None = None  # a request waiting for its link to come back
+    pending: At | Peek | None = None  # a request waiting for its link to come back
 
 
 class MultiSim(Sim):
@@ -134,21 +151,23 @@ class MultiSim(Sim):
         self._seg_end(node)
         node.training = None
         self._stop(node)
-        node.m.leaving = True
         if node.store >= 0 and self.link(node, node.store) == "ok":
             self.data = self.stores[node.store]
             self.call(node, node.m.leave(for_good=True))
         self._kill(node)  # then the launcher exits: its connection closes
 
-    def _apply(self, node: Node, op: tuple[Any, ...]) -> tuple[str, Any]:
+    def _apply(self, node: Node, op: Any) -> tuple[str, Any]:
         assert isinstance(node, MNode)
-        if op[0] in ("beat", "stop_beats", "sleep"):
-            return super()._apply(node, op)
-        if op[0] not in ("rq", "peek"):  # ``call``: a machine request on the node's store
-            op = ("rq", node.store, op)
-        i, rq = op[1], op[2]
+        match op:  # the most frequent first (a match tries its cases in order)
+            case At() | Peek():
+                pass
+            case Sleep() | rq.Beat() | rq.StopBeats():
+                return super()._apply(node, op)
+            case _:  # ``call``: a machine request on the node's store
+                op = At(node.store, op)
+        i = op.store
         st = self.link(node, i)
-        timeout = PROBE_S if op[0] == "peek" else self.cfg.window
+        timeout = PROBE_S if isinstance(op, Peek) else self.cfg.window
         if st == "refused":
             return "now", DOWN
         if st == "timeout":  # answered if the link comes back before the deadline
@@ -156,9 +175,9 @@ class MultiSim(Sim):
             return "block", ("fail", [], self.clock.t + timeout)
         self.data = self.stores[i]
         node.bstore = i
-        if op[0] == "peek":
-            return "now", rq(self.data)
-        return super()._apply(node, rq)
+        if isinstance(op, Peek):
+            return "now", op.read(self.data)
+        return super()._apply(node, op.op)
 
     def _unblock(self, node: Node) -> None:
         assert isinstance(node, MNode) and node.blocked is not None
@@ -213,7 +232,7 @@ class MultiSim(Sim):
             node.segs.append((node.training, node.seg_start, self.clock.t))
         node.seg_start = -1.0
 
-    def _op(self, node: MNode, gen: Generator[tuple[Any, ...], Any, Any]) -> Any:
+    def _op(self, node: MNode, gen: rq.Proto[Any]) -> Any:
         """Runs one machine operation on the node's store (the handler's ``_run``/``_do``)."""
         reply: Any = None
         try:
@@ -222,17 +241,18 @@ class MultiSim(Sim):
                     op = gen.send(reply)
                 except StopIteration as e:
                     return e.value
-                if op[0] in ("beat", "stop_beats", "sleep"):
-                    reply = yield op
-                elif op[0] == "moved_elsewhere":
-                    yield from self._check(node)
-                    reply = None
-                elif op[0] == "gone_elsewhere":
-                    reply = yield from self._gone_elsewhere(node, op[1])
-                else:
-                    reply = yield ("rq", node.store, op)
-                    if reply is DOWN:
-                        raise RendezvousConnectionError(f"store {node.store} lost")
+                match op:
+                    case rq.Beat() | rq.StopBeats():
+                        reply = yield op
+                    case rq.MovedElsewhere():
+                        yield from self._check(node)
+                        reply = None
+                    case rq.GoneElsewhere(idents):
+                        reply = yield from self._gone_elsewhere(node, idents)
+                    case _:
+                        reply = yield At(node.store, op)
+                        if reply is DOWN:
+                            raise RendezvousConnectionError(f"store {node.store} lost")
             raise AssertionError("an operation that never ends")
         finally:
             gen.close()
@@ -242,7 +262,7 @@ class MultiSim(Sim):
         for i in range(len(self.stores)):
             if i == exclude:
                 continue
-            v = yield ("peek", i, lambda d: int(d.get(self.keys.epoch, b"0")))
+            v = yield Peek(i, lambda d: int(d.get(self.keys.epoch, b"0")))
             if v is not DOWN:
                 found.append((-v, i))
         return sorted(found)
@@ -260,15 +280,15 @@ class MultiSim(Sim):
                 break
             if self.clock.t >= deadline and (not found or self.clock.t >= start + self.cfg.join):
                 raise RendezvousConnectionError("no candidate could be reached")
-            yield ("sleep", 0.2)
+            yield Sleep(0.2)
         else:
             raise RendezvousConnectionError("no candidate could be reached")
         epoch, i = -found[0][0], found[0][1]
         proposed = at_least if epoch < at_least else 0
         if exclude >= 0 or proposed:
             me = f"10.0.0.{node.id}|{1000 + node.id}"
-            r = yield ("rq", i, ("append", self.keys.moving,
-                                 b"%d|%s;" % (proposed or epoch, me.encode())))
+            r = yield At(i, rq.Append(self.keys.moving,
+                                      b"%d|%s;" % (proposed or epoch, me.encode())))
             if r is DOWN:
                 raise RendezvousConnectionError(f"store {i} lost")
         return i, epoch, proposed
@@ -316,7 +336,7 @@ class MultiSim(Sim):
             raise RendezvousConnectionError("the rendezvous moved on")
         if live.left is not None:
             j, left = live.left
-            v = yield ("peek", j, lambda d: int(d.get(self.keys.open, b"0")))
+            v = yield Peek(j, lambda d: int(d.get(self.keys.open, b"0")))
             if v is not DOWN and v > left + 1:
                 raise GoBack("the store left went on")
             if v is not DOWN and v == left + 1:
@@ -328,12 +348,12 @@ class MultiSim(Sim):
     def _regroup(self, node: MNode, j: int) -> Generator[Any, Any, None]:
         """``fast_rendezvous._regroup`` (``Candidates.regroup``)."""
         live = node.live
-        v = yield ("peek", j, lambda d: int(d.get(self.keys.epoch, b"0")))
+        v = yield Peek(j, lambda d: int(d.get(self.keys.epoch, b"0")))
         if v is DOWN:
             raise RendezvousConnectionError(f"store {j} lost")
         proposed = live.proposed if live.proposed > v else 0
         me = f"10.0.0.{node.id}|{1000 + node.id}"
-        r = yield ("rq", j, ("append", self.keys.moving, b"%d|%s;" % (proposed or v, me.encode())))
+        r = yield At(j, rq.Append(self.keys.moving, b"%d|%s;" % (proposed or v, me.encode())))
         if r is DOWN:
             raise RendezvousConnectionError(f"store {j} lost")
         self._switch(node, Live(j, v, proposed, live.left if proposed else None))
@@ -343,7 +363,7 @@ class MultiSim(Sim):
         """``fast_rendezvous._go_back`` (``Candidates.back``)."""
         assert node.live.left is not None
         j = node.live.left[0]
-        v = yield ("peek", j, lambda d: int(d.get(self.keys.epoch, b"0")))
+        v = yield Peek(j, lambda d: int(d.get(self.keys.epoch, b"0")))
         if v is DOWN:
             raise RendezvousConnectionError(f"store {j} lost")
         self._switch(node, Live(j, v))
@@ -364,7 +384,7 @@ class MultiSim(Sim):
                 return
             if self.clock.t >= until:
                 break
-            yield ("sleep", 0.2)
+            yield Sleep(0.2)
         raise RendezvousTimeoutError("lost its store while in no world; none came back")
 
     def _gone_elsewhere(self, node: MNode, idents: list[str]) -> Generator[Any, Any, str]:
@@ -374,7 +394,7 @@ class MultiSim(Sim):
             st = self.link(node, i)
             if st == "refused":
                 continue
-            marks = yield ("peek", i, lambda d: d.get(self.keys.moving, b""))
+            marks = yield Peek(i, lambda d: d.get(self.keys.moving, b""))
             if marks is DOWN:
                 return f"{i} did not answer"
             moved = [x for x in idents if b"|%s;" % x.encode() in marks]
@@ -406,7 +426,7 @@ class MultiSim(Sim):
                 yield from self._move(node)
         raise RendezvousConnectionError("moved too many times")
 
-    def _agent(self, node: Node) -> Generator[tuple[Any, ...], Any, None]:
+    def _agent(self, node: Node) -> Generator[Any, Any, None]:
         assert isinstance(node, MNode)
         i, epoch, proposed = yield from self._connect(node)
         self._switch(node, Live(i, epoch, proposed))
@@ -420,7 +440,7 @@ class MultiSim(Sim):
             node.training, node.seg_start = key, self.clock.t
             try:
                 for _ in range(1_000_000):
-                    yield ("sleep", self.check)
+                    yield Sleep(self.check)
                     try:
                         lost = yield from self._op(node, node.m.lost_members())
                         waiting = yield from self._op(node, node.m.num_nodes_waiting())
@@ -437,8 +457,8 @@ class MultiSim(Sim):
                 node.training = None
 
     def _step(self, node: Node) -> None:
-        """``Sim._step`` with the driver's requests: ``("rq", store, op)``, ``("peek", store,
-        fn)`` go to a store, the rest are local."""
+        """``Sim._step`` with the driver's requests: ``At(store, op)`` and ``Peek(store, fn)``
+        go to a store, the rest are local."""
         assert node.gen is not None and isinstance(node, MNode)
         try:
             op = node.gen.send(node.reply)

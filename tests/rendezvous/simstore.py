@@ -15,13 +15,23 @@ import itertools
 from collections import Counter
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from fastelastic.errors import RendezvousConnectionError, RendezvousError
+from fastelastic.rendezvous import _requests as rq
 from fastelastic.rendezvous._round import Config, Machine, Seat
+from fastelastic.rendezvous._schema import Membership
 
 MAX_STEPS = 2_000_000
 LOCAL = ("beat", "stop_beats", "sleep", "moved_elsewhere", "gone_elsewhere")  # not the store
+
+
+@dataclass(frozen=True, slots=True)
+class Sleep:
+    """The simulated agent's own request (not the machine's): ``seconds`` on the clock."""
+
+    name: ClassVar[str] = "sleep"
+    seconds: float
 
 
 class SimClock:
@@ -37,7 +47,7 @@ class Node:
     id: int
     m: Machine
     node_rank: int = -1
-    gen: Generator[tuple[Any, ...], Any, Any] | None = None
+    gen: Generator[Any, Any, Any] | None = None
     reply: Any = None
     blocked: tuple[str, list[str], float] | None = None  # (kind, keys, deadline)
     alive: bool = True
@@ -87,9 +97,7 @@ class Sim:
         ``proposed``: the epoch it proposes here (its move is committed by a round here)."""
         node = Node(len(self.nodes), Machine(self.cfg, self.clock), node_rank)
         if moved_from or proposed:
-            if moved_from:
-                node.m.member = (0, node_rank, moved_from)
-            node.m.moved(proposed)
+            node.m.moved(proposed, Membership(0, node_rank, moved_from) if moved_from else None)
         self.nodes.append(node)
         self.at(t, lambda: self._launch(node))
         return node
@@ -125,10 +133,9 @@ class Sim:
     def quit(self, node: Node) -> None:
         """SIGTERM: the agent stops and tells its round it leaves for good (its ``leave()``)."""
         self._stop(node)
-        node.m.leaving = True
         self.call(node, node.m.leave(for_good=True))
 
-    def call(self, node: Node, gen: Generator[tuple[Any, ...], Any, Any]) -> Any:
+    def call(self, node: Node, gen: rq.Proto[Any]) -> Any:
         """Runs an operation that never waits (set_closed, leave, ...) at once."""
         reply = None
         for _ in range(10_000):
@@ -137,7 +144,7 @@ class Sim:
             except StopIteration as e:
                 return e.value
             kind, value = self._apply(node, op)
-            assert kind == "now", f"{op[0]} blocks; call() runs only non-blocking requests"
+            assert kind == "now", f"{op.name} blocks; call() runs only non-blocking requests"
             reply = value
         raise AssertionError("an operation that never ends")
 
@@ -176,7 +183,7 @@ class Sim:
             self._fire()
         raise AssertionError("the simulation did not settle")
 
-    def _agent(self, node: Node) -> Generator[tuple[Any, ...], Any, None]:
+    def _agent(self, node: Node) -> Generator[rq.Op | Sleep, Any, None]:
         m = node.m
         addr = f"10.0.0.{node.id}"
         while True:
@@ -187,7 +194,7 @@ class Sim:
             node.join_requests.append(sum(v for k, v in node.requests.items()
                                           if k not in LOCAL) - sum(node.join_requests))
             while True:  # training: the agent's membership checks
-                yield ("sleep", self.check)
+                yield Sleep(self.check)
                 lost = yield from m.lost_members()
                 waiting = yield from m.num_nodes_waiting()
                 if lost:
@@ -229,62 +236,66 @@ class Sim:
             node.reply = None
             self._unblock(node)
 
-    def _apply(self, node: Node, op: tuple[Any, ...]) -> tuple[str, Any]:
-        name, d, now = op[0], self.data, self.clock.t
-        node.requests[name] += 1
-        if name in ("set", "append", "multi_set") or (name == "add" and op[2]):
-            self.writes.append((now, name, list(op[1]) if name == "multi_set" else [op[1]]))
-        if name == "add":
-            v = int(d.get(op[1], b"0")) + op[2]
-            d[op[1]] = b"%d" % v
-            return "now", v
-        if name in ("set",):
-            d[op[1]] = bytes(op[2])
-            return "now", None
-        if name == "append":
-            d[op[1]] = d.get(op[1], b"") + bytes(op[2])
-            return "now", None
-        if name == "multi_set":
-            for k, v in zip(op[1], op[2], strict=True):
-                d[k] = bytes(v)
-            return "now", None
-        if name == "multi_get":
-            missing = [k for k in op[1] if k not in d]
-            assert not missing, f"multi_get of missing keys {missing[:3]}"
-            return "now", [d[k] for k in op[1]]
-        if name == "check":
-            return "now", all(k in d for k in op[1])
-        if name == "compare_set":
-            cur = d.get(op[1])
-            if (cur is None and op[2] == "") or cur == op[2]:
-                d[op[1]] = bytes(op[3])
-            return "now", d[op[1]]
-        if name == "append_on_disconnect":
-            node.on_disconnect.append((op[1], bytes(op[2])))
-            return "now", None
-        if name == "on_disconnect":
-            node.on_disconnect += [(k, bytes(v)) for k, v in zip(op[1], op[2], strict=True)]
-            return "now", None
-        if name == "beat":
-            node.beat_key, node.next_beat = op[1], now + self.cfg.ka_interval
-            return "now", None
-        if name == "stop_beats":
-            node.beat_key = None
-            return "now", None
-        if name == "get":
-            timeout = 300.0 if op[2] is None else op[2]
-            return "block", ("get", [op[1]], now + timeout)
-        if name == "wait":
-            return "block", ("wait", list(op[1]), now + op[2])
-        if name == "sleep":
-            return "block", ("sleep", [], now + op[1])
-        if name == "gone_elsewhere":
-            return "now", self.elsewhere
-        if name == "moved_elsewhere":
-            if self.moved_on:  # the real handler moves there (``_failover``); here: its cue
-                raise RendezvousConnectionError("the rendezvous moved on")
-            return "now", None
-        raise AssertionError(f"unknown request {op!r}")
+    def _apply(self, node: Node, op: Any) -> tuple[str, Any]:
+        d, now = self.data, self.clock.t
+        node.requests[getattr(op, "name", "?")] += 1
+        match op:  # the most frequent first (a match tries its cases in order)
+            case rq.Get(key, timeout):
+                return "block", ("get", [key], now + (300.0 if timeout is None else timeout))
+            case rq.Add(key, amount):
+                if amount:
+                    self.writes.append((now, op.name, [key]))
+                v = int(d.get(key, b"0")) + amount
+                d[key] = b"%d" % v
+                return "now", v
+            case rq.MultiGet(keys):
+                missing = [k for k in keys if k not in d]
+                assert not missing, f"multi_get of missing keys {missing[:3]}"
+                return "now", [d[k] for k in keys]
+            case Sleep(seconds):
+                return "block", ("sleep", [], now + seconds)
+            case rq.Wait(keys, timeout):
+                return "block", ("wait", list(keys), now + timeout)
+            case rq.MultiSet(keys, values):
+                self.writes.append((now, op.name, list(keys)))
+                for k, v in zip(keys, values, strict=True):
+                    d[k] = bytes(v)
+                return "now", None
+            case rq.AppendOnDisconnect(key, value):
+                node.on_disconnect.append((key, bytes(value)))
+                return "now", None
+            case rq.Beat(key):
+                node.beat_key, node.next_beat = key, now + self.cfg.ka_interval
+                return "now", None
+            case rq.StopBeats():
+                node.beat_key = None
+                return "now", None
+            case rq.CompareSet(key, expected, desired):
+                cur = d.get(key)
+                if (cur is None and expected == "") or cur == expected:
+                    d[key] = bytes(desired)
+                return "now", d[key]
+            case rq.OnDisconnect(keys, values):
+                node.on_disconnect += [(k, bytes(v)) for k, v in zip(keys, values, strict=True)]
+                return "now", None
+            case rq.Append(key, value):
+                self.writes.append((now, op.name, [key]))
+                d[key] = d.get(key, b"") + bytes(value)
+                return "now", None
+            case rq.Set(key, value):
+                self.writes.append((now, op.name, [key]))
+                d[key] = bytes(value)
+                return "now", None
+            case rq.Check(keys):
+                return "now", all(k in d for k in keys)
+            case rq.GoneElsewhere():
+                return "now", self.elsewhere
+            case rq.MovedElsewhere():
+                if self.moved_on:  # the real handler moves there (``_failover``); here: its cue
+                    raise RendezvousConnectionError("the rendezvous moved on")
+                return "now", None
+            case _:
+                raise rq.unknown(op)
 
     def _unblock(self, node: Node) -> None:
         """Wakes ``node`` if what it waits for is there, or its deadline passed."""

@@ -614,7 +614,7 @@ def test_a_signal_during_a_rendezvous_wait_still_announces_the_leave(server, nod
     nodes.start(1, lambda i: b.next_rendezvous())
     nodes.join(30)
     assert not nodes.errors
-    rank = a._m.member[1]
+    rank = a._m.member.rank
 
     def term(signum, frame):
         raise _Term()
@@ -741,3 +741,13 @@ def test_the_proof_that_lost_members_are_nowhere_else():
         frozen.close()
         for s in (live, other):
             s.shutdown_server()
+
+
+def test_the_handler_rejects_a_request_that_is_not_a_typed_op(server):
+    h = _handler(server.port, 1, 1)
+
+    def legacy():
+        yield ("check", ["k"])  # the tuples of before the typed requests
+
+    with pytest.raises(TypeError, match=r"not a rendezvous store request: \('check'"):
+        h._run(legacy(), h._store)

@@ -399,6 +399,43 @@ def test_a_blocked_proof_names_the_rule_and_the_way_out():
     assert "restart the job with the nodes that are left" in err, err
 
 
+def test_the_simulated_stores_reject_a_request_that_is_not_a_typed_op():
+    from multisim import MultiSim
+
+    def legacy():
+        yield ("add", "k", 1)  # the tuples of before the typed requests
+
+    for sim in (Sim(1, 1), MultiSim(1, 1, 2)):
+        node = sim.start()
+        with pytest.raises(TypeError, match=r"not a rendezvous store request: \('add'"):
+            sim.call(node, legacy())
+
+
+def test_outcome_kinds_are_an_enum_and_their_bytes_on_the_wire_are_those_of_before():
+    from fastelastic.rendezvous import _schema as sc
+
+    # the bytes the strings "M"/"C"/"D" wrote (a store written by an older node reads the same)
+    assert sc.encode_outcome(3, b"10.0.0.1:29500", True) == b"M3\n10.0.0.1:29500\n=\n"
+    assert sc.encode_outcome(12, b"h:1", False) == b"M12\nh:1\n"
+    assert (sc.ABANDONED, sc.NO_QUORUM, sc.CLOSED) == (b"D;", b"DQ;", b"C;")
+    assert sc.encode_no_quorum("a\nb") == b"DQ;\na b\n"
+    assert sc.BROKEN_CLOSED == b"C"
+    cases = {
+        b"M3\n10.0.0.1:29500\n=\n": (sc.Kind.COMPLETE, 3, b"10.0.0.1:29500", True, False, ""),
+        b"M12\nh:1\n": (sc.Kind.COMPLETE, 12, b"h:1", False, False, ""),
+        b"D;": (sc.Kind.ABANDONED, 0, b"", False, False, ""),
+        b"D;D;": (sc.Kind.ABANDONED, 0, b"", False, False, ""),
+        b"DQ;\nwhy\nD;": (sc.Kind.ABANDONED, 0, b"", False, True, "why"),
+        b"C;": (sc.Kind.CLOSED, 0, b"", False, False, ""),
+        b"D;C;": (sc.Kind.CLOSED, 0, b"", False, False, ""),
+    }
+    for raw, want in cases.items():
+        assert tuple(sc.parse_outcome(raw))[:6] == want, raw
+    assert [k.value for k in sc.Kind] == [b"M", b"C", b"D"]
+    with pytest.raises(RendezvousError, match="corrupt"):
+        sc.parse_outcome(b"X;")
+
+
 def test_a_successor_counts_only_carriers_of_the_newest_world():
     """Finding C's rule (``_majority.moved_short``): records name the world they carry; the
     first round on a successor needs a majority of the newest one (highest generation);
@@ -418,5 +455,5 @@ def test_a_successor_counts_only_carriers_of_the_newest_world():
     assert moved_short([rec(0, b""), rec(0, b"")]) is None          # nobody carries a world
     assert sc.record_world(b"0|a|1|w|0|-1|0") == b""                # a 7-field record
     out = sc.parse_outcome(sc.encode_outcome(3, b"h:1", True, b"7.cafe") + b"C;")
-    assert (out.kind, out.world, out.identity, out.wid) == ("M", 3, True, b"7.cafe")
+    assert (out.kind, out.world, out.identity, out.wid) == (sc.Kind.COMPLETE, 3, True, b"7.cafe")
     assert sc.parse_outcome(b"M3\nh:1\n").wid == b""               # an older publisher's

@@ -72,3 +72,40 @@ def test_a_frozen_store_host_is_lost_within_the_reply_deadline(tmp_path):
         os.kill(host.pid, signal.SIGCONT)
         host.kill()
         host.wait(10)
+
+
+def test_every_typed_request_runs_on_a_real_store(server, client):
+    from fastelastic.rendezvous import _requests as rq
+
+    assert ops.apply(client, rq.Add("n", 2)) == 2
+    assert ops.apply(client, rq.Add("n", 0)) == 2
+    ops.apply(client, rq.Set("a", b"1"))
+    ops.apply(client, rq.Append("a", b"2"))
+    ops.apply(client, rq.MultiSet(["b", "c"], [b"x", b"y"]))
+    assert ops.apply(client, rq.MultiGet(["a", "b", "c"])) == [b"12", b"x", b"y"]
+    assert ops.apply(client, rq.Check(["a", "c"])) is True
+    assert ops.apply(client, rq.Check(["a", "nope"])) is False
+    assert ops.apply(client, rq.Get("a", 0.05)) == b"12"
+    assert ops.apply(client, rq.Get("nope", 0.05)) is None
+    assert ops.apply(client, rq.Get("a", None)) == b"12"
+    assert ops.apply(client, rq.Wait(["a", "b"], 0.05)) is True
+    assert ops.apply(client, rq.Wait(["nope"], 0.05)) is False
+    assert bytes(ops.apply(client, rq.CompareSet("d", "", b"v"))) == b"v"
+    assert bytes(ops.apply(client, rq.CompareSet("d", b"other", b"w"))) == b"v"
+    other = TCPStore("127.0.0.1", server.port, timeout=timedelta(seconds=10))
+    ops.apply(other, rq.AppendOnDisconnect("e", b"1"))
+    ops.apply(other, rq.OnDisconnect(["f", "g"], [b"2", b"3"]))
+    assert not client.check(["e"])
+    other.close()
+    assert ops.wait(client, ["e", "f", "g"], 10)
+    assert client.multi_get(["e", "f", "g"]) == [b"1", b"2", b"3"]
+
+
+@pytest.mark.parametrize("op", [("add", "k", 1), "get", None])
+def test_a_request_that_is_not_a_typed_op_is_a_type_error_naming_it(client, op):
+    from fastelastic.rendezvous import _requests as rq
+
+    with pytest.raises(TypeError, match=r"not a rendezvous store request: .*" + type(op).__name__):
+        ops.apply(client, op)
+    with pytest.raises(TypeError, match="not a rendezvous store request"):
+        ops.apply(client, rq.Beat("k"))  # the handler's own request, not the store's

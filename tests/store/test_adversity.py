@@ -182,6 +182,35 @@ def test_a_queued_connection_is_not_counted_until_accepted():
         srv.close()
 
 
+def test_a_blocking_listening_socket_is_made_non_blocking():
+    """The server's loop accepts until EAGAIN: a listening socket handed over in blocking
+    mode (a caller that forgot ``setblocking(False)``) used to block the loop inside
+    ``accept4`` once the queue was empty, so requests were not answered and ``stop()`` could
+    not end it. The server now sets O_NONBLOCK on every listening fd it takes."""
+    lsock = socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(16)                      # blocking, as a careless caller passes it
+    port = lsock.getsockname()[1]
+    srv = KVServer([lsock.fileno()])
+    lsock.detach()
+    loop = threading.Thread(target=srv.serve_forever, daemon=True)
+    loop.start()
+    try:
+        clients = [Raw(port) for _ in range(3)]
+        for i, c in enumerate(clients):  # each answered: the loop is not stuck in accept4
+            c.send(req(ADD, blob(f"/blk{i}"), u64(i + 1)))
+            assert c.recv_i64() == i + 1
+        for c in clients:
+            c.close()
+    finally:
+        srv.stop()
+        loop.join(10)
+        alive = loop.is_alive()
+        if not alive:
+            srv.close()
+    assert not alive, "the server's loop did not stop: blocked in accept4"
+
+
 def test_vanish_mid_request_and_mid_wait(master):
     for i in range(200):
         s = socket.create_connection(("127.0.0.1", master.port), timeout=5)

@@ -21,7 +21,8 @@ from libc.string cimport strerror
 from fastelastic._native.includes.linux cimport (
     EAGAIN, EINTR, EMFILE, ENFILE, EPOLL_CLOEXEC, EPOLL_CTL_ADD, EPOLL_CTL_DEL, EPOLL_CTL_MOD,
     EPOLLERR, EPOLLHUP, EPOLLIN, EPOLLOUT, EPOLLRDHUP, EFD_CLOEXEC, EFD_NONBLOCK,
-    F_DUPFD_CLOEXEC, IPPROTO_TCP, MSG_NOSIGNAL, O_CLOEXEC, O_RDONLY, SOCK_CLOEXEC,
+    F_DUPFD_CLOEXEC, F_GETFL, F_SETFL, IPPROTO_TCP, MSG_NOSIGNAL, O_CLOEXEC, O_NONBLOCK,
+    O_RDONLY, SOCK_CLOEXEC,
     SOCK_NONBLOCK, SOL_SOCKET, SO_KEEPALIVE, TCP_KEEPCNT, TCP_KEEPIDLE, TCP_KEEPINTVL,
     TCP_NODELAY, TCP_USER_TIMEOUT, accept4, close, epoll_create1, epoll_ctl, epoll_event,
     epoll_wait, errno, eventfd, fcntl, fe_monotonic_ns, fe_nofile_limit, fe_sendv, getpid,
@@ -70,8 +71,8 @@ cdef class KVServer(KVProtocol):
     (ResourceWarning). A forked child never closes its parent's fds.
 
     Args:
-        listen_fds: listening TCP sockets (non-blocking); once constructed, the server owns and
-            closes them.
+        listen_fds: listening TCP sockets (made non-blocking here); once constructed, the
+            server owns and closes them.
         max_key: longest key accepted, in bytes (wire bytes, including the client's ``/``).
         max_value: longest value accepted, in bytes.
         max_keys: most keys in one CHECK, WAIT, MULTI_GET or MULTI_SET.
@@ -126,6 +127,8 @@ cdef class KVServer(KVProtocol):
             for fd in listen_fds:
                 # accepted sockets inherit TCP_NODELAY: no setsockopt per connection
                 check_rc(setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one)))
+                # the loop accepts until EAGAIN: a blocking listener would hang it in accept4
+                check_rc(fcntl(fd, F_SETFL, check_rc(fcntl(fd, F_GETFL)) | O_NONBLOCK))
                 ev.events = EPOLLIN
                 ev.data.u64 = TAG_LISTEN | i
                 check_rc(epoll_ctl(self._epfd, EPOLL_CTL_ADD, fd, &ev))

@@ -513,15 +513,21 @@ class PContext(abc.ABC):
         except PermissionError:
             logger.warning("no permission to signal process group %s", pid)
 
-    def _wait_ranks(self, ranks: set[int], deadline: float, signals_seen: int = -1) -> set[int]:
+    def _wait_ranks(self, ranks: set[int], deadline: float, signals_seen: int = -1,
+                    exits: dict[int, float] | None = None) -> set[int]:
         """Waits (event driven) until ``ranks`` exited or ``deadline``; returns the alive ones.
 
-        With ``signals_seen`` >= 0 it also returns once more stop signals than that came.
+        With ``signals_seen`` >= 0 it also returns once more stop signals than that came;
+        ``exits`` gets the time (monotonic) each rank was seen gone.
         """
         while True:
             with self._lock:
                 alive = {r for r in ranks if r not in self._exitcodes}
-            remaining = deadline - time.monotonic()
+            now = time.monotonic()
+            if exits is not None:
+                for r in ranks - alive:
+                    exits.setdefault(r, now)
+            remaining = deadline - now
             if not alive or remaining <= 0:
                 return alive
             if 0 <= signals_seen < self._signals.received:
@@ -583,7 +589,13 @@ class PContext(abc.ABC):
             )
             self._signal_group(rank, sig)
         seen = self._signals.received
-        alive = self._wait_ranks(alive, time.monotonic() + max(timeout, 0), signals_seen=seen)
+        start, exits = time.monotonic(), dict[int, float]()
+        signalled = sorted(alive)
+        alive = self._wait_ranks(alive, start + max(timeout, 0), signals_seen=seen, exits=exits)
+        if signalled and logger.isEnabledFor(logging.INFO):  # how long each took to die
+            logger.info("Stopped by %s: %s", signal.Signals(sig).name, ", ".join(
+                f"pid {self._pids[r]} in {exits[r] - start:.3f}s (exit {self._exitcodes.get(r)})"
+                if r in exits else f"pid {self._pids[r]} still alive" for r in signalled))
         if alive and self._signals.received > seen:  # a second signal: no graceful exit
             name = getattr(self._signals.pending, "name", "a signal")
             logger.warning("%s during shutdown: SIGKILLing the workers now", name)

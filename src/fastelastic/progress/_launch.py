@@ -175,31 +175,59 @@ PYSPY_ENV = "FASTELASTIC_HANG_PYSPY"  # "0": no native frames even when py-spy i
 _PYSPY_TIMEOUT_S = 10.0
 
 
-def native_stacks(pids: dict[int, int]) -> dict[int, str]:
-    """``py-spy dump --native`` of each pid (in parallel, 10 s at most), when py-spy is
-    installed (``fastelastic[debug]``); ``{}`` otherwise. A failed dump gives its error."""
-    exe = shutil.which("py-spy")
-    if exe is None or os.environ.get(PYSPY_ENV) == "0" or not pids:
-        return {}
-    procs: dict[int, subprocess.Popen[str]] = {}
-    out: dict[int, str] = {}
-    for lr, pid in pids.items():
-        try:
-            procs[lr] = subprocess.Popen(
-                [exe, "dump", "--native", "--pid", str(pid)], stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        except OSError as e:
-            out[lr] = f"py-spy could not start: {e}"
-    deadline = time.monotonic() + _PYSPY_TIMEOUT_S
-    for lr, p in procs.items():
-        try:
-            text, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
-            out[lr] = text
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.communicate()
-            out[lr] = f"py-spy did not answer within {_PYSPY_TIMEOUT_S:g} s"
-    return out
+class NativeDumps:
+    """``py-spy dump --native`` of a node's ranks (in parallel, 10 s at most), when py-spy is
+    installed (``fastelastic[debug]``) and not turned off. Begun when the ranks stall, in the
+    background while the other nodes report, and collected at the verdict: a restart never
+    waits for a py-spy begun then (it only waits for what is left of one)."""
+
+    def __init__(self, pids: dict[int, int], out_dir: str) -> None:
+        self.local_ranks = set(pids)
+        self._procs: dict[int, subprocess.Popen[bytes]] = {}
+        self._files: dict[int, str] = {}
+        self._errors: dict[int, str] = {}
+        self._deadline = time.monotonic() + _PYSPY_TIMEOUT_S
+        exe = shutil.which("py-spy")
+        if exe is None or os.environ.get(PYSPY_ENV) == "0":
+            return
+        for lr, pid in pids.items():
+            path = os.path.join(out_dir, f"native.{lr}.txt")
+            try:
+                with open(path, "wb") as f:  # a file, not a pipe: a long dump never blocks
+                    self._procs[lr] = subprocess.Popen(
+                        [exe, "dump", "--native", "--pid", str(pid)],
+                        stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT)
+                self._files[lr] = path
+            except OSError as e:
+                self._errors[lr] = f"py-spy could not start: {e}"
+
+    def collect(self, local_ranks: set[int]) -> dict[int, str]:
+        """The dumps of ``local_ranks`` (waiting for what is left of them); the rest are
+        dropped. ``{}`` without py-spy."""
+        out = {lr: e for lr, e in self._errors.items() if lr in local_ranks}
+        for lr in sorted(local_ranks & set(self._procs)):
+            try:
+                self._procs[lr].wait(timeout=max(0.1, self._deadline - time.monotonic()))
+                out[lr] = _read(self._files[lr])
+            except subprocess.TimeoutExpired:
+                out[lr] = f"py-spy did not answer within {_PYSPY_TIMEOUT_S:g} s"
+        self.cancel()
+        return out
+
+    def cancel(self) -> None:
+        """Ends the dumps still running and removes their files."""
+        for p in self._procs.values():
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        for path in self._files.values():
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        self._procs.clear()
+        self._files.clear()
+        self._errors.clear()
 
 
 def _size(path: str) -> int:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from fastelastic._waits import Slices
 from fastelastic.errors import RendezvousConnectionError, RendezvousTimeoutError, StoreError
 
 from ._schema import Keys
@@ -44,6 +45,7 @@ def _is_mine(host: str) -> bool:
 log = logging.getLogger("fastelastic.rendezvous.fast_rendezvous.failover")
 
 PROBE_S = 2.0  # seconds a candidate has to accept and answer a probe
+_RETRY_S = 0.2  # seconds between the probes of a node waiting for a candidate
 
 
 def parse_candidates(endpoint: str, default_port: int) -> list[tuple[str, int]]:
@@ -161,25 +163,29 @@ class Candidates:
                 start: the first did not, and no other holds a committed epoch).
         """
         start = time.monotonic()
-        deadline = start + self.read_timeout.total_seconds()
-        for _ in range(1_000_000):  # bounded by the deadline; each pass probes every candidate
+        read_end = start + self.read_timeout.total_seconds()
+        # each pass probes every candidate; the last pass is the first after the deadline. A
+        # start waits longer (start_wait) while other candidates answer empty: the rendezvous
+        # may be moving, and a start never proposes an epoch
+        wait = max(self.start_wait, 0.0) if exclude < 0 else 0.0
+        probes = Slices(max(read_end, start + wait), _RETRY_S, passes=1_000_000,
+                        last_look=True)
+        for _ in probes:
             found, errors = self._probe(exclude)
             if found and (exclude >= 0 or found[0][0] != 0 or found[0][1] == 0):
                 break
             for _, _, c in found:  # at a start, only empty standbys: the first may be coming
                 c.close()
-            # ... or the rendezvous may be moving: a start then waits up to the join timeout
-            if found and time.monotonic() >= start + max(self.start_wait, 0.0) and (
-                    time.monotonic() >= deadline):
+            if probes.expired() and found:  # a start: only empty standbys
                 raise RendezvousConnectionError(
                     f"The first rendezvous store candidate did not answer within "
-                    f"{max(self.start_wait, self.read_timeout.total_seconds()):g} seconds "
+                    f"{max(wait, self.read_timeout.total_seconds()):g} seconds "
                     f"({'; '.join(errors)}), and no other holds a committed epoch: "
                     f"{NO_WORLD_RULE}")
-            if not found and time.monotonic() >= deadline:
+            if probes.expired() or (not found and time.monotonic() >= read_end):
                 raise RendezvousConnectionError(
                     "No rendezvous store candidate could be reached: " + "; ".join(errors))
-            time.sleep(0.2)
+            time.sleep(_RETRY_S)
         else:
             raise RendezvousConnectionError("No rendezvous store candidate could be reached")
         neg, i, client = found[0]

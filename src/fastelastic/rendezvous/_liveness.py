@@ -9,11 +9,12 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from fastelastic.errors import StoreError
 
+from ._requests import Add, Append, Check, MultiGet, MultiSet, Proto
 from ._schema import SEAL, RoundKeys, parse_gone, who_parts
 
 # a child of fast_rendezvous's logger: logging configs written for that name keep working
@@ -87,23 +88,23 @@ class Deciders:
         self.count = 0
         self.seen = Beats(cfg.window, cfg.ka_interval / 2)
 
-    def stalled(self) -> Generator[tuple[Any, ...], Any, bool]:
+    def stalled(self) -> Proto[bool]:
         k = self.k
         if any(role > self.count for role in self.roles):
-            self.count = int((yield ("add", k.tickets, 0)))
+            self.count = int((yield Add(k.tickets, 0)))
             if self.count >= SEAL:  # sealed: the coordinator is publishing
                 self.count -= SEAL
         roles = [x for x in self.roles if x <= self.count]
         states: dict[int, Any] = {}
         for role in roles:
             if role not in self.recorded:
-                if not (yield ("check", [k.record(role)])):
+                if not (yield Check([k.record(role)])):
                     states[role] = -1
                     continue
                 self.recorded.add(role)
         known = [x for x in roles if x in self.recorded]
         if known:
-            vals = yield ("multi_get", [k.beat(x) for x in known])
+            vals = yield MultiGet([k.beat(x) for x in known])
             states.update((x, bytes(v)) for x, v in zip(known, vals, strict=True))
         stalled = self.seen.observe(states, self.clock())
         for role, still in stalled.items():
@@ -114,10 +115,10 @@ class Deciders:
 
 
 def lost_members(w: Watch, cfg: Any, spare_ready: bool, clock: Callable[[], float]
-             ) -> Generator[tuple[Any, ...], Any, list[tuple[int, str]]]:
+             ) -> Proto[list[tuple[int, str]]]:
     """Members of a round lost since the last call, as a member watching ``w`` reads them
     (one ``multi_get``; see ``FastRendezvousHandler.lost_members``)."""
-    vals = [bytes(v) for v in (yield ("multi_get", w.keys))]
+    vals = [bytes(v) for v in (yield MultiGet(w.keys))]
     now = clock()
     gone = parse_gone(vals[0])
     silent = w.beats.observe(dict(zip(w.peers, vals[1:], strict=True)), now)
@@ -128,14 +129,14 @@ def lost_members(w: Watch, cfg: Any, spare_ready: bool, clock: Callable[[], floa
         if rank not in gone:
             log.warning("rendezvous %s: rank %d sent no keep-alive for %.1fs; dropping it",
                         cfg.run_id, rank, still)
-            yield ("append", w.k.gone, b"%d:silent;" % rank)
-            yield ("multi_set", [w.k.left(rank), w.k.broken], [b"silent", b"1"])
+            yield Append(w.k.gone, b"%d:silent;" % rank)
+            yield MultiSet([w.k.left(rank), w.k.broken], [b"silent", b"1"])
             gone[rank] = "silent"
     fresh = [(r, why) for r, why in gone.items() if r not in w.reported and why != "done"]
     if not fresh:
         return []
     w.reported.update(r for r, _ in fresh)
-    records = yield ("multi_get", [w.k.who(r) for r, _ in fresh])
+    records = yield MultiGet([w.k.who(r) for r, _ in fresh])
     out = []
     for (rank, why), rec in zip(fresh, records, strict=True):
         _, addr, pid = who_parts(bytes(rec))

@@ -40,10 +40,8 @@ way out.
 
 from __future__ import annotations
 
-from collections.abc import Generator
-from typing import Any
-
 from . import _schema as sc
+from ._requests import Add, Check, Get, GoneElsewhere, MultiGet, Proto
 
 GONE_FOR_GOOD = sc.FOR_GOOD  # ``gone`` reasons of members that are nowhere else
 
@@ -86,7 +84,7 @@ def proof_candidates(out: list[int], gone: dict[int, str]) -> list[int]:
 
 
 def objection(records: list[bytes], last: tuple[int, int] | None, can_move: bool,
-              keys: sc.Keys, last_gen: int = 0) -> Generator[tuple[Any, ...], Any, str]:
+              keys: sc.Keys, last_gen: int = 0) -> Proto[str]:
     """Why a round with these records must not form ("" if it may), for its publisher.
 
     Before any round completed on this store (``last`` None): :func:`moved_short`. After one,
@@ -108,14 +106,14 @@ def objection(records: list[bytes], last: tuple[int, int] | None, can_move: bool
     short = moved_short([r for r in records if sc.world_gen(sc.record_world(r)) > last_gen])
     if short:  # a world formed elsewhere after this store's last: its majority rules
         return "%d of a moved world need %d of it" % short
-    gone = sc.parse_gone(bytes((yield ("get", lk.gone, None))))
+    gone = sc.parse_gone(bytes((yield Get(lk.gone, None))))
     out = away(records, q, world, gone)
     if len(out) < need(world):
         return ""
     # A member that came back by another store (it moved away and back: a new node here by
     # its record) is in this round, not elsewhere: its address and pid are in the records.
     here = {tuple(raw.split(b"|")[1:3]) for raw in records}
-    who = [sc.who_parts(bytes(v)) for v in (yield ("multi_get", [lk.who(i) for i in out]))]
+    who = [sc.who_parts(bytes(v)) for v in (yield MultiGet([lk.who(i) for i in out]))]
     out = [i for i, (_, addr, pid) in zip(out, who, strict=True)
            if (addr.encode(), pid.encode()) not in here]
     if len(out) < need(world):
@@ -123,10 +121,10 @@ def objection(records: list[bytes], last: tuple[int, int] | None, can_move: bool
     closed = proof_candidates(out, gone)
     blocked = ""
     if len(out) - len(closed) < need(world):  # the proof can decide it: ask the others
-        who = [sc.who_parts(bytes(v)) for v in (yield ("multi_get", [lk.who(i) for i in closed]))]
+        who = [sc.who_parts(bytes(v)) for v in (yield MultiGet([lk.who(i) for i in closed]))]
         idents = [f"{addr}|{pid}" for _, addr, pid in who]
         blocked = yield from _back_here(idents, keys)
-        blocked = blocked or (yield ("gone_elsewhere", idents))
+        blocked = blocked or (yield GoneElsewhere(idents))
         if not blocked:
             return ""
     reason = (f"; their connections closed here, but {blocked}" if blocked else
@@ -135,15 +133,15 @@ def objection(records: list[bytes], last: tuple[int, int] | None, can_move: bool
             f"majority of it, which may form a round on another candidate{reason}")
 
 
-def _back_here(idents: list[str], keys: sc.Keys) -> Generator[tuple[Any, ...], Any, str]:
+def _back_here(idents: list[str], keys: sc.Keys) -> Proto[str]:
     """Which of ``idents`` moved (back) to this very store, their move not committed: a mark
     here proposing an epoch above this store's. They are not gone: one that carries a world
     formed elsewhere may be all that is left of it, and a world formed here without it would
     leave it blocking every later round (sim seed 8320). "" when none."""
-    if not (yield ("check", [keys.moving])):
+    if not (yield Check([keys.moving])):
         return ""
-    marks = bytes((yield ("get", keys.moving, None)))
-    epoch = int((yield ("add", keys.epoch, 0)))
+    marks = bytes((yield Get(keys.moving, None)))
+    epoch = int((yield Add(keys.epoch, 0)))
     here = set()
     for mark in marks.split(b";"):
         proposed, _, ident = mark.partition(b"|")

@@ -17,9 +17,9 @@ from ._failover import GoBack, Live, Regroup
 
 if TYPE_CHECKING:
     import threading
-    from collections.abc import Generator
 
     from ._failover import Candidates
+    from ._requests import Proto
     from ._round import Machine
     from .timeouts import RendezvousTimeout
 
@@ -39,7 +39,7 @@ class Moves:
         _run_id: str
         _timeout: RendezvousTimeout
 
-        def _run(self, gen: Generator[tuple[Any, ...], Any, Any], store: Any) -> Any: ...
+        def _run(self, gen: Proto[Any], store: Any) -> Any: ...
         def _stop_heartbeats(self) -> None: ...
         def _close_side(self) -> None: ...
 

@@ -2,9 +2,9 @@
 
 A node's attempt at a round moves through the phases of :class:`Phase`; :func:`transition` is
 the one rule saying which phase follows which event (both in :mod:`._phases`). Each phase's
-work is a generator that yields store requests (``("add", key, 1)``, ...), is sent their
-replies and reads an injected clock: :mod:`.fast_rendezvous` runs it on a store, the tests on
-a simulated store and clock. Keys and what they hold: :mod:`._schema`.
+work is a generator that yields typed store requests (``Add(key, 1)``, ...: :mod:`._requests`),
+is sent their replies and reads an injected clock: :mod:`.fast_rendezvous` runs it on a store,
+the tests on a simulated store and clock. Keys and what they hold: :mod:`._schema`.
 
 Roles come from the ticket, so nobody races: ticket ``max_nodes`` publishes once the last
 complete round is over; ticket ``min_nodes`` coordinates: waits until that round is over and
@@ -16,11 +16,12 @@ outcome while watching that the deciders are alive.
 from __future__ import annotations
 
 import logging
+import math
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
 
+from fastelastic._waits import Slices
 from fastelastic.errors import (
     RendezvousClosedError,
     RendezvousError,
@@ -32,19 +33,34 @@ from . import _majority
 from . import _schema as sc
 from ._liveness import Beats, Deciders, Watch, lost_members
 from ._phases import FINAL, E, Event, P, Phase, transition
-from ._schema import Seat
+from ._requests import (
+    Add,
+    Append,
+    AppendOnDisconnect,
+    Beat,
+    Check,
+    CompareSet,
+    Get,
+    MovedElsewhere,
+    MultiGet,
+    MultiSet,
+    OnDisconnect,
+    Proto,
+    Set,
+    StopBeats,
+    Wait,
+)
+from ._schema import Kind, Membership, Seat
 
 __all__ = ["Config", "Event", "Machine", "Phase", "Seat", "transition"]
 
 # a child of fast_rendezvous's logger: logging configs written for that name keep working
 log = logging.getLogger("fastelastic.rendezvous.fast_rendezvous.round")
 
-T = TypeVar("T")
-Proto = Generator[tuple[Any, ...], Any, T]  # yields a store request, is sent its reply
-
 SLICE = 1.0  # seconds: how often a blocked decider re-checks whether the round was decided
 MAX_WALK = 10_000  # bound on rounds walked forward/back
 MAX_WATCHED = 8  # peers whose keep-alive counters a member reads per membership check
+MAX_SPARE_WAITS = 1_000_000  # join timeouts a spare waits behind a running round (years)
 
 
 @dataclass(frozen=True)
@@ -82,20 +98,13 @@ class _Attempt:
     ticket: int = 0
     count: int = 0
     last: tuple[int, int] | None = None  # the last complete round: (round, world)
-    res: sc.Outcome = sc.Outcome("")
+    res: sc.Outcome | None = None  # the round's outcome, once awaited
     seat: Seat | None = None
 
 
 def _watched(world: int) -> int:
     """How many peers each member watches (the next ranks, round-robin)."""
     return min(world - 1, MAX_WATCHED)
-
-
-# Store requests. Replies: add -> int; get -> bytes, or None once ``timeout`` s passed;
-# wait -> True once every key is set, False after ``timeout`` s; check -> bool;
-# multi_get -> list of bytes; compare_set -> the value now stored; the rest -> None.
-def _rq(*args: Any) -> tuple[Any, ...]:
-    return args
 
 
 class Machine:
@@ -106,7 +115,7 @@ class Machine:
         self.cfg = cfg
         self.clock = clock
         self.keys = sc.Keys(cfg.run_id)
-        self.member: tuple[int, int, int] | None = None  # (round, rank, world)
+        self.member: Membership | None = None  # of the last round it joined here
         self.watch: Watch | None = None
         self.prev_watch: Watch | None = None  # the last round's, for the drain
         self.last_seen: tuple[int, int] | None = None  # see _last_complete
@@ -119,7 +128,7 @@ class Machine:
         self.proposed = 0  # the epoch this node proposes here after a move (see moved)
         self.no_quorum = False  # a round here failed the majority rule: no early seal now
         self.objected = ""  # why the last round this node waited for failed that rule
-        self.home: tuple[int, int, int] | None = None  # its world before it moved (returned)
+        self.home: Membership | None = None  # its world before it moved (returned)
         self.world_id = b""  # of the world it is a member of, or carries (_majority)
         self._phases: dict[Phase, Callable[[_Attempt], Proto[Event]]] = {
             P.TICKET: self._ticket, P.RECORD: self._record, P.PUBLISH_GATE: self._full_gate,
@@ -129,11 +138,16 @@ class Machine:
         }
         self._identity = (-1, "", 0, b"")
 
-    def moved(self, proposed: int = 0) -> None:
+    def moved(self, proposed: int = 0,
+              member: Membership | None = None) -> None:
         """The rendezvous moved to a successor store (its host was lost): rounds start over
         there. This node's world comes along: the first round there needs a majority of it
         (:mod:`._majority`) and is sealed once all of it but the lost host is back. That round
-        commits ``proposed`` as the store's epoch (in the record: any publisher commits it)."""
+        commits ``proposed`` as the store's epoch (in the record: any publisher commits it).
+        ``member``: its membership on the lost store, when not the last round it
+        joined through this machine (a node the tests start as a mover)."""
+        if member is not None:
+            self.member = member
         if self.member is not None:
             self.carried = self.member[2]
             self._identity = (self.member[1], *self._identity[1:])
@@ -178,7 +192,7 @@ class Machine:
             RendezvousTimeoutError: the join timeout passed first.
         """
         deadline = self.clock() + self.cfg.join
-        yield _rq("stop_beats")
+        yield StopBeats()
         self.waited_as_spare = self.spare_ready = False
         self.prev_watch, self.watch = self.watch, None
         if self.carried:  # moved: keep the rank it had
@@ -187,10 +201,10 @@ class Machine:
         # No ``closed`` check (a round trip): ``set_closed`` marks C in every round a node can
         # join next, so a node joining a closed rendezvous learns it from the round's outcome.
         if self.member is not None:
-            r = self.member[0] + 1
+            r = self.member.round + 1
             self.leaving = True
         else:
-            r = int((yield _rq("add", self.keys.open, 0)))
+            r = int((yield Add(self.keys.open, 0)))
         for _ in range(MAX_WALK):
             if self.clock() > deadline:
                 break
@@ -198,13 +212,15 @@ class Machine:
             seat = yield from self._attempt(a)
             deadline = a.deadline  # a spare's join timeout starts when its round is over
             if seat is not None:
-                self.member, self.carried, self.proposed = (r, seat.rank, seat.world), 0, 0
+                assert a.res is not None  # a seat comes with the round's outcome
+                self.member = Membership(r, seat.rank, seat.world)
+                self.carried = self.proposed = 0
                 self.home, self.world_id = None, a.res.wid
                 self.no_quorum, self.objected = False, ""
                 k = a.k
                 if self.cfg.hooks:  # our death: we left, the round is over, and why
-                    yield _rq("on_disconnect", [k.left(seat.rank), k.broken, k.gone],
-                              [b"1", b"1", b"%d:closed;" % seat.rank])
+                    yield OnDisconnect([k.left(seat.rank), k.broken, k.gone],
+                                       [b"1", b"1", b"%d:closed;" % seat.rank])
                 self.watch = Watch(k, seat.rank, seat.world, seat.peers, self.cfg.window,
                                    self.cfg.ka_interval / 2)
                 return seat
@@ -238,7 +254,7 @@ class Machine:
         return None
 
     def _ticket(self, a: _Attempt) -> Proto[Event]:
-        a.ticket = int((yield _rq("add", a.k.tickets, 1)))
+        a.ticket = int((yield Add(a.k.tickets, 1)))
         # Only now that our ticket is counted: a coordinator that sees every member of the
         # last round back seals at once, and must not seal before our ticket.
         yield from self.leave()
@@ -247,15 +263,16 @@ class Machine:
     def _record(self, a: _Attempt) -> Proto[Event]:
         k, t, cfg = a.k, a.ticket, self.cfg
         if cfg.hooks:  # our death abandons the round while it forms
-            yield _rq("append_on_disconnect", k.outcome, sc.ABANDONED)
+            yield AppendOnDisconnect(k.outcome, sc.ABANDONED)
         node_rank, addr, pid, wstore = self._identity
-        member_of, pref = self.member[:2] if self.member is not None else (-1, node_rank)
+        member_of, pref = (-1, node_rank) if self.member is None else (
+            self.member.round, self.member.rank)
         # The record; a placeholder for our seat, which the publisher overwrites before it
         # decides res; and the keep-alive counter, bumped from the ticket on.
         rec = sc.encode_record(pref, addr, pid, wstore, self.quorum, member_of, self.proposed,
                                self.world_id)
-        yield _rq("multi_set", [k.record(t), k.seat(t), k.beat(t)], [rec, b"-1", b"0"])
-        yield _rq("beat", k.beat(t))
+        yield MultiSet([k.record(t), k.seat(t), k.beat(t)], [rec, b"-1", b"0"])
+        yield Beat(k.beat(t))
         if t == cfg.max_nodes:
             a.count = t
             return E.PUBLISHER
@@ -281,43 +298,45 @@ class Machine:
         if a.last is None and self.carried and not (self.cfg.reform_last_call or self.no_quorum):
             # the first round on a successor: everyone of the last world but its lost host
             if wait >= 0.001:
-                yield _rq("wait", [a.k.record(max(1, self.carried - 1))], wait)
-            return E.DECIDED if (yield _rq("check", [a.k.outcome])) else E.CALL_OVER
+                yield Wait([a.k.record(max(1, self.carried - 1))], wait)
+            return E.DECIDED if (yield Check([a.k.outcome])) else E.CALL_OVER
         if a.last is None or self.cfg.reform_last_call or self.no_quorum:
-            if wait >= 0.001 and (yield _rq("wait", [a.k.outcome], wait)):
+            if wait >= 0.001 and (yield Wait([a.k.outcome], wait)):
                 return E.DECIDED  # max reached, closed or abandoned meanwhile
         return E.CALL_OVER
 
     def _seal(self, a: _Attempt) -> Proto[Event]:
-        a.count = int((yield _rq("add", a.k.tickets, sc.SEAL))) - sc.SEAL
+        a.count = int((yield Add(a.k.tickets, sc.SEAL))) - sc.SEAL
         return E.SEALED if a.count < self.cfg.max_nodes else E.FULL
 
     def _await(self, a: _Attempt) -> Proto[Event]:
         a.res, a.deadline = yield from self._wait_outcome(a.k, a.deadline, mine=True,
                                                           ticket=a.ticket)
         kind = a.res.kind
-        if kind == "D":
+        if kind is Kind.ABANDONED:
             self.no_quorum |= a.res.no_quorum
             if a.res.no_quorum:  # not before the last call: a full round would spin
                 self.objected = a.res.why or self.objected
                 if self.cfg.can_move:  # did the majority move (on)? (raises if so)
-                    yield _rq("moved_elsewhere")
-                yield _rq("wait", [self.keys.round(a.k.r + 1).outcome],
-                          max(0.001, min(self.cfg.last_call, a.deadline - self.clock())))
+                    yield MovedElsewhere()
+                yield Wait([self.keys.round(a.k.r + 1).outcome],
+                           max(0.001, min(self.cfg.last_call, a.deadline - self.clock())))
             log.info("rendezvous %s round %d abandoned; re-joining", self.cfg.run_id, a.k.r)
             return E.ABANDONED
-        return E.COMPLETE if kind == "M" else E.CLOSED
+        return E.COMPLETE if kind is Kind.COMPLETE else E.CLOSED
 
     def _seat(self, a: _Attempt) -> Proto[Event]:
-        world = a.res.world
-        if a.res.identity:  # the fast path: no request
+        res = a.res
+        assert res is not None  # _await set it
+        world = res.world
+        if res.identity:  # the fast path: no request
             rank = a.ticket - 1 if a.ticket <= world else -1
             peers = [b"%d" % ((rank + i) % world + 1) for i in range(1, _watched(world) + 1)]
         else:
-            rank, peers = sc.parse_seat(bytes((yield _rq("get", a.k.seat(a.ticket), None))))
+            rank, peers = sc.parse_seat(bytes((yield Get(a.k.seat(a.ticket), None))))
         if rank < 0:  # not admitted (round full, or our record came too late)
             return E.NOT_ADMITTED
-        a.seat = Seat(a.k.r, rank, world, peers, a.res.wstore)
+        a.seat = Seat(a.k.r, rank, world, peers, res.wstore)
         return E.ADMITTED
 
     # ------------------------------------------------------------------ deciding
@@ -332,22 +351,22 @@ class Machine:
         """
         cfg = self.cfg
         watch = Deciders(cfg, self.clock, k, ticket) if ticket else None
-        while True:
-            remaining = deadline - self.clock()
-            if remaining <= 0:
-                if mine and (yield from self._spare(k.r)):
-                    self.waited_as_spare = True
-                    deadline = self.clock() + cfg.join
-                    continue
-                if mine:  # give up our ticket: nobody may count this node in any more
-                    yield _rq("append", k.outcome, sc.ABANDONED)
-                raise self.timeout_error()
-            step = remaining if watch is None else min(remaining, cfg.window / 4)
-            raw = yield _rq("get", k.outcome, max(step, 0.001))  # one round trip either way
-            if raw is not None:
-                return sc.parse_outcome(bytes(raw)), deadline
-            if watch is not None and (yield from watch.stalled()):
-                yield _rq("compare_set", k.outcome, "", sc.ABANDONED)
+        slices = Slices(deadline, math.inf if watch is None else cfg.window / 4,
+                        clock=self.clock, floor=0.001)
+        for _ in range(MAX_SPARE_WAITS):  # a spare's join timeout starts over while it is one
+            for step in slices:
+                raw = yield Get(k.outcome, step)  # one round trip either way
+                if raw is not None:
+                    return sc.parse_outcome(bytes(raw)), slices.deadline
+                if watch is not None and (yield from watch.stalled()):
+                    yield CompareSet(k.outcome, "", sc.ABANDONED)
+            if not (mine and (yield from self._spare(k.r))):
+                break
+            self.waited_as_spare = True
+            slices.deadline = self.clock() + cfg.join
+        if mine:  # give up our ticket: nobody may count this node in any more
+            yield Append(k.outcome, sc.ABANDONED)
+        raise self.timeout_error()
 
     def _spare(self, r: int) -> Proto[bool]:
         """True while the last round before ``r`` is complete, full and not over: a node
@@ -356,7 +375,7 @@ class Machine:
         last = yield from self._last_complete(r, self.clock() + SLICE)
         if last is None or last[1] < self.cfg.max_nodes:
             return False
-        return not (yield _rq("check", [self.keys.round(last[0]).broken]))
+        return not (yield Check([self.keys.round(last[0]).broken]))
 
     def _last_complete(self, r: int,
                        deadline: float | None) -> Proto[tuple[int, int] | None]:
@@ -369,16 +388,16 @@ class Machine:
         for q in range(r - 1, max(-1, r - 1 - MAX_WALK), -1):
             k = self.keys.round(q)
             if deadline is None:
-                raw = yield _rq("get", k.outcome, 0.001)
+                raw = yield Get(k.outcome, 0.001)
                 if raw is None:
                     continue
                 res = sc.parse_outcome(bytes(raw))
             else:
                 res, _ = yield from self._wait_outcome(k, deadline, mine=False)
-            if res.kind == "M":
+            if res.kind is Kind.COMPLETE:
                 self.last_seen, self.last_gen = (q, res.world), sc.world_gen(res.wid)
                 return self.last_seen
-            if res.kind == "C":
+            if res.kind is Kind.CLOSED:
                 raise self.closed_error()
         return None
 
@@ -391,7 +410,7 @@ class Machine:
             return
         last = yield from self._last_complete(r, None)
         if last is not None and last[1] >= self.cfg.max_nodes:
-            self.waited_as_spare = not (yield _rq("check", [self.keys.round(last[0]).broken]))
+            self.waited_as_spare = not (yield Check([self.keys.round(last[0]).broken]))
 
     def _after_last_round(self, a: _Attempt) -> Proto[bool]:
         """Before a decider decides: waits until the last complete round is over.
@@ -408,20 +427,20 @@ class Machine:
             return True
         lk = self.keys.round(a.last[0])
         waited = False
-        for _ in range(MAX_WALK * 1000):  # bounded in count; each pass is a SLICE
-            why = yield _rq("get", lk.broken, SLICE)  # wait, and read why (C: closed)
+        for step in Slices(math.inf, SLICE, clock=self.clock, passes=MAX_WALK * 1000):
+            why = yield Get(lk.broken, step)  # wait, and read why (C: closed)
             if why is not None:
                 break
             waited = self.waited_as_spare = True
-            if (yield _rq("check", [a.k.outcome])):
+            if (yield Check([a.k.outcome])):
                 return False
         else:
             raise RendezvousTimeoutError("waited too long behind a running round")
         if waited:
             # The job ended (closed, or a member finished its work): spares go home before
             # the job's store does.
-            gone = sc.parse_gone(bytes((yield _rq("get", lk.gone, None))))
-            if b"C" in bytes(why) or "done" in gone.values():
+            gone = sc.parse_gone(bytes((yield Get(lk.gone, None))))
+            if sc.BROKEN_CLOSED in bytes(why) or "done" in gone.values():
                 raise self.closed_error()
             a.deadline = self.clock() + self.cfg.join
         return True
@@ -442,29 +461,30 @@ class Machine:
         prev = self.prev_watch
         if prev is not None and prev.k.p == lk.p:
             beats.since.update(prev.beats.since)
-        step = max(0.05, min(cfg.window / 4, cfg.ka_interval / 2))
+        every = max(0.05, min(cfg.window / 4, cfg.ka_interval / 2))
         tickets: list[str] | None = None
-        while missing:
-            remaining = a.deadline - self.clock()
-            if remaining <= 0:
-                return E.DECIDED  # the wait for the outcome reports the timeout
-            if (yield _rq("wait", [lk.left(i) for i in missing], min(step, remaining))):
+        for step in Slices(a.deadline, every, clock=self.clock):
+            if (yield Wait([lk.left(i) for i in missing], step)):
                 break
-            if (yield _rq("check", [a.k.outcome])):
+            if (yield Check([a.k.outcome])):
                 return E.DECIDED
             if tickets is None:  # once: the members' tickets, for their keep-alive counters
-                who = yield _rq("multi_get", [lk.who(i) for i in range(world)])
+                who = yield MultiGet([lk.who(i) for i in range(world)])
                 tickets = [sc.who_parts(bytes(v))[0] for v in who]
-            vals = [bytes(v) for v in (yield _rq(
-                "multi_get", [lk.gone] + [lk.beat(tickets[i]) for i in missing]))]
+            vals = [bytes(v) for v in (yield MultiGet(
+                [lk.gone] + [lk.beat(tickets[i]) for i in missing]))]
             gone = sc.parse_gone(vals[0])
             counters = {i: v for i, v in zip(missing, vals[1:], strict=True) if i not in gone}
             for rank, still in beats.observe(counters, self.clock()).items():
                 log.warning("rendezvous %s: member rank %d of round %d was lost (silent: no "
                             "keep-alive for %.1fs); dropping it", cfg.run_id, rank, q, still)
-                yield _rq("multi_set", [lk.left(rank), lk.broken], [b"hung", b"1"])
+                yield MultiSet([lk.left(rank), lk.broken], [b"hung", b"1"])
                 gone[rank] = "silent"
             missing = [i for i in missing if i not in gone]
+            if not missing:
+                break
+        else:
+            return E.DECIDED  # the wait for the outcome reports the timeout
         return E.DRAINED
 
     def _publish(self, a: _Attempt) -> Proto[Event]:
@@ -472,30 +492,28 @@ class Machine:
         k, cfg = a.k, self.cfg
         tickets = list(range(1, a.count + 1))
         drop_at = min(a.deadline, self.clock() + cfg.window)
-        while True:
-            remaining = drop_at - self.clock()
-            if remaining <= 0:  # tickets without a record: lost after their add, or strays
-                have = []
-                for i in tickets:
-                    if (yield _rq("check", [k.record(i)])):
-                        have.append(i)
-                log.warning("rendezvous %s round %d: dropping tickets %s (no record within "
-                            "%gs)", cfg.run_id, k.r, sorted(set(tickets) - set(have)),
-                            cfg.window)
-                tickets = have
+        for step in Slices(drop_at, SLICE, clock=self.clock):
+            if (yield Wait([k.record(i) for i in tickets], step)):
                 break
-            if (yield _rq("wait", [k.record(i) for i in tickets], min(SLICE, remaining))):
-                break
-            if (yield _rq("check", [k.outcome])):  # a joiner died before writing its record
+            if (yield Check([k.outcome])):  # a joiner died before writing its record
                 return E.DONE
-        records = [bytes(v) for v in (yield _rq("multi_get", [k.record(i) for i in tickets]))]
+        else:  # tickets without a record: lost after their add, or strays
+            have = []
+            for i in tickets:
+                if (yield Check([k.record(i)])):
+                    have.append(i)
+            log.warning("rendezvous %s round %d: dropping tickets %s (no record within "
+                        "%gs)", cfg.run_id, k.r, sorted(set(tickets) - set(have)),
+                        cfg.window)
+            tickets = have
+        records = [bytes(v) for v in (yield MultiGet([k.record(i) for i in tickets]))]
         last_gen = self.last_gen if a.last is not None else 0
         why = yield from _majority.objection(records, a.last, cfg.can_move, self.keys, last_gen)
         if why or len(tickets) < cfg.min_nodes:
             log.warning("rendezvous %s round %d: %d nodes (%s); abandoning the round",
                         cfg.run_id, k.r, len(tickets), why or f"min_nodes is {cfg.min_nodes}")
-            yield _rq("compare_set", k.outcome, "",
-                      sc.encode_no_quorum(why) if why else sc.ABANDONED)
+            yield CompareSet(k.outcome, "",
+                             sc.encode_no_quorum(why) if why else sc.ABANDONED)
             return E.DONE
         world = len(tickets)
         ranks = sc.assign_ranks([sc.record_pref(raw) for raw in records], world)
@@ -510,7 +528,7 @@ class Machine:
         keys, vals = [k.gone], [b""]
         epoch = max(map(sc.record_epoch, records), default=0)
         if epoch and a.last is not None:  # movers back on a store with history: commit too
-            epoch = epoch if epoch > int((yield _rq("add", self.keys.epoch, 0))) else 0
+            epoch = epoch if epoch > int((yield Add(self.keys.epoch, 0))) else 0
         if epoch:  # the first round here passing the majority rule: the move commits with it
             keys.append(self.keys.epoch)
             vals.append(b"%d" % epoch)
@@ -521,12 +539,12 @@ class Machine:
                 keys.append(k.seat(ticket))
                 vals.append(sc.encode_seat(rank, [by_rank[(rank + i) % world]
                                                   for i in range(1, _watched(world) + 1)]))
-        yield _rq("multi_set", keys, vals)
+        yield MultiSet(keys, vals)
         gen = 1 + max(last_gen, *(sc.world_gen(sc.record_world(raw)) for raw in records))
         wid = sc.world_id(gen, self._identity[1:3], k.p, self.clock())
         blob = sc.encode_outcome(world, sc.record_wstore(record_of[by_rank[0]]), identity, wid)
-        if bytes((yield _rq("compare_set", k.outcome, "", blob))) == blob:
-            yield _rq("set", self.keys.open, b"%d" % (k.r + 1))
+        if bytes((yield CompareSet(k.outcome, "", blob))) == blob:
+            yield Set(self.keys.open, b"%d" % (k.r + 1))
         return E.DONE
 
     # ------------------------------------------------------------------ membership
@@ -543,7 +561,7 @@ class Machine:
         if self.member is None:
             return 0
         r, _, world = self.member
-        v = int((yield _rq("add", self.keys.round(r + 1).tickets, 0)))
+        v = int((yield Add(self.keys.round(r + 1).tickets, 0)))
         v = v - sc.SEAL if v >= sc.SEAL else v
         if world >= self.cfg.max_nodes:
             self.spare_ready = v > 0
@@ -551,17 +569,18 @@ class Machine:
         return v
 
     def leave(self, for_good: bool = False) -> Proto[None]:
-        """Tells the members of this node's last round that it left, if it is leaving:
-        ``left/<rank>`` (what the next round's coordinator waits for), ``broken`` (a next
-        round may form) and ``<rank>:left;`` in ``gone`` (``quit`` when ``for_good``: it is
-        nowhere else; the others restart at their next membership check). Fire-and-forget."""
-        if self.member is None or not self.leaving:
+        """Tells the members of this node's last round that it left, if it is leaving (a
+        re-join whose ticket is counted) or ``for_good``: ``left/<rank>`` (what the next
+        round's coordinator waits for), ``broken`` (a next round may form) and ``<rank>:left;``
+        in ``gone`` (``quit`` when ``for_good``: it is nowhere else; the others restart at
+        their next membership check). Fire-and-forget."""
+        if self.member is None or not (self.leaving or for_good):
             return
         self.leaving = False
         q, rank, _ = self.member
         k = self.keys.round(q)
-        yield _rq("multi_set", [k.left(rank), k.broken], [b"1", b"1"])
-        yield _rq("append", k.gone, b"%d:%s;" % (rank, b"quit" if for_good else b"left"))
+        yield MultiSet([k.left(rank), k.broken], [b"1", b"1"])
+        yield Append(k.gone, b"%d:%s;" % (rank, b"quit" if for_good else b"left"))
 
     def moving(self) -> Proto[None]:
         """Before a node that moves to another candidate closes anything: ``<rank>:moved;`` in
@@ -569,30 +588,30 @@ class Machine:
         not taken for a death (``_majority.proof_candidates``)."""
         if self.member is not None:
             q, rank, _ = self.member
-            yield _rq("append", self.keys.round(q).gone, b"%d:moved;" % rank)
+            yield Append(self.keys.round(q).gone, b"%d:moved;" % rank)
 
     def mark_done(self) -> Proto[None]:
         """Tells the others this node's workers finished: its later exit is no loss."""
         if self.watch is not None:
-            yield _rq("append", self.watch.k.gone, b"%d:done;" % self.watch.rank)
+            yield Append(self.watch.k.gone, b"%d:done;" % self.watch.rank)
 
     def set_closed(self) -> Proto[None]:
         """Sets ``closed`` and wakes every node waiting in a forming round or as a spare."""
-        yield _rq("set", self.keys.closed, b"1")
-        cur = int((yield _rq("add", self.keys.open, 0)))
+        yield Set(self.keys.closed, b"1")
+        cur = int((yield Add(self.keys.open, 0)))
         rounds = {cur, cur + 1}
         if self.member is not None:
-            rounds.add(self.member[0] + 1)
+            rounds.add(self.member.round + 1)
         for r in sorted(rounds):
-            yield _rq("append", self.keys.round(r).outcome, sc.CLOSED)
+            yield Append(self.keys.round(r).outcome, sc.CLOSED)
         if self.member is not None:  # wakes the spares waiting behind our round at once
-            yield _rq("append", self.keys.round(self.member[0]).broken, b"C")
+            yield Append(self.keys.round(self.member.round).broken, sc.BROKEN_CLOSED)
 
     def has_waiters(self) -> Proto[bool]:
         """True when nodes wait for the round after this node's (spares, at shutdown)."""
         if self.member is None:
             return False
-        return bool(int((yield _rq("add", self.keys.round(self.member[0] + 1).tickets, 0))))
+        return bool(int((yield Add(self.keys.round(self.member.round + 1).tickets, 0))))
 
     def closed_error(self) -> RendezvousError:
         """Closed: a spare (waiting behind a full round) exits gracefully, as torch's does."""

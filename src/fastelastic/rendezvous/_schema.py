@@ -55,6 +55,7 @@ Round ``r``:
 
 from __future__ import annotations
 
+import enum
 import time
 import zlib
 from dataclasses import dataclass
@@ -207,6 +208,14 @@ class Seat:
     wstore: bytes  # rank 0's workers' store address (b"" if not in the outcome)
 
 
+class Membership(NamedTuple):
+    """A node's membership of a complete round, a value replaced as a whole."""
+
+    round: int
+    rank: int
+    world: int
+
+
 def encode_seat(rank: int, peers: list[int]) -> bytes:
     return b"%d|%s" % (rank, b",".join(b"%d" % t for t in peers))
 
@@ -220,19 +229,32 @@ def parse_seat(raw: bytes) -> tuple[int, list[bytes]]:
         raise RendezvousStateError(f"corrupt rank {raw[:40]!r}") from e
 
 
+class Kind(enum.Enum):
+    """What became of a round: the first byte of its outcome (``res``) on the wire."""
+
+    COMPLETE = b"M"
+    CLOSED = b"C"
+    ABANDONED = b"D"
+
+
+# each kind's byte, read once (an enum's ``value`` is a descriptor call: parse_outcome is hot)
+_COMPLETE, _CLOSED, _ABANDONED = Kind.COMPLETE.value, Kind.CLOSED.value, Kind.ABANDONED.value
+
+
 def encode_outcome(world: int, wstore: bytes, identity: bool, wid: bytes = b"") -> bytes:
-    return b"M%d\n%s\n%s%s" % (world, wstore, IDENTITY if identity else b"",
-                              b"w%s\n" % wid if wid else b"")
+    return b"%s%d\n%s\n%s%s" % (_COMPLETE, world, wstore, IDENTITY if identity else b"",
+                                b"w%s\n" % wid if wid else b"")
 
 
-ABANDONED = b"D;"
-NO_QUORUM = b"DQ;"  # abandoned by a majority rule (see _round.Machine.moved and _publish)
-CLOSED = b"C;"
+ABANDONED = _ABANDONED + b";"
+NO_QUORUM = _ABANDONED + b"Q;"  # abandoned by a majority rule (_round.Machine.moved, _publish)
+CLOSED = _CLOSED + b";"
 IDENTITY = b"=\n"  # third line of a complete outcome: rank = ticket - 1, no seats written
+BROKEN_CLOSED = b"C"  # in a round's ``broken``: it is over because the rendezvous closed
 
 
 class Outcome(NamedTuple):
-    kind: str  # "M" complete, "C" closed, "D" abandoned
+    kind: Kind
     world: int = 0
     wstore: bytes = b""  # rank 0's workers' store address
     identity: bool = False  # every node's rank is its ticket - 1 (no seat to read)
@@ -249,7 +271,7 @@ def encode_no_quorum(why: str) -> bytes:
 def parse_outcome(raw: bytes) -> Outcome:
     """``res``: complete (world, workers' store, identity), closed or abandoned."""
     head, _, rest = raw.partition(b"\n")
-    if head.startswith(b"M"):
+    if head.startswith(_COMPLETE):
         try:
             world = int(head[1:])
         except ValueError as e:
@@ -259,13 +281,13 @@ def parse_outcome(raw: bytes) -> Outcome:
         rest = rest[len(IDENTITY):] if identity else rest
         wid, wnl, _ = rest.partition(b"\n")  # a line of its own: later appends follow it
         wid = wid[1:] if wid.startswith(b"w") and wnl else b""
-        return Outcome("M", world, wstore if nl else b"", identity, wid=wid)
-    if b"C" in head:
-        return Outcome("C")
-    if head.startswith(b"D"):
+        return Outcome(Kind.COMPLETE, world, wstore if nl else b"", identity, wid=wid)
+    if _CLOSED in head:  # closed wins over an abandon it was appended to
+        return Outcome(Kind.CLOSED)
+    if head.startswith(_ABANDONED):
         no_quorum = head.startswith(NO_QUORUM[:2])
         why = rest.partition(b"\n")[0].decode("utf-8", "replace") if no_quorum else ""
-        return Outcome("D", no_quorum=no_quorum, why=why)
+        return Outcome(Kind.ABANDONED, no_quorum=no_quorum, why=why)
     raise RendezvousStateError(f"corrupt rendezvous outcome {raw[:40]!r}")
 
 

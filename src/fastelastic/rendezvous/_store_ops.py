@@ -1,6 +1,8 @@
-"""The store requests of the rendezvous machine (:mod:`._round`) that need more than one call:
-waits that end in a value or ``False`` instead of an exception, disconnect actions registered
-together, and waits cut into slices no longer than the detection window (``bounded``).
+"""The store requests of the rendezvous machine (:mod:`._round`) on a store client: one
+dispatch over the typed requests of :mod:`._requests` (:func:`apply`), and the requests that
+need more than one call: waits that end in a value or ``False`` instead of an exception,
+disconnect actions registered together, and waits cut into slices no longer than the
+detection window (``bounded``).
 
 With several ``--rdzv-endpoint`` candidates a store that does not answer within the window is
 lost, so the rendezvous moves on. A long wait (a last call of 30 s, a spare's wait of minutes)
@@ -19,6 +21,43 @@ from datetime import timedelta
 from typing import Any
 
 from fastelastic.errors import StoreTimeoutError
+
+from . import _requests as rq
+
+
+def apply(store: Any, op: rq.Op, bounded: float = 0.0) -> Any:
+    """Runs one of the machine's store requests on ``store``: its reply (see
+    :mod:`._requests`); waits in slices of at most ``bounded`` seconds (:func:`wait`).
+
+    Raises:
+        TypeError: ``op`` is not a store request (the handler answers the others itself).
+    """
+    match op:
+        case rq.Get(key, timeout):
+            return get(store, key, timeout, bounded)
+        case rq.Wait(keys, timeout):
+            return wait(store, keys, timeout, bounded)
+        case rq.Add(key, amount):
+            return store.add(key, amount)
+        case rq.Check(keys):
+            return store.check(keys)
+        case rq.MultiGet(keys):
+            return store.multi_get(keys)
+        case rq.MultiSet(keys, values):
+            return store.multi_set(keys, values)
+        case rq.Set(key, value):
+            return store.set(key, value)
+        case rq.Append(key, value):
+            return store.append(key, value)
+        case rq.CompareSet(key, expected, desired):
+            return store.compare_set(key, expected, desired)
+        case rq.AppendOnDisconnect(key, value):
+            return store.append_on_disconnect(key, value)
+        case rq.OnDisconnect(keys, values):
+            on_disconnect(store, keys, values)
+            return None
+        case _:
+            raise rq.unknown(op)
 
 
 def on_disconnect(store: Any, keys: list[str], values: list[bytes]) -> None:

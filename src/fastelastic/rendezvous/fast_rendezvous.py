@@ -13,9 +13,10 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Iterator
 from typing import Any, TypeVar
 
+from fastelastic._waits import Slices
 from fastelastic.errors import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -27,12 +28,13 @@ from fastelastic.errors import (
 )
 from fastelastic.events import NodeState, construct_and_record_rdzv_event
 
+from . import _requests as rq
 from . import _store_ops as ops
 from ._failover import Candidates, GoBack, Live, Regroup, parse_candidates
 from ._liveness import BEATER
 from ._moves import Moves
 from ._round import Config, Machine
-from ._schema import assign_ranks
+from ._schema import Membership, assign_ranks
 from ._store_hosting import host_store, token_from
 from ._worker_store import WorkerStoreHost
 from .api import (
@@ -149,7 +151,7 @@ class FastRendezvousHandler(Moves, RendezvousHandler):
 
     # ------------------------------------------------------------------ running the protocol
 
-    def _run(self, gen: Generator[tuple[Any, ...], Any, T], store: Any) -> T:
+    def _run(self, gen: rq.Proto[T], store: Any) -> T:
         """Runs one of the machine's operations on ``store``: sends each request, feeds the
         reply back. A connection failure ends it as ``RendezvousConnectionError``."""
         reply: Any = None
@@ -166,29 +168,24 @@ class FastRendezvousHandler(Moves, RendezvousHandler):
         finally:
             gen.close()
 
-    def _do(self, store: Any, op: tuple[Any, ...]) -> Any:
-        name = op[0]
-        if name == "get":
-            return ops.get(store, op[1], op[2], self._slice)
-        if name == "wait":
-            return ops.wait(store, op[1], op[2], self._slice)
-        if name == "beat":
-            BEATER.add(self, op[1])
-            return None
-        if name == "stop_beats":
-            BEATER.remove(self)
-            return None
-        if name == "on_disconnect":
-            ops.on_disconnect(store, op[1], op[2])
-            return None
-        if name == "gone_elsewhere":  # the proof of _majority (only when the rendezvous can move)
-            assert self._candidates is not None
-            return self._candidates.gone_elsewhere(self._live.index, op[1])
-        if name == "moved_elsewhere":  # one endpoint: nowhere else to be
-            if self._candidates is not None:
-                self._candidates.check(self._live)
-            return None
-        return getattr(store, name)(*op[1:])
+    def _do(self, store: Any, op: rq.Op) -> Any:
+        """One request of the machine on ``store``; its reply (see :mod:`._requests`)."""
+        match op:
+            case rq.Beat(key):
+                BEATER.add(self, key)
+                return None
+            case rq.StopBeats():
+                BEATER.remove(self)
+                return None
+            case rq.GoneElsewhere(idents):  # the proof of _majority (only when it can move)
+                assert self._candidates is not None
+                return self._candidates.gone_elsewhere(self._live.index, idents)
+            case rq.MovedElsewhere():  # one endpoint: nowhere else to be
+                if self._candidates is not None:
+                    self._candidates.check(self._live)
+                return None
+            case _:  # the store's own requests (an unknown one is a TypeError)
+                return ops.apply(store, op, self._slice)
 
     @contextlib.contextmanager
     def _conn(self) -> Iterator[Any]:
@@ -226,11 +223,11 @@ class FastRendezvousHandler(Moves, RendezvousHandler):
             with contextlib.suppress(Exception):
                 side.close()
 
-    def _side_call(self, gen: Generator[tuple[Any, ...], Any, T]) -> T:
+    def _side_call(self, gen: rq.Proto[T]) -> T:
         with self._conn() as store:
             return self._run(gen, store)
 
-    def _watchful(self, gen: Generator[tuple[Any, ...], Any, T]) -> T:
+    def _watchful(self, gen: rq.Proto[T]) -> T:
         """``_side_call`` for a membership check with several candidates: a store that does
         not answer within the detection window is as lost as one whose connection closed."""
         assert self._candidates is not None
@@ -255,7 +252,7 @@ class FastRendezvousHandler(Moves, RendezvousHandler):
         return self._store
 
     @property
-    def _member(self) -> tuple[int, int, int] | None:
+    def _member(self) -> Membership | None:
         return self._m.member
 
     @property
@@ -263,7 +260,7 @@ class FastRendezvousHandler(Moves, RendezvousHandler):
         """Key prefix of the store returned by the last :py:meth:`next_rendezvous` (per round)."""
         if self._m.member is None:
             return None
-        return f"torch.rendezvous.{self._run_id}.{self._m.member[0]}"
+        return f"torch.rendezvous.{self._run_id}.{self._m.member.round}"
 
     def next_rendezvous(self) -> RendezvousInfo:
         """See base class."""
@@ -290,7 +287,7 @@ class FastRendezvousHandler(Moves, RendezvousHandler):
             finally:
                 self._owner = None
         member = self._m.member
-        self._record(f"joined round {member[0] if member else -1} as rank "
+        self._record(f"joined round {member.round if member else -1} as rank "
                      f"{info.rank} of {info.world_size}", NodeState.SUCCEEDED, info.rank)
         return info
 
@@ -438,7 +435,6 @@ class FastRendezvousHandler(Moves, RendezvousHandler):
         self._stop_heartbeats()
         if self._m.member is None:
             return
-        self._m.leaving = True
         try:
             self._run(self._m.leave(for_good=True), self._store)
             return
@@ -449,7 +445,6 @@ class FastRendezvousHandler(Moves, RendezvousHandler):
         # own, made within a short bound (a lost host must not hold up the shutdown).
         try:
             with ops.fresh(self._store, min(self._window, _LEAVE_CONNECT_S)) as conn:
-                self._m.leaving = True
                 self._run(self._m.leave(for_good=True), conn)
                 conn.check([self._m.keys.closed])  # a round trip: the writes are in
         except (RendezvousConnectionError, StoreError, OSError, AttributeError) as e:
@@ -463,16 +458,13 @@ class FastRendezvousHandler(Moves, RendezvousHandler):
             RendezvousMemberLostError: a member of this node's round was lost.
             RendezvousTimeoutError: ``deadline`` (monotonic) passed.
         """
-        slice_s = max(0.05, min(self._ka_interval, 1.0))
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise RendezvousTimeoutError(f"timed out waiting for {keys[:3]} of other members")
-            if ops.wait(store, keys, min(slice_s, remaining)):
+        for step in Slices(deadline, max(0.05, min(self._ka_interval, 1.0))):
+            if ops.wait(store, keys, step):
                 return
             lost = self.lost_members()
             if lost:
                 raise RendezvousMemberLostError(lost)
+        raise RendezvousTimeoutError(f"timed out waiting for {keys[:3]} of other members")
 
     def shutdown(self) -> bool:
         """See base class: stops keep-alives and closes the rendezvous.
@@ -546,9 +538,10 @@ class FastRendezvousHandler(Moves, RendezvousHandler):
             return
         own = 1 + (self._side is not None and self._side is not self._store)
         bound = _LINGER_S if waiters else _MEMBERS_LINGER_S
-        until = time.monotonic() + min(bound, self._timeout.close.total_seconds())
-        while server.num_connections > own and time.monotonic() < until:
-            time.sleep(0.01)  # bounded: the server has no "connections dropped to N" event
+        for _ in Slices(time.monotonic() + min(bound, self._timeout.close.total_seconds())):
+            if server.num_connections <= own:
+                break
+            time.sleep(0.01)  # polled: the server has no "connections dropped to N" event
 
     # ------------------------------------------------------------------ workers' store
 
@@ -580,8 +573,8 @@ class FastRendezvousHandler(Moves, RendezvousHandler):
         BEATER.remove(self)
 
 
-def _check(key: str) -> Generator[tuple[Any, ...], Any, bool]:
-    return bool((yield ("check", [key])))
+def _check(key: str) -> rq.Proto[bool]:
+    return bool((yield rq.Check([key])))
 
 
 def _prefix_store(prefix: str, store: Any) -> Any:

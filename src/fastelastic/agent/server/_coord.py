@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -10,6 +11,7 @@ from datetime import timedelta
 from typing import Any
 
 from fastelastic._native import ranks as _ranks
+from fastelastic._waits import Slices
 from fastelastic.errors import StoreTimeoutError
 
 logger = logging.getLogger(__name__)
@@ -99,19 +101,21 @@ def exit_barrier(
     idx = store.add(_NUM_MEMBERS, 1)
     if idx >= group_world_size:
         store.set(_LAST_MEMBER, "<val_ignored>")
-    deadline = time.monotonic() + max(timeout, 0.001)
-    while True:
-        remaining = deadline - time.monotonic()
-        step = remaining if lost is None else min(remaining, check_every)
+    # each slice a wait; the one that reaches the deadline re-raises the store's timeout
+    slices = Slices(time.monotonic() + max(timeout, 0.001),
+                    math.inf if lost is None else check_every, floor=0.001, last_look=True)
+    for step in slices:
         try:
-            store.wait([_LAST_MEMBER], timedelta(seconds=max(step, 0.001)))
+            store.wait([_LAST_MEMBER], timedelta(seconds=step))
             break
         except StoreTimeoutError:
-            if remaining <= step:
+            if slices.final:
                 raise
         gone = lost() if lost is not None else []
         if gone:
             return "lost " + "; ".join(f"group_rank {r} ({why})" for r, why in gone)
+    else:  # unreachable with a clock that moves: the last look raises
+        raise StoreTimeoutError(f"the exit barrier did not complete within {timeout:g} s")
     if int(store.add(_NUM_MEMBERS, 0)) >= group_world_size:
         return None
     if store.check([_FAILED]):

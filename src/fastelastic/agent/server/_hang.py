@@ -31,7 +31,7 @@ from fastelastic.agent.server._hang_verdict import (
     rank_report,
 )
 from fastelastic.errors import RendezvousError, StoreError
-from fastelastic.progress._launch import PROGRESS_ENV, Slots, native_stacks
+from fastelastic.progress._launch import PROGRESS_ENV, NativeDumps, Slots
 
 logger = logging.getLogger("fastelastic.agent.server.api")  # the agent's log
 
@@ -97,6 +97,7 @@ class HangWatch:
         self._ranks: dict[int, int] = {}
         self._published = False
         self._stacks: dict[int, str] = {}
+        self._native: NativeDumps | None = None  # py-spy, begun when this node stalled
         self._published_steps = 0
         self.last_verdict = ""  # the line of the last verdict (for its event)
         self._host = socket.gethostname()
@@ -106,6 +107,7 @@ class HangWatch:
         for lr, path in self.slots.prepare(sorted(envs)).items():
             envs[lr][PROGRESS_ENV] = path
         self._published = False
+        self._drop_native()
         self.intervals.reset_attempt()
 
     def started(self, pids: dict[int, int], ranks: dict[int, int]) -> None:
@@ -130,7 +132,13 @@ class HangWatch:
         return self._published
 
     def close(self) -> None:
+        self._drop_native()
         self.slots.close()
+
+    def _drop_native(self) -> None:
+        if self._native is not None:
+            self._native.cancel()
+            self._native = None
 
     def check(self, store: Any, group_rank: int, group_world_size: int,
               log_dir: str | None, reused_store: bool = False) -> HangAction | None:
@@ -158,18 +166,31 @@ class HangWatch:
                     if steps == self._published_steps:
                         return None
                     self._published = False  # progress again before the verdict: withdraw
+                    self._drop_native()
                     store.delete_key(key)
                     return None
             else:
                 idle = node_stalled(views.values(), now, timeout, self.allowance_s)
                 if idle is None:
                     return None
+                t0 = time.monotonic()
                 stacks = self.slots.dump_stacks(self._pids)
-                reports = [
-                    rank_report(self._ranks[lr], self._host, views[lr], now, stacks.get(lr, ""))
+                logger.info("hang: no progress on ranks %s for %.1f s; their stacks dumped "
+                            "in %.3f s", sorted(self._ranks.values()), idle,
+                            time.monotonic() - t0)
+                mine = {
+                    lr: rank_report(self._ranks[lr], self._host, views[lr], now,
+                                    stacks.get(lr, ""))
                     for lr in sorted(self._pids) if lr in views
-                ]
+                }
+                reports = list(mine.values())
                 self._stacks = stacks
+                # native frames of the likely culprits (outside a collective) in the
+                # background while the other nodes report: less of it in the restart's path
+                self._drop_native()
+                self._native = NativeDumps(
+                    {lr: self._pids[lr] for lr, r in mine.items() if not r.collective},
+                    self.slots.dir)
                 store.set(key, json.dumps([r.to_json() for r in reports]))
                 self._published = True
                 self._published_steps = steps
@@ -202,7 +223,16 @@ class HangWatch:
         # when none stands out, while the processes still exist
         named = {lr: pid for lr, pid in self._pids.items()
                  if not verdict.culprits or self._ranks.get(lr) in verdict.culprits}
-        for lr, text in native_stacks(named).items():
+        t0 = time.monotonic()
+        begun, self._native = self._native, None
+        late = set(named) - (begun.local_ranks if begun is not None else set())
+        extra = NativeDumps({lr: named[lr] for lr in late}, self.slots.dir) if late else None
+        native = begun.collect(set(named)) if begun is not None else {}
+        native.update(extra.collect(late) if extra is not None else {})
+        if native:
+            logger.info("hang: py-spy dumps of %d ranks collected in %.3f s", len(native),
+                        time.monotonic() - t0)
+        for lr, text in native.items():
             self._stacks[lr] = (self._stacks.get(lr) or "") + (
                 "\n--- py-spy dump --native ---\n" + text)
         path = self._write(verdict, reports, first, log_dir)

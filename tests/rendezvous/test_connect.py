@@ -1,0 +1,81 @@
+"""Finding the live candidate at a node's start (``_failover.Candidates.connect``) on loopback:
+the first candidate is waited for up to the read timeout; a store the rendezvous moved to is
+taken at once, an empty standby never (``NO_WORLD_RULE``)."""
+
+from __future__ import annotations
+
+import socket
+import time
+from datetime import timedelta
+
+import pytest
+
+from fastelastic.errors import RendezvousConnectionError
+from fastelastic.rendezvous import _failover
+from fastelastic.rendezvous._failover import Candidates
+from fastelastic.store import TCPStore
+
+RUN = "job"
+
+
+@pytest.fixture(autouse=True)
+def _quick_probes(monkeypatch):
+    """A refused candidate fails its probe at once (a client retries its connect up to its
+    timeout, PROBE_S), so the 0.2 s passes between probes are what the tests see."""
+    monkeypatch.setattr(_failover, "PROBE_S", 0.05)
+
+
+def _standby() -> TCPStore:
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True,
+                    timeout=timedelta(seconds=30))
+
+
+def _refused_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there: a connection is refused
+    return port
+
+
+def test_the_first_candidate_is_taken_at_once():
+    first, second = _standby(), _standby()
+    try:
+        c = Candidates(RUN, [("127.0.0.1", first.port), ("127.0.0.1", second.port)], False,
+                       timedelta(seconds=5))
+        t0 = time.monotonic()
+        client, index, epoch, proposed = c.connect()
+        client.close()
+        assert (index, epoch, proposed) == (0, 0, 0)
+        assert time.monotonic() - t0 < 2.5
+    finally:
+        first.shutdown_server()
+        second.shutdown_server()
+
+
+def test_an_empty_standby_is_not_taken_at_a_start_but_a_moved_store_is_at_once():
+    second = _standby()
+    try:
+        c = Candidates(RUN, [("127.0.0.1", _refused_port()), ("127.0.0.1", second.port)],
+                       False, timedelta(seconds=1.0))
+        t0 = time.monotonic()
+        with pytest.raises(RendezvousConnectionError, match="no other holds a committed epoch"):
+            c.connect()  # patient until the read timeout (probes 0.2 s apart), then gives up
+        assert 1.0 <= time.monotonic() - t0 < 3.0
+        second.set(f"fe.rdzv.{RUN}/epoch", b"2")  # the rendezvous moved there
+        t0 = time.monotonic()
+        client, index, epoch, proposed = c.connect()
+        client.close()
+        assert (index, epoch, proposed) == (1, 2, 0)
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        second.shutdown_server()
+
+
+def test_no_candidate_is_an_error_after_the_read_timeout():
+    c = Candidates(RUN, [("127.0.0.1", _refused_port()), ("127.0.0.1", _refused_port())],
+                   False, timedelta(seconds=0.5))
+    t0 = time.monotonic()
+    with pytest.raises(RendezvousConnectionError, match="No rendezvous store candidate"):
+        c.connect()
+    assert 0.5 <= time.monotonic() - t0 < 3.0
