@@ -91,7 +91,8 @@ def objection(records: list[bytes], last: tuple[int, int] | None, can_move: bool
     that round's world is the one both sides count (a node that moves here later is a new node
     to it), unless movers here carry a world of a higher generation than that round's
     (``last_gen``: formed elsewhere from it, or after it): then :func:`moved_short` over
-    those carriers too. When the rendezvous ``can_move``,
+    those carriers, and with a majority of that newer world here the round may form (the
+    older world's rule no longer applies). When the rendezvous ``can_move``,
     :func:`away` (one read of that round's ``gone``),
     then, if a majority is away, the proof that those whose connection closed are gone (their
     ``who`` entries, then ``gone_elsewhere``: every other candidate asked, see the module doc).
@@ -103,9 +104,15 @@ def objection(records: list[bytes], last: tuple[int, int] | None, can_move: bool
         return ""
     q, world = last
     lk = keys.round(q)
-    short = moved_short([r for r in records if sc.world_gen(sc.record_world(r)) > last_gen])
+    newer = [r for r in records if sc.world_gen(sc.record_world(r)) > last_gen]
+    short = moved_short(newer)
     if short:  # a world formed elsewhere after this store's last: its majority rules
         return "%d of a moved world need %d of it" % short
+    if any(map(sc.record_quorum, newer)):
+        # A majority of that newer world is here: it descends from this store's last world,
+        # whose majority formed it or let it form, so that older world's members away can
+        # make no majority elsewhere (sim seed 250240073: its rule blocked every round here)
+        return ""
     gone = sc.parse_gone(bytes((yield Get(lk.gone, None))))
     out = away(records, q, world, gone)
     if len(out) < need(world):
