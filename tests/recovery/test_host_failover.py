@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_sigterm_leave import REPO, WORKER, LoopbackJob, _free_port
+from test_sigterm_leave import REPO, WORKER, LoopbackJob, _free_ports
 
 TARGET_S = 8.0  # issue 19: the detection window + 3 s at the defaults
 
@@ -27,7 +27,7 @@ TARGET_S = 8.0  # issue 19: the detection window + 3 s at the defaults
 class FailoverJob(LoopbackJob):
     def __init__(self, out: Path, conf: str) -> None:
         super().__init__(out, conf)
-        self.ports = [_free_port() for _ in range(3)]
+        self.ports = _free_ports(3)  # distinct: a repeated candidate is an error
 
     def start(self, i: int) -> None:
         endpoint = ",".join(f"127.0.0.1:{p}" for p in self.ports)

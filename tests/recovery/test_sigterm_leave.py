@@ -29,9 +29,20 @@ MARGIN_S = 1.5  # shared 2-core machines: the assertion allows this much on top 
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return _free_ports(1)[0]
+
+
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports: their sockets are held open together while they are picked
+    (one at a time, the kernel may hand out the same port twice)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 class LoopbackJob:
