@@ -478,8 +478,10 @@ class MultiSim(Sim):
 
     # ------------------------------------------------------------------ what happened
 
-    def overlaps(self) -> list[tuple[tuple[int, int], tuple[int, int], float]]:
-        """Two worlds (store, round) whose members all trained at once: (a, b, when)."""
+    def _segments(self) -> tuple[dict[tuple[int, int], int],
+                                 list[tuple[float, int, tuple[int, int]]]]:
+        """Each world's size, and every member's training segment as start (+1) and end (-1)
+        events in time order (a start after an end at the same time)."""
         world: dict[tuple[int, int], int] = {}
         ev: list[tuple[float, int, tuple[int, int]]] = []
         for n in self.nodes:
@@ -492,6 +494,11 @@ class MultiSim(Sim):
                 if b > a:
                     ev += [(a, 1, key), (b, -1, key)]
         ev.sort(key=lambda e: (e[0], e[1]))
+        return world, ev
+
+    def overlaps(self) -> list[tuple[tuple[int, int], tuple[int, int], float]]:
+        """Two worlds (store, round) whose members all trained at once: (a, b, when)."""
+        world, ev = self._segments()
         count: dict[tuple[int, int], int] = {}
         out = []
         for t, d, key in ev:
@@ -524,18 +531,7 @@ class MultiSim(Sim):
 
     def _full_ends(self) -> dict[tuple[int, int], float]:
         """For each world that ever trained (all members at once): when that last ended."""
-        world: dict[tuple[int, int], int] = {}
-        ev: list[tuple[float, int, tuple[int, int]]] = []
-        for n in self.nodes:
-            assert isinstance(n, MNode)
-            world.update(n.worlds)
-            segs = list(n.segs)
-            if n.training is not None and n.seg_start >= 0:
-                segs.append((n.training, n.seg_start, self.clock.t))
-            for key, a, b in segs:
-                if b > a:
-                    ev += [(a, 1, key), (b, -1, key)]
-        ev.sort(key=lambda e: (e[0], e[1]))
+        world, ev = self._segments()
         count: dict[tuple[int, int], int] = {}
         out: dict[tuple[int, int], float] = {}
         for t, d, key in ev:
