@@ -5,6 +5,7 @@ other restarts, and progress before the verdict withdraws a node's report."""
 from __future__ import annotations
 
 import mmap
+import re
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -188,3 +189,72 @@ def test_py_spy_runs_while_the_other_nodes_report_not_in_the_restart(
     assert "--- py-spy dump --native ---\nnative frames of 10003" in text
     assert "py-spy" not in (tmp_path / "b" / "hang_1" / "rank2.stacks.txt").read_text()
     assert not list(Path(b.watch.slots.dir).glob("native.*"))  # the dumps' files are gone
+
+
+def _fake_py_spy(tmp_path: Path, monkeypatch, seconds: float) -> None:
+    """A py-spy stand-in on PATH that takes ``seconds`` and leaves ``done.<pid>`` behind."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "py-spy"
+    fake.write_text(f"#!/bin/sh\nsleep {seconds}\necho \"native frames of $4\"\n"
+                    f"touch {tmp_path}/done.$4\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{__import__('os').environ['PATH']}")
+    monkeypatch.delenv("FASTELASTIC_HANG_PYSPY", raising=False)
+
+
+def _wait_for(paths: list[Path], seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not all(p.exists() for p in paths) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return all(p.exists() for p in paths)
+
+
+def test_stacks_and_py_spy_begin_before_the_stall_so_a_same_tick_verdict_never_waits(
+        store, nodes, tmp_path, monkeypatch) -> None:
+    """Every node stalls in the same tick (the usual case: peers block in the hung rank's
+    collective at once), so the verdict follows the last report at once. The stacks and
+    py-spy are taken a fifth of the timeout (1 s at most) before the stall, so that verdict
+    does not wait for them (before: py-spy began at the stall, and the restart waited for it,
+    here 1 s)."""
+    _fake_py_spy(tmp_path, monkeypatch, 1.0)
+    a, b = nodes  # timeout 1 s: the dumps begin at 0.8 s without progress
+    for n in nodes:
+        n.step(0, 20, ago_s=0.85)
+        n.step(1, 20, ago_s=0.85)
+    b.views[1][w.F_STEPS] = 19  # rank 3 fell behind: the culprit
+    for n in nodes:
+        assert n.check(store, tmp_path / f"n{n.group_rank}") is None  # not stalled yet
+    assert not store.check(["fastelastic/hang/node/0", "fastelastic/hang/node/1"])
+    assert _wait_for([tmp_path / f"done.{10_000 + r}" for r in range(4)])  # py-spy ran ahead
+    for n in nodes:
+        for lr in (0, 1):
+            n.views[lr][w.F_LAST_NS] -= int(0.3e9)  # now 1.15 s: stalled
+    assert a.check(store, tmp_path / "a") is None  # reported; b has not yet
+    t0 = time.monotonic()
+    assert b.check(store, tmp_path / "b") is HangAction.RETRY
+    assert time.monotonic() - t0 < 0.5  # before: py-spy began here and was waited for, 1 s
+    assert a.check(store, tmp_path / "a") is HangAction.RESTART
+    text = (tmp_path / "b" / "hang_1" / "rank3.stacks.txt").read_text()
+    assert "--- py-spy dump --native ---\nnative frames of 10003" in text
+    report = (tmp_path / "b" / "hang_1" / "report.txt").read_text()
+    idle = float(re.search(r"rank 3 host \S+ pid 10003 steps 19 idle ([\d.]+)s", report)[1])
+    assert idle >= 1.15  # the stall's, not the early dump's (0.85 s)
+
+
+def test_progress_after_the_early_dump_drops_it_and_the_stall_dumps_again(
+        store, nodes, tmp_path, monkeypatch) -> None:
+    """The stacks taken ahead of a stall are dropped (py-spy ended, its files removed) when
+    the node makes progress before the stall, and taken afresh at the next stall."""
+    _fake_py_spy(tmp_path, monkeypatch, 5.0)
+    a, _ = nodes
+    a.step(0, 3, ago_s=0.9)
+    a.step(1, 3, ago_s=0.9)
+    assert a.check(store, tmp_path / "a") is None
+    assert a.watch._native is not None and a.watch._native.local_ranks  # begun ahead
+    native_dir = Path(a.watch.slots.dir)
+    assert list(native_dir.glob("native.*"))
+    a.step(0)  # progress: the early dumps are stale
+    assert a.check(store, tmp_path / "a") is None
+    assert a.watch._native is None and not list(native_dir.glob("native.*"))
+    assert not store.check(["fastelastic/hang/node/0"])

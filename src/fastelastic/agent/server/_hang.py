@@ -1,8 +1,11 @@
 """The agent's hang check (``--hang-timeout``): progress slots in, one verdict per hang out.
 
 Each agent reads its workers' progress slots on its monitor timer (memory loads only). A node
-whose ranks all stalled (``_hang_verdict.node_stalled``) dumps its ranks' stacks once and
-publishes a short summary under the round's store (one ``set``); then, on each tick, one
+whose ranks all stalled (``_hang_verdict.node_stalled``) publishes a short summary of its
+ranks' stacks under the round's store (one ``set``). The stacks, and py-spy's native frames of
+the ranks outside a collective, are taken a little before the stall (``EARLY_LEAD_S``), so a
+verdict that follows at once (every node stalls in the same tick) never waits for them, and
+taken again only if the node made progress since. Then, on each tick, one
 ``check`` asks whether every node published. Once every node did, the job is hung: each agent
 reads the summaries (one ``multi_get``), names the same culprit from them (a pure function of
 the same data), and one agent claims the verdict with one ``add`` on a key named after the
@@ -38,6 +41,7 @@ logger = logging.getLogger("fastelastic.agent.server.api")  # the agent's log
 HANG_TIMEOUT_ENV = "FASTELASTIC_HANG_TIMEOUT"
 SUSPEND_ALLOWANCE_S = 600.0  # the longest a save, load or evaluation suspends the verdict
 _KEY = "fastelastic/hang"
+EARLY_LEAD_S = 1.0  # stacks and py-spy begin this long before a stall (a fifth of it at most)
 AUTO = -1.0  # parse_hang_timeout's value for "auto"
 
 
@@ -97,7 +101,9 @@ class HangWatch:
         self._ranks: dict[int, int] = {}
         self._published = False
         self._stacks: dict[int, str] = {}
-        self._native: NativeDumps | None = None  # py-spy, begun when this node stalled
+        self._native: NativeDumps | None = None  # py-spy, begun just before this node stalled
+        self._dumped_at: int | None = None  # the step count when the stacks were dumped
+        self._collective: dict[int, bool] = {}  # by local rank, from those stacks
         self._published_steps = 0
         self.last_verdict = ""  # the line of the last verdict (for its event)
         self._host = socket.gethostname()
@@ -136,9 +142,29 @@ class HangWatch:
         self.slots.close()
 
     def _drop_native(self) -> None:
+        self._dumped_at = None
         if self._native is not None:
             self._native.cancel()
             self._native = None
+
+    def _dump(self, views: dict[int, Any], steps: int, now: int, idle: float) -> None:
+        """Dumps the ranks' stacks and begins py-spy on those outside a collective (the likely
+        culprits), once per stall: again only after progress (``steps`` changed)."""
+        if self._dumped_at == steps:
+            return
+        self._drop_native()
+        t0 = time.monotonic()
+        self._stacks = self.slots.dump_stacks(self._pids)
+        logger.info("hang: no progress on ranks %s for %.1f s; their stacks dumped in %.3f s",
+                    sorted(self._ranks.values()), idle, time.monotonic() - t0)
+        self._collective = {
+            lr: rank_report(self._ranks[lr], self._host, views[lr], now,
+                            self._stacks.get(lr, "")).collective
+            for lr in self._pids if lr in views
+        }
+        self._native = NativeDumps(
+            {lr: self._pids[lr] for lr, c in self._collective.items() if not c}, self.slots.dir)
+        self._dumped_at = steps
 
     def check(self, store: Any, group_rank: int, group_world_size: int,
               log_dir: str | None, reused_store: bool = False) -> HangAction | None:
@@ -172,25 +198,19 @@ class HangWatch:
             else:
                 idle = node_stalled(views.values(), now, timeout, self.allowance_s)
                 if idle is None:
+                    # stacks and py-spy a little before the stall, off the verdict's path
+                    lead = min(EARLY_LEAD_S, timeout / 5)
+                    soon = node_stalled(views.values(), now, timeout - lead, self.allowance_s)
+                    if soon is None:
+                        if self._dumped_at is not None:  # progress (or a save) since: drop
+                            self._drop_native()
+                    else:
+                        self._dump(views, steps, now, soon)
                     return None
-                t0 = time.monotonic()
-                stacks = self.slots.dump_stacks(self._pids)
-                logger.info("hang: no progress on ranks %s for %.1f s; their stacks dumped "
-                            "in %.3f s", sorted(self._ranks.values()), idle,
-                            time.monotonic() - t0)
-                mine = {
-                    lr: rank_report(self._ranks[lr], self._host, views[lr], now,
-                                    stacks.get(lr, ""))
-                    for lr in sorted(self._pids) if lr in views
-                }
-                reports = list(mine.values())
-                self._stacks = stacks
-                # native frames of the likely culprits (outside a collective) in the
-                # background while the other nodes report: less of it in the restart's path
-                self._drop_native()
-                self._native = NativeDumps(
-                    {lr: self._pids[lr] for lr, r in mine.items() if not r.collective},
-                    self.slots.dir)
+                self._dump(views, steps, now, idle)
+                reports = [rank_report(self._ranks[lr], self._host, views[lr], now,
+                                       self._stacks.get(lr, ""))
+                           for lr in sorted(self._pids) if lr in views]
                 store.set(key, json.dumps([r.to_json() for r in reports]))
                 self._published = True
                 self._published_steps = steps
@@ -224,7 +244,7 @@ class HangWatch:
         named = {lr: pid for lr, pid in self._pids.items()
                  if not verdict.culprits or self._ranks.get(lr) in verdict.culprits}
         t0 = time.monotonic()
-        begun, self._native = self._native, None
+        begun, self._native, self._dumped_at = self._native, None, None
         late = set(named) - (begun.local_ranks if begun is not None else set())
         extra = NativeDumps({lr: named[lr] for lr in late}, self.slots.dir) if late else None
         native = begun.collect(set(named)) if begun is not None else {}
