@@ -5,8 +5,9 @@ the gradients, ``SGD.step()``), 2 launchers x 2 workers on loopback (c10d rendez
 ``--max-restarts 3``); rank 3 hangs at step 20 in one of four ways (a C call holding the GIL,
 a blocking ``time.sleep``, a deadlock, an endless Python loop), or crashes there (``crash``:
 the same job's restart after a crash, the plain target's term). fastrun ``--hang-timeout 5``
-with ``--preload torch,torch._dynamo`` (README's form: ``SGD``'s constructor imports
-``torch._dynamo``), ``--preload torch`` and plain; torchrun (2.13, defaults), same job, same
+with ``--preload torch,torch._dynamo``, ``--preload torch`` (which preloads ``torch._dynamo``
+too since ``SGD``'s constructor imports it; before, 9.8-12 s) and plain; torchrun (2.13,
+defaults), same job, same
 run, given ``TORCHRUN_BOUND_S`` after the hang and reported "not recovered" if any rank is not
 training again by then. Times are from the hung rank's own record of the hang (wall clock) to:
 

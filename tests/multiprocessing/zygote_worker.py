@@ -6,7 +6,8 @@ Modes: ``dump`` writes what a program can see of how it was started (environment
 notes the signal and exits 0; ``ignore-term``: SIGTERM ignored); ``fail`` / ``fail-record``
 raise (the latter under ``@record``); ``exit N`` exits with N; ``rng`` dumps the RNG draws;
 ``grandchild`` starts ``sleep`` in its group, writes both pids, then blocks; ``wait-first``
-writes ``<RANK>.<restart>.pid`` and blocks on the first attempt only.
+writes ``<RANK>.<restart>.pid`` and blocks on the first attempt only; ``modules`` writes
+whether torch and torch._dynamo were imported before it ran.
 """
 
 import json
@@ -77,6 +78,10 @@ if MODE == "dump":
         "pid": os.getpid(),
         "ppid": os.getppid(),
     })
+elif MODE == "modules":  # which of these were imported before the script ran
+    _write(f"{RANK}.json", {"torch": "torch" in sys.modules,
+                            "torch._dynamo": "torch._dynamo" in sys.modules,
+                            "ppid": os.getppid()})
 elif MODE == "ready-wait":
     how = sys.argv[3] if len(sys.argv) > 3 else ""
     if how == "ignore-term":

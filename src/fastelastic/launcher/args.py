@@ -228,8 +228,9 @@ def get_args_parser(prog: str = "fastrun") -> ArgumentParser:
     a("--preload", type=str, default=None,
       help="Import these modules (comma separated, e.g. torch) once in a worker zygote that "
       "forks every Python worker, so starts and restarts skip Python's startup and the "
-      "imports (default: $FASTELASTIC_PRELOAD). Needs OMP_NUM_THREADS=1-like thread-free "
-      "imports and no CUDA at import; see the README.")
+      "imports (default: $FASTELASTIC_PRELOAD); with torch, torch._dynamo too (every "
+      "optimizer imports it; FASTELASTIC_PRELOAD_DYNAMO=0: not). Needs "
+      "OMP_NUM_THREADS=1-like thread-free imports and no CUDA at import; see the README.")
     a("--hang-timeout", "--hang_timeout", type=str, default=None,
       help="SECONDS|auto: restart the job when no rank made progress (an optimizer step, "
       "after the first) for this many seconds, with no save, load or evaluation under way; "

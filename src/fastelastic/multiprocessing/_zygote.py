@@ -359,10 +359,11 @@ class Zygote:
                     self._early_deaths = 0
                     self.ready_info = msg[1]
                     self._set_state(ZygoteState.READY)
+                    implied = msg[1].get("implied", "")
                     logger.info(
                         "worker zygote %s ready: imported %s in %.2fs",
                         proc.pid,
-                        ",".join(self.modules),
+                        ",".join(self.modules) + (f" (and {implied})" if implied else ""),
                         msg[1]["import_s"],
                     )
                 self._cond.notify_all()
