@@ -23,7 +23,7 @@ from typing import Any
 from fastelastic._waits import Slices
 from fastelastic.errors import RendezvousConnectionError, RendezvousTimeoutError, StoreError
 
-from ._schema import Keys
+from ._schema import Keys, encode_fence, encode_mark, fenced, marked_before_fence
 from .utils import _matches_machine_hostname, parse_rendezvous_endpoint
 
 
@@ -97,6 +97,12 @@ class Regroup(RendezvousConnectionError):
         self.index = index
 
 
+class Fenced(RendezvousConnectionError):
+    """A mover's mark on a candidate came after a fence of it from its world: where that
+    world formed it was proven gone, so it must not carry that world there (``_majority``).
+    It drops that world and, as a node with no world, follows (``NO_WORLD_RULE``)."""
+
+
 NO_WORLD_RULE = (
     "a node that belongs to no world (starting, or cut from the store during its first "
     "join) does not move the rendezvous: it cannot know whether a world formed there with it "
@@ -143,7 +149,8 @@ class Candidates:
         host, port = self.endpoints[i]
         return f"{host}:{port}"
 
-    def connect(self, exclude: int = -1, at_least: int = 0) -> tuple[Any, int, int, int]:
+    def connect(self, exclude: int = -1, at_least: int = 0,
+                world: bytes = b"") -> tuple[Any, int, int, int]:
         """Connects to the live store: (client, candidate index, its committed epoch, the
         epoch this node proposes there or 0). When the store's epoch is below ``at_least``
         (this node moves the rendezvous there) it is not raised: the node writes only a
@@ -158,9 +165,12 @@ class Candidates:
         candidate (``NO_WORLD_RULE``): cut from the first alone, it would form a world of its
         own there while the others form one on the first.
 
+        A mover that carries ``world`` reads the marks back after its own (:meth:`_mark`).
+
         Raises:
             RendezvousConnectionError: No candidate answered within the read timeout (at a
                 start: the first did not, and no other holds a committed epoch).
+            Fenced: ``world`` declared this node gone before its mark reached the candidate.
         """
         start = time.monotonic()
         read_end = start + self.read_timeout.total_seconds()
@@ -194,9 +204,22 @@ class Candidates:
         epoch = -neg
         proposed = at_least if epoch < at_least else 0
         if exclude >= 0 or proposed:  # a move: the mark that tells the proof this node is here
-            client.append(self.moving_key, b"%d|%s;" % (proposed or epoch, self.me.encode()))
+            self._mark(client, i, proposed or epoch, world)
         client.set_timeout(self.read_timeout)
         return client, i, epoch, proposed
+
+    def _mark(self, client: Any, i: int, epoch: int, world: bytes) -> None:
+        """Appends this mover's mark to candidate ``i``'s ``moving``; carrying ``world``, reads
+        the list back: a fence of it from that world before its mark means the world's store
+        proved it gone first (the server's appends are atomic, so the prover reads the same
+        order), and it must not carry that world here (closes ``client``, raises
+        :class:`Fenced`)."""
+        client.append(self.moving_key, encode_mark(epoch, self.me))
+        if world and fenced(bytes(client.get(self.moving_key)), self.me, world):
+            client.close()
+            raise Fenced(f"{self.name(i)} holds a fence of this node from its world "
+                         f"{world.decode('utf-8', 'replace')} before its mark: the store where "
+                         "that world formed proved it gone first")
 
     def connect_to(self, i: int) -> tuple[Any, int]:
         """A connection to candidate ``i`` (a mover going back): (client, its epoch).
@@ -262,11 +285,13 @@ class Candidates:
             f"again, and no other candidate holds a committed epoch above {live.epoch}: "
             f"{NO_WORLD_RULE}")
 
-    def move(self, live: Live, member_round: int | None) -> tuple[Any, Live]:
+    def move(self, live: Live, member_round: int | None,
+             world: bytes = b"") -> tuple[Any, Live]:
         """The live store was lost: the next live candidate, with a proposed epoch (and where
-        to go back to) unless its committed one is already past this node's."""
+        to go back to) unless its committed one is already past this node's. Raises
+        :class:`Fenced` when ``world`` (the one it carries) proved it gone first."""
         client, i, epoch, proposed = self.connect(
-            exclude=live.index, at_least=max(live.epoch, live.proposed) + 1)
+            exclude=live.index, at_least=max(live.epoch, live.proposed) + 1, world=world)
         left = (live.index, member_round) if member_round is not None else live.left
         return client, Live(i, epoch, proposed, left if proposed and live.index >= 0 else None)
 
@@ -303,13 +328,13 @@ class Candidates:
             raise Regroup(f"{self.name(lower[0])} answers, before this node's "
                           f"{self.name(live.index)} in the list", lower[0])
 
-    def regroup(self, live: Live, j: int) -> tuple[Any, Live]:
+    def regroup(self, live: Live, j: int, world: bytes = b"") -> tuple[Any, Live]:
         """A connection to candidate ``j`` for a mover that regroups there (see ``check``):
-        the same move, its proposal and mark carried over."""
+        the same move, its proposal and mark carried over (:class:`Fenced` as ``move``)."""
         client, epoch = self.connect_to(j)
         proposed = live.proposed if live.proposed > epoch else 0
         try:
-            client.append(self.moving_key, b"%d|%s;" % (proposed or epoch, self.me.encode()))
+            self._mark(client, j, proposed or epoch, world)
         except (StoreError, OSError) as e:
             client.close()
             raise RendezvousConnectionError(f"{self.name(j)}: {e}") from e
@@ -350,13 +375,17 @@ class Candidates:
         found.sort(key=lambda f: (f[0], f[1]))
         return found, errors
 
-    def gone_elsewhere(self, index: int, idents: list[str]) -> str:
-        """Whether the members ``idents`` (``<addr>|<pid>``), whose connections closed on
-        candidate ``index``, are proven to be nowhere else: "" when every other candidate
-        refuses the connection or answers without a mark of them; else why not (a timeout or
-        no route blocks the proof, as does a mark)."""
+    def gone_elsewhere(self, index: int, idents: list[str], world: bytes = b"") -> str:
+        """Whether the members ``idents`` (``<addr>|<pid>``) of ``world``, whose connections
+        closed on candidate ``index``, are proven to be nowhere else: "" when every other
+        candidate refuses the connection, or answers and, after this prover's fences of them
+        (:func:`encode_fence`, one append), holds no mark of them before their fence; else
+        why not (a timeout or no route blocks the proof, as does a mark). A mover that marks
+        a candidate after the fence drops ``world`` there (:meth:`_mark`), so the proof and the
+        move cannot both count it, whatever the timing."""
         from fastelastic.store import TCPStore
 
+        fences = b"".join(encode_fence(world, x) for x in idents)
         for i, (host, port) in enumerate(self.endpoints):
             if i == index:
                 continue
@@ -369,12 +398,13 @@ class Candidates:
             try:
                 c = TCPStore(host, port, timeout=timedelta(seconds=PROBE_S), token=self.token)
                 try:
-                    marks = bytes(c.get(self.moving_key)) if c.check([self.moving_key]) else b""
+                    c.append(self.moving_key, fences)
+                    marks = bytes(c.get(self.moving_key))
                 finally:
                     c.close()
             except (StoreError, OSError) as e:
                 return f"{self.name(i)} did not answer ({e})"
-            moved = [x for x in idents if b"|%s;" % x.encode() in marks]
+            moved = [x for x in idents if marked_before_fence(marks, x, world)]
             if moved:
                 return f"{moved} moved to {self.name(i)}"
         return ""

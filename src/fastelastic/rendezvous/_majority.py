@@ -131,7 +131,9 @@ def objection(records: list[bytes], last: tuple[int, int] | None, can_move: bool
         who = [sc.who_parts(bytes(v)) for v in (yield MultiGet([lk.who(i) for i in closed]))]
         idents = [f"{addr}|{pid}" for _, addr, pid in who]
         blocked = yield from _back_here(idents, keys)
-        blocked = blocked or (yield GoneElsewhere(idents))
+        if not blocked:  # fenced in the world's name: its movers read the same fence
+            wid = sc.parse_outcome(bytes((yield Get(lk.outcome, None)))).wid
+            blocked = yield GoneElsewhere(idents, wid)
         if not blocked:
             return ""
     reason = (f"; their connections closed here, but {blocked}" if blocked else

@@ -177,9 +177,9 @@ class FastRendezvousHandler(Moves, RendezvousHandler):
             case rq.StopBeats():
                 BEATER.remove(self)
                 return None
-            case rq.GoneElsewhere(idents):  # the proof of _majority (only when it can move)
+            case rq.GoneElsewhere(idents, world):  # the proof of _majority (it can move)
                 assert self._candidates is not None
-                return self._candidates.gone_elsewhere(self._live.index, idents)
+                return self._candidates.gone_elsewhere(self._live.index, idents, world)
             case rq.MovedElsewhere():  # one endpoint: nowhere else to be
                 if self._candidates is not None:
                     self._candidates.check(self._live)
