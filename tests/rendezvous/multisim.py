@@ -422,24 +422,25 @@ class MultiSim(Sim):
 
     def _gone_elsewhere(self, node: MNode, idents: list[str],
                         world: bytes) -> Generator[Any, Any, str]:
-        """``Candidates.gone_elsewhere``: on each answering candidate, the fences (one
-        append), then the get of the list (each within ``PROBE_S``)."""
+        """``Candidates.gone_elsewhere``: a pass that reads each answering candidate's list,
+        then one that appends the fences and reads it again (each request within
+        ``PROBE_S``)."""
         fences = b"".join(sc.encode_fence(world, x) for x in idents)
-        for i in range(len(self.stores)):
-            if i == node.live.index:
-                continue
-            st = self.link(node, i)
-            if st == "refused":
-                continue
-            r = yield Peek(i, lambda d: d.__setitem__(
-                self.keys.moving, d.get(self.keys.moving, b"") + fences))
-            marks = DOWN if r is DOWN else (
-                yield Peek(i, lambda d: d.get(self.keys.moving, b"")))
-            if marks is DOWN:
-                return f"{i} did not answer"
-            moved = [x for x in idents if sc.marked_before_fence(marks, x, world)]
-            if moved:
-                return f"{moved} moved to {i}"
+        for fence in (b"", fences):
+            for i in range(len(self.stores)):
+                if i == node.live.index or self.link(node, i) == "refused":
+                    continue
+                if fence:
+                    r = yield Peek(i, lambda d: d.__setitem__(
+                        self.keys.moving, d.get(self.keys.moving, b"") + fences))
+                    if r is DOWN:
+                        return f"{i} did not answer"
+                marks = yield Peek(i, lambda d: d.get(self.keys.moving, b""))
+                if marks is DOWN:
+                    return f"{i} did not answer"
+                moved = [x for x in idents if sc.marked_before_fence(marks, x, world)]
+                if moved:
+                    return f"{moved} moved to {i}"
         return ""
 
     def _join(self, node: MNode) -> Generator[Any, Any, Any]:

@@ -382,32 +382,45 @@ class Candidates:
         (:func:`encode_fence`, one append), holds no mark of them before their fence; else
         why not (a timeout or no route blocks the proof, as does a mark). A mover that marks
         a candidate after the fence drops ``world`` there (:meth:`_mark`), so the proof and the
-        move cannot both count it, whatever the timing."""
+        move cannot both count it, whatever the timing. A first pass only reads, so that a
+        proof bound to fail (a mark, a timeout) leaves no fences behind."""
+        fences = b"".join(encode_fence(world, x) for x in idents)
+        for fence in (b"", fences):  # the decision is the second pass's alone
+            for i in range(len(self.endpoints)):
+                if i == index:
+                    continue
+                marks = self._marks(i, fence)
+                if marks is None:
+                    continue  # nothing listens there: no store they could be on
+                if isinstance(marks, str):
+                    return marks
+                moved = [x for x in idents if marked_before_fence(marks, x, world)]
+                if moved:
+                    return f"{moved} moved to {self.name(i)}"
+        return ""
+
+    def _marks(self, i: int, fence: bytes) -> bytes | str | None:
+        """Candidate ``i``'s ``moving`` list, after appending ``fence`` (if any); None when it
+        refuses the connection; why, when it does not answer."""
         from fastelastic.store import TCPStore
 
-        fences = b"".join(encode_fence(world, x) for x in idents)
-        for i, (host, port) in enumerate(self.endpoints):
-            if i == index:
-                continue
+        host, port = self.endpoints[i]
+        try:
+            socket.create_connection((host, port), timeout=PROBE_S).close()
+        except ConnectionRefusedError:
+            return None
+        except OSError as e:
+            return f"{self.name(i)} did not answer ({e})"
+        try:
+            c = TCPStore(host, port, timeout=timedelta(seconds=PROBE_S), token=self.token)
             try:
-                socket.create_connection((host, port), timeout=PROBE_S).close()
-            except ConnectionRefusedError:
-                continue  # nothing listens there: no store they could be on
-            except OSError as e:
-                return f"{self.name(i)} did not answer ({e})"
-            try:
-                c = TCPStore(host, port, timeout=timedelta(seconds=PROBE_S), token=self.token)
-                try:
-                    c.append(self.moving_key, fences)
-                    marks = bytes(c.get(self.moving_key))
-                finally:
-                    c.close()
-            except (StoreError, OSError) as e:
-                return f"{self.name(i)} did not answer ({e})"
-            moved = [x for x in idents if marked_before_fence(marks, x, world)]
-            if moved:
-                return f"{moved} moved to {self.name(i)}"
-        return ""
+                if fence:
+                    c.append(self.moving_key, fence)
+                return bytes(c.get(self.moving_key)) if c.check([self.moving_key]) else b""
+            finally:
+                c.close()
+        except (StoreError, OSError) as e:
+            return f"{self.name(i)} did not answer ({e})"
 
     def close(self) -> None:
         if self.standby is not None:
