@@ -1,5 +1,5 @@
 """Several candidate stores, links cut per (node, store) pair, and a thin driver that mirrors
-the handler's failover (``fast_rendezvous._next_rendezvous_anywhere``, ``_move``, ``_go_back``,
+the handler's failover (``_moves.Moves._next_rendezvous_anywhere``, ``_move``, ``_go_back``,
 ``_follow``, ``lost_members``'s move, and ``_failover.Candidates``' probes, marks, proofs,
 ``connect``'s start, ``follow`` and ``check``).
 

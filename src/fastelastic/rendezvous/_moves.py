@@ -12,7 +12,12 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from fastelastic.errors import RendezvousConnectionError, RendezvousTimeoutError, StoreError
+from fastelastic.errors import (
+    RendezvousConnectionError,
+    RendezvousTimeoutError,
+    StoreError,
+    StoreTimeoutError,
+)
 
 from ._failover import Fenced, GoBack, Live, Regroup
 
@@ -22,9 +27,11 @@ if TYPE_CHECKING:
     from ._failover import Candidates
     from ._requests import Proto
     from ._round import Machine
+    from .api import RendezvousInfo
     from .timeouts import RendezvousTimeout
 
 log = logging.getLogger("fastelastic.rendezvous.fast_rendezvous")
+_MAX_HOPS = 64  # moves and returns of one next_rendezvous
 
 
 class Moves:
@@ -41,8 +48,39 @@ class Moves:
         _timeout: RendezvousTimeout
 
         def _run(self, gen: Proto[Any], store: Any) -> Any: ...
+        def _next_rendezvous(self) -> RendezvousInfo: ...
         def _stop_heartbeats(self) -> None: ...
         def _close_side(self) -> None: ...
+
+    def _next_rendezvous_anywhere(self) -> RendezvousInfo:
+        """``_next_rendezvous`` on the live store, moving to the next candidate when the
+        store's host is lost (bounded by the number of candidates). A node that carries no
+        world never moves the rendezvous (``_failover.NO_WORLD_RULE``): it follows a committed
+        move, or waits for its store, within the join timeout."""
+        moves = len(self._candidates.endpoints) - 1 if self._candidates is not None else 0
+        until = time.monotonic() + self._timeout.join.total_seconds()
+        for _ in range(_MAX_HOPS):  # bounded: each pass moves (at most ``moves``) or goes back
+            store = self._store
+            try:
+                info = self._next_rendezvous()
+                self._live = self._live.member()
+                return info
+            except GoBack as e:
+                self._go_back(e, store)
+            except Regroup as e:
+                self._regroup(e, store)
+            except (RendezvousConnectionError, StoreTimeoutError) as e:
+                if self._candidates is not None and self._m.member is None and not (
+                        self._m.carried):
+                    self._follow(e, store, until)
+                    continue
+                if moves <= 0:
+                    raise
+                moves -= 1
+                self._move(e, store)
+        raise RendezvousConnectionError(
+            f"The rendezvous '{self._run_id}' moved between its candidates {_MAX_HOPS} times "
+            "without forming a round.")
 
     def _move(self, why: BaseException, failed: Any) -> bool:
         """The live store's host is lost: connect to the next live candidate, raise its epoch
