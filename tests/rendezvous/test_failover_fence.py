@@ -109,6 +109,11 @@ def test_a_fenced_mover_does_not_count_as_a_carrier_on_the_successor(nodes, fenc
             me = hs[1]._candidates.me
             assert prover.gone_elsewhere(0, [me], wid) == ""
         s0.shutdown_server()                       # the world's store is lost
+        for i in range(2):                         # the agent's check notices it, and moves
+            lost = hs[i].lost_members()
+            assert len(lost) == 1 and lost[0][0] == -1, lost
+            said = "proven gone from its world" if fence and i == 1 else "the rendezvous moved to"
+            assert said in lost[0][1], lost
         for i in range(2):
             nodes.start(10 + i, lambda i: hs[i - 10].next_rendezvous())
         nodes.join(30)

@@ -382,8 +382,10 @@ class FastRendezvousHandler(Moves, RoundStores, RendezvousHandler):
                 # a rendezvous runs in another thread: it moves, on its own failure
                 return [(-1, f"the rendezvous store's host {lost} was lost ({e})")]
             self._move(e, store)
-            return [(-1, f"the rendezvous store's host {lost} was lost ({e}); the "
-                         f"rendezvous moved to {self._candidates.name(self._live.index)}")]
+            where = self._candidates.name(self._live.index)
+            return [(-1, f"the rendezvous store's host {lost} was lost ({e}); " + (
+                f"the rendezvous moved to {where}" if self._m.carried or self._m.member else
+                f"this node was proven gone from its world first: it follows ({where})"))]
 
     def mark_done(self) -> None:
         """Tells the other members that this node finished its work (its workers succeeded).
