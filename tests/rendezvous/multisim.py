@@ -28,7 +28,7 @@ from simstore import Node, Sim, Sleep
 from fastelastic.errors import RendezvousConnectionError, RendezvousTimeoutError
 from fastelastic.rendezvous import _requests as rq
 from fastelastic.rendezvous import _schema as sc
-from fastelastic.rendezvous._failover import PROBE_S, Fenced, GoBack, Live, Regroup
+from fastelastic.rendezvous._failover import PROBE_S, Fenced, GoBack, Live, Regroup, prove_gone
 
 DOWN = object()  # the reply of a request that failed as a connection error
 MAX_HOPS = 16
@@ -422,26 +422,30 @@ class MultiSim(Sim):
 
     def _gone_elsewhere(self, node: MNode, idents: list[str],
                         world: bytes) -> Generator[Any, Any, str]:
-        """``Candidates.gone_elsewhere``: a pass that reads each answering candidate's list,
-        then one that appends the fences and reads it again (each request within
-        ``PROBE_S``)."""
-        fences = b"".join(sc.encode_fence(world, x) for x in idents)
-        for fence in (b"", fences):
-            for i in range(len(self.stores)):
-                if i == node.live.index or self.link(node, i) == "refused":
-                    continue
-                if fence:
-                    r = yield Peek(i, lambda d: d.__setitem__(
-                        self.keys.moving, d.get(self.keys.moving, b"") + fences))
-                    if r is DOWN:
-                        return f"{i} did not answer"
-                marks = yield Peek(i, lambda d: d.get(self.keys.moving, b""))
-                if marks is DOWN:
-                    return f"{i} did not answer"
-                moved = [x for x in idents if sc.marked_before_fence(marks, x, world)]
-                if moved:
-                    return f"{moved} moved to {i}"
-        return ""
+        """``Candidates.gone_elsewhere``: the real policy (``_failover.prove_gone``), each of
+        its requests (append the fence if any, then read the list) as ``Candidates._marks``
+        makes them, each within ``PROBE_S``."""
+        proof = prove_gone([str(i) for i in range(len(self.stores))], node.live.index, idents,
+                           world)
+        reply = None
+        try:
+            for _ in range(2 * len(self.stores) + 1):
+                i, fence = proof.send(reply)
+                reply = yield from self._marks(node, i, fence)
+        except StopIteration as e:
+            return str(e.value)
+        raise AssertionError("prove_gone asked more than two passes")
+
+    def _marks(self, node: MNode, i: int, fence: bytes) -> Generator[Any, Any, Any]:
+        if self.link(node, i) == "refused":
+            return None
+        if fence:
+            r = yield Peek(i, lambda d: d.__setitem__(
+                self.keys.moving, d.get(self.keys.moving, b"") + fence))
+            if r is DOWN:
+                return f"{i} did not answer"
+        marks = yield Peek(i, lambda d: d.get(self.keys.moving, b""))
+        return f"{i} did not answer" if marks is DOWN else marks
 
     def _join(self, node: MNode) -> Generator[Any, Any, Any]:
         m, addr = node.m, f"10.0.0.{node.id}"

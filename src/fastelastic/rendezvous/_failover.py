@@ -16,6 +16,7 @@ import ipaddress
 import logging
 import socket
 import time
+from collections.abc import Generator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -109,6 +110,40 @@ NO_WORLD_RULE = (
     "or without it, and a world it formed elsewhere could train beside that one. It follows "
     "only a committed move (a candidate with a higher epoch), or waits for the store it was "
     "on. Bring that store (or its link) back, or restart the job.")
+
+
+Proof = Generator[tuple[int, bytes], "bytes | str | None", str]
+
+
+def prove_gone(names: list[str], index: int, idents: list[str], world: bytes) -> Proof:
+    """Whether the members ``idents`` (``<addr>|<pid>``) of ``world``, whose connections
+    closed on candidate ``index``, are proven to be nowhere else (the candidates are
+    ``names``): "" when every other candidate refuses the connection, or answers and, after
+    this prover's fences of them (:func:`encode_fence`, one append), holds no mark of them
+    before their fence; else why not (a timeout or no route blocks the proof, as does a
+    mark). A mover that marks a candidate after the fence drops ``world`` there
+    (:meth:`Candidates._mark`), so the proof and the move cannot both count it, whatever the
+    timing. A first pass only reads, so that a proof bound to fail (a mark, a timeout) leaves
+    no fences behind.
+
+    The policy alone, run on real stores by :meth:`Candidates.gone_elsewhere` and by the
+    tests' simulation: it yields ``(candidate, fence)``, "append ``fence`` (if any) to that
+    candidate's ``moving`` list, then read it", and is sent the list (bytes), None when
+    nothing listens there (refused), or why it did not answer (str)."""
+    fences = b"".join(encode_fence(world, x) for x in idents)
+    for fence in (b"", fences):  # the decision is the second pass's alone
+        for i, name in enumerate(names):
+            if i == index:
+                continue
+            marks = yield i, fence
+            if marks is None:
+                continue  # nothing listens there: no store they could be on
+            if isinstance(marks, str):
+                return marks
+            moved = [x for x in idents if marked_before_fence(marks, x, world)]
+            if moved:
+                return f"{moved} moved to {name}"
+    return ""
 
 
 class Candidates:
@@ -376,28 +411,17 @@ class Candidates:
         return found, errors
 
     def gone_elsewhere(self, index: int, idents: list[str], world: bytes = b"") -> str:
-        """Whether the members ``idents`` (``<addr>|<pid>``) of ``world``, whose connections
-        closed on candidate ``index``, are proven to be nowhere else: "" when every other
-        candidate refuses the connection, or answers and, after this prover's fences of them
-        (:func:`encode_fence`, one append), holds no mark of them before their fence; else
-        why not (a timeout or no route blocks the proof, as does a mark). A mover that marks
-        a candidate after the fence drops ``world`` there (:meth:`_mark`), so the proof and the
-        move cannot both count it, whatever the timing. A first pass only reads, so that a
-        proof bound to fail (a mark, a timeout) leaves no fences behind."""
-        fences = b"".join(encode_fence(world, x) for x in idents)
-        for fence in (b"", fences):  # the decision is the second pass's alone
-            for i in range(len(self.endpoints)):
-                if i == index:
-                    continue
-                marks = self._marks(i, fence)
-                if marks is None:
-                    continue  # nothing listens there: no store they could be on
-                if isinstance(marks, str):
-                    return marks
-                moved = [x for x in idents if marked_before_fence(marks, x, world)]
-                if moved:
-                    return f"{moved} moved to {self.name(i)}"
-        return ""
+        """:func:`prove_gone` on the real candidates (each of its requests by :meth:`_marks`)."""
+        proof = prove_gone([self.name(i) for i in range(len(self.endpoints))], index, idents,
+                           world)
+        reply: bytes | str | None = None
+        try:
+            for _ in range(2 * len(self.endpoints) + 1):  # two passes over the candidates
+                i, fence = proof.send(reply)
+                reply = self._marks(i, fence)
+        except StopIteration as e:
+            return str(e.value)
+        raise AssertionError("prove_gone asked more than two passes")
 
     def _marks(self, i: int, fence: bytes) -> bytes | str | None:
         """Candidate ``i``'s ``moving`` list, after appending ``fence`` (if any); None when it
