@@ -5,7 +5,10 @@ the handler's failover (``_moves.Moves._next_rendezvous_anywhere``, ``_move``, `
 
 What is simulated, precisely: the round state machine (``_round.Machine``) runs unchanged; the
 moves around it are this module's driver, written from the handler's code, not the handler
-itself (issue 27 item 2's "typed operations of the machine" is not done). A request to a store
+itself (issue 27 item 2's "typed operations of the machine" is not done), except the proof
+that lost members are gone, which runs the real policy (``_failover.prove_gone``) on the
+simulated stores; the fence check after a mover's mark is ``_schema.fenced``, as the handler's.
+A request to a store
 a node cannot reach fails as the handler's I/O layer sees it: a dead host refuses at once; a
 cut link or a frozen host times out (after the detection window for a store request, after
 ``PROBE_S`` for a probe). Candidate ``i`` is hosted by node ``i``: its death kills the store,
