@@ -6,8 +6,8 @@ the handler's failover (``_moves.Moves._next_rendezvous_anywhere``, ``_move``, `
 What is simulated, precisely: the round state machine (``_round.Machine``) runs unchanged; the
 moves around it are this module's driver, written from the handler's code, not the handler
 itself (issue 27 item 2's "typed operations of the machine" is not done), except the proof
-that lost members are gone, which runs the real policy (``_failover.prove_gone``) on the
-simulated stores; the fence check after a mover's mark is ``_schema.fenced``, as the handler's.
+that lost members are gone and a mover's mark with its fence check, which run the real
+policies (``_failover.prove_gone``, ``_failover.mark_moving``) on the simulated stores.
 A request to a store
 a node cannot reach fails as the handler's I/O layer sees it: a dead host refuses at once; a
 cut link or a frozen host times out (after the detection window for a store request, after
@@ -31,7 +31,15 @@ from simstore import Node, Sim, Sleep
 from fastelastic.errors import RendezvousConnectionError, RendezvousTimeoutError
 from fastelastic.rendezvous import _requests as rq
 from fastelastic.rendezvous import _schema as sc
-from fastelastic.rendezvous._failover import PROBE_S, Fenced, GoBack, Live, Regroup, prove_gone
+from fastelastic.rendezvous._failover import (
+    PROBE_S,
+    Fenced,
+    GoBack,
+    Live,
+    Regroup,
+    mark_moving,
+    prove_gone,
+)
 
 DOWN = object()  # the reply of a request that failed as a connection error
 MAX_HOPS = 16
@@ -297,17 +305,19 @@ class MultiSim(Sim):
 
     def _mark(self, node: MNode, i: int, epoch: int,
               world: bytes) -> Generator[Any, Any, None]:
-        """``Candidates._mark``: the append, then (carrying a world) the get of the list."""
+        """``Candidates._mark``: the real policy (``_failover.mark_moving``) on store ``i``."""
         me = f"10.0.0.{node.id}|{1000 + node.id}"
-        r = yield At(i, rq.Append(self.keys.moving, sc.encode_mark(epoch, me)))
-        if r is DOWN:
-            raise RendezvousConnectionError(f"store {i} lost")
-        if world:
-            marks = yield At(i, rq.Get(self.keys.moving, None))
-            if marks is DOWN:
-                raise RendezvousConnectionError(f"store {i} lost")
-            if sc.fenced(bytes(marks), me, world):
-                raise Fenced(f"store {i} fenced {me} from {world!r}")
+        proto, reply = mark_moving(self.keys.moving, me, epoch, world), None
+        try:
+            for _ in range(3):
+                reply = yield At(i, proto.send(reply))
+                if reply is DOWN:
+                    raise RendezvousConnectionError(f"store {i} lost")
+        except StopIteration as e:
+            if e.value:
+                raise Fenced(f"store {i} fenced {me} from {world!r}") from None
+            return
+        raise AssertionError("mark_moving asked more than two requests")
 
     def _switch(self, node: MNode, live: Live) -> None:
         if node.store >= 0 and not node.closed:

@@ -24,6 +24,7 @@ from typing import Any
 from fastelastic._waits import Slices
 from fastelastic.errors import RendezvousConnectionError, RendezvousTimeoutError, StoreError
 
+from ._requests import Append, Get, Proto
 from ._schema import Keys, encode_fence, encode_mark, fenced, marked_before_fence
 from .utils import _matches_machine_hostname, parse_rendezvous_endpoint
 
@@ -146,6 +147,17 @@ def prove_gone(names: list[str], index: int, idents: list[str], world: bytes) ->
     return ""
 
 
+def mark_moving(key: str, me: str, epoch: int, world: bytes) -> Proto[bool]:
+    """A mover's mark on a candidate (``me`` proposing ``epoch``, or that store's committed
+    one) in its ``moving`` list ``key``; carrying ``world``, it reads the list back. True
+    (fenced) when a fence of it from that world precedes its mark: where that world formed it
+    was proven gone first (the server's appends are atomic, so the prover read the same
+    order), and it must not carry that world here. The policy alone, run on real stores by
+    :meth:`Candidates._mark` and by the tests' simulation."""
+    yield Append(key, encode_mark(epoch, me))
+    return bool(world) and fenced(bytes((yield Get(key, None))), me, world)
+
+
 class Candidates:
     """The candidates, this node's standby store and the connection to the live one."""
 
@@ -244,17 +256,22 @@ class Candidates:
         return client, i, epoch, proposed
 
     def _mark(self, client: Any, i: int, epoch: int, world: bytes) -> None:
-        """Appends this mover's mark to candidate ``i``'s ``moving``; carrying ``world``, reads
-        the list back: a fence of it from that world before its mark means the world's store
-        proved it gone first (the server's appends are atomic, so the prover reads the same
-        order), and it must not carry that world here (closes ``client``, raises
-        :class:`Fenced`)."""
-        client.append(self.moving_key, encode_mark(epoch, self.me))
-        if world and fenced(bytes(client.get(self.moving_key)), self.me, world):
-            client.close()
-            raise Fenced(f"{self.name(i)} holds a fence of this node from its world "
-                         f"{world.decode('utf-8', 'replace')} before its mark: the store where "
-                         "that world formed proved it gone first")
+        """:func:`mark_moving` on ``client`` (candidate ``i``); when fenced, closes ``client``
+        and raises :class:`Fenced`."""
+        from . import _store_ops as ops
+
+        proto, reply = mark_moving(self.moving_key, self.me, epoch, world), None
+        try:
+            for _ in range(3):  # an append and a get
+                reply = ops.apply(client, proto.send(reply))
+        except StopIteration as e:
+            if e.value:
+                client.close()
+                raise Fenced(f"{self.name(i)} holds a fence of this node from its world "
+                             f"{world.decode('utf-8', 'replace')} before its mark: the store "
+                             "where that world formed proved it gone first") from None
+            return
+        raise AssertionError("mark_moving asked more than two requests")
 
     def connect_to(self, i: int) -> tuple[Any, int]:
         """A connection to candidate ``i`` (a mover going back): (client, its epoch).
