@@ -29,17 +29,10 @@ from typing import Any
 from simstore import Node, Sim, Sleep
 
 from fastelastic.errors import RendezvousConnectionError, RendezvousTimeoutError
+from fastelastic.rendezvous import _failover as fo
 from fastelastic.rendezvous import _requests as rq
 from fastelastic.rendezvous import _schema as sc
-from fastelastic.rendezvous._failover import (
-    PROBE_S,
-    Fenced,
-    GoBack,
-    Live,
-    Regroup,
-    mark_moving,
-    prove_gone,
-)
+from fastelastic.rendezvous._failover import PROBE_S, Fenced, GoBack, Live, Regroup
 
 DOWN = object()  # the reply of a request that failed as a connection error
 MAX_HOPS = 16
@@ -307,7 +300,7 @@ class MultiSim(Sim):
               world: bytes) -> Generator[Any, Any, None]:
         """``Candidates._mark``: the real policy (``_failover.mark_moving``) on store ``i``."""
         me = f"10.0.0.{node.id}|{1000 + node.id}"
-        proto, reply = mark_moving(self.keys.moving, me, epoch, world), None
+        proto, reply = fo.mark_moving(self.keys.moving, me, epoch, world), None
         try:
             for _ in range(3):
                 reply = yield At(i, proto.send(reply))
@@ -438,7 +431,7 @@ class MultiSim(Sim):
         """``Candidates.gone_elsewhere``: the real policy (``_failover.prove_gone``), each of
         its requests (append the fence if any, then read the list) as ``Candidates._marks``
         makes them, each within ``PROBE_S``."""
-        proof = prove_gone([str(i) for i in range(len(self.stores))], node.live.index, idents,
+        proof = fo.prove_gone([str(i) for i in range(len(self.stores))], node.live.index, idents,
                            world)
         reply = None
         try:
