@@ -1,11 +1,14 @@
 """Several candidate stores, links cut per (node, store) pair, and a thin driver that mirrors
-the handler's failover (``fast_rendezvous._next_rendezvous_anywhere``, ``_move``, ``_go_back``,
+the handler's failover (``_moves.Moves._next_rendezvous_anywhere``, ``_move``, ``_go_back``,
 ``_follow``, ``lost_members``'s move, and ``_failover.Candidates``' probes, marks, proofs,
 ``connect``'s start, ``follow`` and ``check``).
 
 What is simulated, precisely: the round state machine (``_round.Machine``) runs unchanged; the
 moves around it are this module's driver, written from the handler's code, not the handler
-itself (issue 27 item 2's "typed operations of the machine" is not done). A request to a store
+itself (issue 27 item 2's "typed operations of the machine" is not done), except the proof
+that lost members are gone and a mover's mark with its fence check, which run the real
+policies (``_failover.prove_gone``, ``_failover.mark_moving``) on the simulated stores.
+A request to a store
 a node cannot reach fails as the handler's I/O layer sees it: a dead host refuses at once; a
 cut link or a frozen host times out (after the detection window for a store request, after
 ``PROBE_S`` for a probe). Candidate ``i`` is hosted by node ``i``: its death kills the store,
@@ -26,9 +29,10 @@ from typing import Any
 from simstore import Node, Sim, Sleep
 
 from fastelastic.errors import RendezvousConnectionError, RendezvousTimeoutError
+from fastelastic.rendezvous import _failover as fo
 from fastelastic.rendezvous import _requests as rq
 from fastelastic.rendezvous import _schema as sc
-from fastelastic.rendezvous._failover import PROBE_S, GoBack, Live, Regroup
+from fastelastic.rendezvous._failover import PROBE_S, Fenced, GoBack, Live, Regroup
 
 DOWN = object()  # the reply of a request that failed as a connection error
 MAX_HOPS = 16
@@ -63,6 +67,7 @@ class MNode(Node):
     worlds: dict[tuple[int, int], int] = field(default_factory=dict)
     log: list[str] = field(default_factory=list)
     pending: At | Peek | None = None  # a request waiting for its link to come back
+    closed: bool = False  # its connection closed by the node itself (``_moves._fenced``)
 
 
 class MultiSim(Sim):
@@ -247,8 +252,10 @@ class MultiSim(Sim):
                     case rq.MovedElsewhere():
                         yield from self._check(node)
                         reply = None
-                    case rq.GoneElsewhere(idents):
-                        reply = yield from self._gone_elsewhere(node, idents)
+                    case rq.GoneElsewhere(idents, world):
+                        reply = yield from self._gone_elsewhere(node, idents, world)
+                    case _ if node.closed:  # a request on a closed client fails at once
+                        raise RendezvousConnectionError(f"store {node.store}: closed")
                     case _:
                         reply = yield At(node.store, op)
                         if reply is DOWN:
@@ -271,8 +278,8 @@ class MultiSim(Sim):
     def keys(self) -> sc.Keys:
         return sc.Keys(self.cfg.run_id)
 
-    def _connect(self, node: MNode, exclude: int = -1,
-                 at_least: int = 0) -> Generator[Any, Any, tuple[int, int, int]]:
+    def _connect(self, node: MNode, exclude: int = -1, at_least: int = 0,
+                 world: bytes = b"") -> Generator[Any, Any, tuple[int, int, int]]:
         start, deadline = self.clock.t, self.clock.t + START_PATIENCE
         for _ in range(100_000):  # as Candidates.connect: a start never proposes an epoch
             found = yield from self._probe(node, exclude)
@@ -286,31 +293,57 @@ class MultiSim(Sim):
         epoch, i = -found[0][0], found[0][1]
         proposed = at_least if epoch < at_least else 0
         if exclude >= 0 or proposed:
-            me = f"10.0.0.{node.id}|{1000 + node.id}"
-            r = yield At(i, rq.Append(self.keys.moving,
-                                      b"%d|%s;" % (proposed or epoch, me.encode())))
-            if r is DOWN:
-                raise RendezvousConnectionError(f"store {i} lost")
+            yield from self._mark(node, i, proposed or epoch, world)
         return i, epoch, proposed
 
+    def _mark(self, node: MNode, i: int, epoch: int,
+              world: bytes) -> Generator[Any, Any, None]:
+        """``Candidates._mark``: the real policy (``_failover.mark_moving``) on store ``i``."""
+        me = f"10.0.0.{node.id}|{1000 + node.id}"
+        proto, reply = fo.mark_moving(self.keys.moving, me, epoch, world), None
+        try:
+            for _ in range(3):
+                reply = yield At(i, proto.send(reply))
+                if reply is DOWN:
+                    raise RendezvousConnectionError(f"store {i} lost")
+        except StopIteration as e:
+            if e.value:
+                raise Fenced(f"store {i} fenced {me} from {world!r}") from None
+            return
+        raise AssertionError("mark_moving asked more than two requests")
+
     def _switch(self, node: MNode, live: Live) -> None:
-        old = node.store
-        if old >= 0:
-            st = self.link(node, old)
-            if st == "ok":
-                self._disconnect(node)
-            else:
-                gen, pending = node.conn, node.on_disconnect
-                node.on_disconnect, node.conn = [], node.conn + 1
-                if st == "timeout":
-                    def late() -> None:
-                        if self.store_state[old] != "dead":
-                            for key, value in pending:
-                                self.stores[old][key] = self.stores[old].get(key, b"") + value
-                    self.at(self.clock.t + self.closes_after, late)
-                del gen
-        node.store, node.live, node.beat_key = live.index, live, None
+        if node.store >= 0 and not node.closed:
+            self._close(node)
+        node.store, node.live, node.beat_key, node.closed = live.index, live, None, False
         node.log.append(f"{self.clock.t:.1f} at {live}")
+
+    def _close(self, node: MNode) -> None:
+        """The node closes its connection (the close half of ``_switch``)."""
+        old = node.store
+        st = self.link(node, old)
+        if st == "ok":
+            self._disconnect(node)
+        else:
+            pending = node.on_disconnect
+            node.on_disconnect, node.conn = [], node.conn + 1
+            if st == "timeout":
+                def late() -> None:
+                    if self.store_state[old] != "dead":
+                        for key, value in pending:
+                            self.stores[old][key] = self.stores[old].get(key, b"") + value
+                self.at(self.clock.t + self.closes_after, late)
+
+    def _fenced(self, node: MNode) -> None:
+        """``_moves._fenced``: drops its world, closes its connection; it follows next."""
+        node.m.back()
+        node.beat_key = None  # the handler's _move stopped them first
+        if node.live.left is not None:
+            node.live = Live(node.live.left[0], 0)
+        if not node.closed:
+            self._close(node)
+        node.closed = True
+        node.log.append(f"{self.clock.t:.1f} fenced, follows from {node.live}")
 
     def _move(self, node: MNode) -> Generator[Any, Any, None]:
         live, member = node.live, node.m.member
@@ -318,8 +351,13 @@ class MultiSim(Sim):
             yield from self._op(node, node.m.moving())
         except RendezvousConnectionError:
             pass
-        i, epoch, proposed = yield from self._connect(
-            node, exclude=live.index, at_least=max(live.epoch, live.proposed) + 1)
+        try:
+            i, epoch, proposed = yield from self._connect(
+                node, exclude=live.index, at_least=max(live.epoch, live.proposed) + 1,
+                world=node.m.world_id)
+        except Fenced:
+            self._fenced(node)
+            return
         left = (live.index, member[0]) if member is not None else live.left
         self._switch(node, Live(i, epoch, proposed,
                                 left if proposed and live.index >= 0 else None))
@@ -352,10 +390,11 @@ class MultiSim(Sim):
         if v is DOWN:
             raise RendezvousConnectionError(f"store {j} lost")
         proposed = live.proposed if live.proposed > v else 0
-        me = f"10.0.0.{node.id}|{1000 + node.id}"
-        r = yield At(j, rq.Append(self.keys.moving, b"%d|%s;" % (proposed or v, me.encode())))
-        if r is DOWN:
-            raise RendezvousConnectionError(f"store {j} lost")
+        try:
+            yield from self._mark(node, j, proposed or v, node.m.world_id)
+        except Fenced:
+            self._fenced(node)
+            return
         self._switch(node, Live(j, v, proposed, live.left if proposed else None))
         node.m.moved(proposed)
 
@@ -387,20 +426,32 @@ class MultiSim(Sim):
             yield Sleep(0.2)
         raise RendezvousTimeoutError("lost its store while in no world; none came back")
 
-    def _gone_elsewhere(self, node: MNode, idents: list[str]) -> Generator[Any, Any, str]:
-        for i in range(len(self.stores)):
-            if i == node.live.index:
-                continue
-            st = self.link(node, i)
-            if st == "refused":
-                continue
-            marks = yield Peek(i, lambda d: d.get(self.keys.moving, b""))
-            if marks is DOWN:
+    def _gone_elsewhere(self, node: MNode, idents: list[str],
+                        world: bytes) -> Generator[Any, Any, str]:
+        """``Candidates.gone_elsewhere``: the real policy (``_failover.prove_gone``), each of
+        its requests (append the fence if any, then read the list) as ``Candidates._marks``
+        makes them, each within ``PROBE_S``."""
+        proof = fo.prove_gone([str(i) for i in range(len(self.stores))], node.live.index, idents,
+                           world)
+        reply = None
+        try:
+            for _ in range(2 * len(self.stores) + 1):
+                i, fence = proof.send(reply)
+                reply = yield from self._marks(node, i, fence)
+        except StopIteration as e:
+            return str(e.value)
+        raise AssertionError("prove_gone asked more than two passes")
+
+    def _marks(self, node: MNode, i: int, fence: bytes) -> Generator[Any, Any, Any]:
+        if self.link(node, i) == "refused":
+            return None
+        if fence:
+            r = yield Peek(i, lambda d: d.__setitem__(
+                self.keys.moving, d.get(self.keys.moving, b"") + fence))
+            if r is DOWN:
                 return f"{i} did not answer"
-            moved = [x for x in idents if b"|%s;" % x.encode() in marks]
-            if moved:
-                return f"{moved} moved to {i}"
-        return ""
+        marks = yield Peek(i, lambda d: d.get(self.keys.moving, b""))
+        return f"{i} did not answer" if marks is DOWN else marks
 
     def _join(self, node: MNode) -> Generator[Any, Any, Any]:
         m, addr = node.m, f"10.0.0.{node.id}"

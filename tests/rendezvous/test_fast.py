@@ -711,8 +711,9 @@ def test_a_node_that_gives_up_never_closes_a_store_it_formed_no_world_on():
 @pytest.mark.timeout(60)
 def test_the_proof_that_lost_members_are_nowhere_else():
     """``gone_elsewhere``: proven when every other candidate refuses the connection or answers
-    without a mark of them; a mark of one of them, or a candidate that does not answer (it
-    accepts and never replies: a frozen host), blocks it and says why."""
+    without a mark of them before this proof's fence; a mark of one of them before it, or a
+    candidate that does not answer (it accepts and never replies: a frozen host), blocks it
+    and says why. A mark after a proof's fence comes too late (its mover is fenced)."""
     import socket
 
     from fastelastic.rendezvous._failover import Candidates
@@ -730,9 +731,11 @@ def test_the_proof_that_lost_members_are_nowhere_else():
         ports = [live.port, dead_port, other.port]
         c = Candidates(RUN, [("127.0.0.1", p) for p in ports], False, timedelta(seconds=5))
         idents = ["10.0.0.1|11", "10.0.0.2|22"]
-        assert c.gone_elsewhere(0, idents) == ""
         other.append(f"fe.rdzv.{RUN}/moving", b"1|10.0.0.2|22;")
         assert c.gone_elsewhere(0, idents) == f"['10.0.0.2|22'] moved to 127.0.0.1:{other.port}"
+        assert c.gone_elsewhere(0, idents[:1]) == ""
+        other.append(f"fe.rdzv.{RUN}/moving", b"1|10.0.0.1|11;")  # after the fence: too late
+        assert c.gone_elsewhere(0, idents[:1]) == ""
         c.endpoints[2] = ("127.0.0.1", frozen.getsockname()[1])
         t0 = time.monotonic()
         assert "did not answer" in c.gone_elsewhere(0, idents)

@@ -16,6 +16,7 @@ import ipaddress
 import logging
 import socket
 import time
+from collections.abc import Generator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -23,7 +24,8 @@ from typing import Any
 from fastelastic._waits import Slices
 from fastelastic.errors import RendezvousConnectionError, RendezvousTimeoutError, StoreError
 
-from ._schema import Keys
+from ._requests import Append, Get, Proto
+from ._schema import Keys, encode_fence, encode_mark, fenced, marked_before_fence
 from .utils import _matches_machine_hostname, parse_rendezvous_endpoint
 
 
@@ -97,12 +99,63 @@ class Regroup(RendezvousConnectionError):
         self.index = index
 
 
+class Fenced(RendezvousConnectionError):
+    """A mover's mark on a candidate came after a fence of it from its world: where that
+    world formed it was proven gone, so it must not carry that world there (``_majority``).
+    It drops that world and, as a node with no world, follows (``NO_WORLD_RULE``)."""
+
+
 NO_WORLD_RULE = (
     "a node that belongs to no world (starting, or cut from the store during its first "
     "join) does not move the rendezvous: it cannot know whether a world formed there with it "
     "or without it, and a world it formed elsewhere could train beside that one. It follows "
     "only a committed move (a candidate with a higher epoch), or waits for the store it was "
     "on. Bring that store (or its link) back, or restart the job.")
+
+
+Proof = Generator[tuple[int, bytes], "bytes | str | None", str]
+
+
+def prove_gone(names: list[str], index: int, idents: list[str], world: bytes) -> Proof:
+    """Whether the members ``idents`` (``<addr>|<pid>``) of ``world``, whose connections
+    closed on candidate ``index``, are proven to be nowhere else (the candidates are
+    ``names``): "" when every other candidate refuses the connection, or answers and, after
+    this prover's fences of them (:func:`encode_fence`, one append), holds no mark of them
+    before their fence; else why not (a timeout or no route blocks the proof, as does a
+    mark). A mover that marks a candidate after the fence drops ``world`` there
+    (:meth:`Candidates._mark`), so the proof and the move cannot both count it, whatever the
+    timing. A first pass only reads, so that a proof bound to fail (a mark, a timeout) leaves
+    no fences behind.
+
+    The policy alone, run on real stores by :meth:`Candidates.gone_elsewhere` and by the
+    tests' simulation: it yields ``(candidate, fence)``, "append ``fence`` (if any) to that
+    candidate's ``moving`` list, then read it", and is sent the list (bytes), None when
+    nothing listens there (refused), or why it did not answer (str)."""
+    fences = b"".join(encode_fence(world, x) for x in idents)
+    for fence in (b"", fences):  # the decision is the second pass's alone
+        for i, name in enumerate(names):
+            if i == index:
+                continue
+            marks = yield i, fence
+            if marks is None:
+                continue  # nothing listens there: no store they could be on
+            if isinstance(marks, str):
+                return marks
+            moved = [x for x in idents if marked_before_fence(marks, x, world)]
+            if moved:
+                return f"{moved} moved to {name}"
+    return ""
+
+
+def mark_moving(key: str, me: str, epoch: int, world: bytes) -> Proto[bool]:
+    """A mover's mark on a candidate (``me`` proposing ``epoch``, or that store's committed
+    one) in its ``moving`` list ``key``; carrying ``world``, it reads the list back. True
+    (fenced) when a fence of it from that world precedes its mark: where that world formed it
+    was proven gone first (the server's appends are atomic, so the prover read the same
+    order), and it must not carry that world here. The policy alone, run on real stores by
+    :meth:`Candidates._mark` and by the tests' simulation."""
+    yield Append(key, encode_mark(epoch, me))
+    return bool(world) and fenced(bytes((yield Get(key, None))), me, world)
 
 
 class Candidates:
@@ -143,7 +196,8 @@ class Candidates:
         host, port = self.endpoints[i]
         return f"{host}:{port}"
 
-    def connect(self, exclude: int = -1, at_least: int = 0) -> tuple[Any, int, int, int]:
+    def connect(self, exclude: int = -1, at_least: int = 0,
+                world: bytes = b"") -> tuple[Any, int, int, int]:
         """Connects to the live store: (client, candidate index, its committed epoch, the
         epoch this node proposes there or 0). When the store's epoch is below ``at_least``
         (this node moves the rendezvous there) it is not raised: the node writes only a
@@ -158,9 +212,12 @@ class Candidates:
         candidate (``NO_WORLD_RULE``): cut from the first alone, it would form a world of its
         own there while the others form one on the first.
 
+        A mover that carries ``world`` reads the marks back after its own (:meth:`_mark`).
+
         Raises:
             RendezvousConnectionError: No candidate answered within the read timeout (at a
                 start: the first did not, and no other holds a committed epoch).
+            Fenced: ``world`` declared this node gone before its mark reached the candidate.
         """
         start = time.monotonic()
         read_end = start + self.read_timeout.total_seconds()
@@ -194,9 +251,27 @@ class Candidates:
         epoch = -neg
         proposed = at_least if epoch < at_least else 0
         if exclude >= 0 or proposed:  # a move: the mark that tells the proof this node is here
-            client.append(self.moving_key, b"%d|%s;" % (proposed or epoch, self.me.encode()))
+            self._mark(client, i, proposed or epoch, world)
         client.set_timeout(self.read_timeout)
         return client, i, epoch, proposed
+
+    def _mark(self, client: Any, i: int, epoch: int, world: bytes) -> None:
+        """:func:`mark_moving` on ``client`` (candidate ``i``); when fenced, closes ``client``
+        and raises :class:`Fenced`."""
+        from . import _store_ops as ops
+
+        proto, reply = mark_moving(self.moving_key, self.me, epoch, world), None
+        try:
+            for _ in range(3):  # an append and a get
+                reply = ops.apply(client, proto.send(reply))
+        except StopIteration as e:
+            if e.value:
+                client.close()
+                raise Fenced(f"{self.name(i)} holds a fence of this node from its world "
+                             f"{world.decode('utf-8', 'replace')} before its mark: the store "
+                             "where that world formed proved it gone first") from None
+            return
+        raise AssertionError("mark_moving asked more than two requests")
 
     def connect_to(self, i: int) -> tuple[Any, int]:
         """A connection to candidate ``i`` (a mover going back): (client, its epoch).
@@ -262,11 +337,13 @@ class Candidates:
             f"again, and no other candidate holds a committed epoch above {live.epoch}: "
             f"{NO_WORLD_RULE}")
 
-    def move(self, live: Live, member_round: int | None) -> tuple[Any, Live]:
+    def move(self, live: Live, member_round: int | None,
+             world: bytes = b"") -> tuple[Any, Live]:
         """The live store was lost: the next live candidate, with a proposed epoch (and where
-        to go back to) unless its committed one is already past this node's."""
+        to go back to) unless its committed one is already past this node's. Raises
+        :class:`Fenced` when ``world`` (the one it carries) proved it gone first."""
         client, i, epoch, proposed = self.connect(
-            exclude=live.index, at_least=max(live.epoch, live.proposed) + 1)
+            exclude=live.index, at_least=max(live.epoch, live.proposed) + 1, world=world)
         left = (live.index, member_round) if member_round is not None else live.left
         return client, Live(i, epoch, proposed, left if proposed and live.index >= 0 else None)
 
@@ -303,13 +380,13 @@ class Candidates:
             raise Regroup(f"{self.name(lower[0])} answers, before this node's "
                           f"{self.name(live.index)} in the list", lower[0])
 
-    def regroup(self, live: Live, j: int) -> tuple[Any, Live]:
+    def regroup(self, live: Live, j: int, world: bytes = b"") -> tuple[Any, Live]:
         """A connection to candidate ``j`` for a mover that regroups there (see ``check``):
-        the same move, its proposal and mark carried over."""
+        the same move, its proposal and mark carried over (:class:`Fenced` as ``move``)."""
         client, epoch = self.connect_to(j)
         proposed = live.proposed if live.proposed > epoch else 0
         try:
-            client.append(self.moving_key, b"%d|%s;" % (proposed or epoch, self.me.encode()))
+            self._mark(client, j, proposed or epoch, world)
         except (StoreError, OSError) as e:
             client.close()
             raise RendezvousConnectionError(f"{self.name(j)}: {e}") from e
@@ -350,34 +427,41 @@ class Candidates:
         found.sort(key=lambda f: (f[0], f[1]))
         return found, errors
 
-    def gone_elsewhere(self, index: int, idents: list[str]) -> str:
-        """Whether the members ``idents`` (``<addr>|<pid>``), whose connections closed on
-        candidate ``index``, are proven to be nowhere else: "" when every other candidate
-        refuses the connection or answers without a mark of them; else why not (a timeout or
-        no route blocks the proof, as does a mark)."""
+    def gone_elsewhere(self, index: int, idents: list[str], world: bytes = b"") -> str:
+        """:func:`prove_gone` on the real candidates (each of its requests by :meth:`_marks`)."""
+        proof = prove_gone([self.name(i) for i in range(len(self.endpoints))], index, idents,
+                           world)
+        reply: bytes | str | None = None
+        try:
+            for _ in range(2 * len(self.endpoints) + 1):  # two passes over the candidates
+                i, fence = proof.send(reply)
+                reply = self._marks(i, fence)
+        except StopIteration as e:
+            return str(e.value)
+        raise AssertionError("prove_gone asked more than two passes")
+
+    def _marks(self, i: int, fence: bytes) -> bytes | str | None:
+        """Candidate ``i``'s ``moving`` list, after appending ``fence`` (if any); None when it
+        refuses the connection; why, when it does not answer."""
         from fastelastic.store import TCPStore
 
-        for i, (host, port) in enumerate(self.endpoints):
-            if i == index:
-                continue
+        host, port = self.endpoints[i]
+        try:
+            socket.create_connection((host, port), timeout=PROBE_S).close()
+        except ConnectionRefusedError:
+            return None
+        except OSError as e:
+            return f"{self.name(i)} did not answer ({e})"
+        try:
+            c = TCPStore(host, port, timeout=timedelta(seconds=PROBE_S), token=self.token)
             try:
-                socket.create_connection((host, port), timeout=PROBE_S).close()
-            except ConnectionRefusedError:
-                continue  # nothing listens there: no store they could be on
-            except OSError as e:
-                return f"{self.name(i)} did not answer ({e})"
-            try:
-                c = TCPStore(host, port, timeout=timedelta(seconds=PROBE_S), token=self.token)
-                try:
-                    marks = bytes(c.get(self.moving_key)) if c.check([self.moving_key]) else b""
-                finally:
-                    c.close()
-            except (StoreError, OSError) as e:
-                return f"{self.name(i)} did not answer ({e})"
-            moved = [x for x in idents if b"|%s;" % x.encode() in marks]
-            if moved:
-                return f"{moved} moved to {self.name(i)}"
-        return ""
+                if fence:
+                    c.append(self.moving_key, fence)
+                return bytes(c.get(self.moving_key)) if c.check([self.moving_key]) else b""
+            finally:
+                c.close()
+        except (StoreError, OSError) as e:
+            return f"{self.name(i)} did not answer ({e})"
 
     def close(self) -> None:
         if self.standby is not None:

@@ -36,6 +36,21 @@ connection (nothing listens there), and no mark here proposing an epoch above th
 says one of them moved back (:func:`_back_here`). A timeout or no route blocks the proof: a cut
 or powered-off host may hold a majority behind it. Then the objection names the rule and the
 way out.
+
+**The fence** (finding G, sim seeds 526323119 and 41883): a member cut from ``W``'s store
+cannot say ``moved`` there, and the server closes its connection by keep-alive, maybe before
+its mark reaches a successor; a proof that only read the successor in between took it for gone
+while it carried ``W`` there, so both sides counted it. So the prover first appends a fence,
+``x<W's id>|<addr>|<pid>``, to each other answering candidate's ``moving`` list, then reads the
+list; a mover appends its mark, then reads the list. The server's appends are atomic, so both
+read one order: a mark before the fence blocks the proof (it moved in time); a mark after it
+tells its mover that ``W`` declared it gone: it drops ``W`` there and follows as a node with no
+world (``_failover.Fenced``; no rule counts it for ``W`` again). This needs no bound on a
+mover's delay and holds through a freeze of either side between its write and its read (a time
+bound on the movers, the other way, breaks when a mover freezes between its check and its
+write). A fence left by a proof that then fails (a later candidate times out; a first read-only
+pass makes that rare) costs at most that mover's vote: it follows back to ``W``'s store or to
+a committed move, and with fewer carriers no world forms that could not before.
 """
 
 from __future__ import annotations
@@ -131,7 +146,9 @@ def objection(records: list[bytes], last: tuple[int, int] | None, can_move: bool
         who = [sc.who_parts(bytes(v)) for v in (yield MultiGet([lk.who(i) for i in closed]))]
         idents = [f"{addr}|{pid}" for _, addr, pid in who]
         blocked = yield from _back_here(idents, keys)
-        blocked = blocked or (yield GoneElsewhere(idents))
+        if not blocked:  # fenced in the world's name: its movers read the same fence
+            wid = sc.parse_outcome(bytes((yield Get(lk.outcome, None)))).wid
+            blocked = yield GoneElsewhere(idents, wid)
         if not blocked:
             return ""
     reason = (f"; their connections closed here, but {blocked}" if blocked else

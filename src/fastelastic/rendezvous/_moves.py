@@ -2,7 +2,8 @@
 of :mod:`._failover`, run under the handler's move lock): a member that lost the live store
 moves to the next candidate; a node that carries no world only follows a committed move or
 waits for its store; a mover whose round failed the majority rule goes back to its world's
-store or regroups on an earlier candidate."""
+store or regroups on an earlier candidate. A mover fenced by its world's proof
+(``_failover.Fenced``) drops that world and follows, as a node with no world."""
 
 from __future__ import annotations
 
@@ -11,9 +12,14 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from fastelastic.errors import RendezvousConnectionError, RendezvousTimeoutError, StoreError
+from fastelastic.errors import (
+    RendezvousConnectionError,
+    RendezvousTimeoutError,
+    StoreError,
+    StoreTimeoutError,
+)
 
-from ._failover import GoBack, Live, Regroup
+from ._failover import Fenced, GoBack, Live, Regroup
 
 if TYPE_CHECKING:
     import threading
@@ -21,9 +27,11 @@ if TYPE_CHECKING:
     from ._failover import Candidates
     from ._requests import Proto
     from ._round import Machine
+    from .api import RendezvousInfo
     from .timeouts import RendezvousTimeout
 
 log = logging.getLogger("fastelastic.rendezvous.fast_rendezvous")
+_MAX_HOPS = 64  # moves and returns of one next_rendezvous
 
 
 class Moves:
@@ -40,8 +48,39 @@ class Moves:
         _timeout: RendezvousTimeout
 
         def _run(self, gen: Proto[Any], store: Any) -> Any: ...
+        def _next_rendezvous(self) -> RendezvousInfo: ...
         def _stop_heartbeats(self) -> None: ...
         def _close_side(self) -> None: ...
+
+    def _next_rendezvous_anywhere(self) -> RendezvousInfo:
+        """``_next_rendezvous`` on the live store, moving to the next candidate when the
+        store's host is lost (bounded by the number of candidates). A node that carries no
+        world never moves the rendezvous (``_failover.NO_WORLD_RULE``): it follows a committed
+        move, or waits for its store, within the join timeout."""
+        moves = len(self._candidates.endpoints) - 1 if self._candidates is not None else 0
+        until = time.monotonic() + self._timeout.join.total_seconds()
+        for _ in range(_MAX_HOPS):  # bounded: each pass moves (at most ``moves``) or goes back
+            store = self._store
+            try:
+                info = self._next_rendezvous()
+                self._live = self._live.member()
+                return info
+            except GoBack as e:
+                self._go_back(e, store)
+            except Regroup as e:
+                self._regroup(e, store)
+            except (RendezvousConnectionError, StoreTimeoutError) as e:
+                if self._candidates is not None and self._m.member is None and not (
+                        self._m.carried):
+                    self._follow(e, store, until)
+                    continue
+                if moves <= 0:
+                    raise
+                moves -= 1
+                self._move(e, store)
+        raise RendezvousConnectionError(
+            f"The rendezvous '{self._run_id}' moved between its candidates {_MAX_HOPS} times "
+            "without forming a round.")
 
     def _move(self, why: BaseException, failed: Any) -> bool:
         """The live store's host is lost: connect to the next live candidate, raise its epoch
@@ -64,7 +103,12 @@ class Moves:
         self._stop_heartbeats()
         with contextlib.suppress(RendezvousConnectionError, StoreError):  # before any close
             self._run(self._m.moving(), self._store)
-        self._switch(*c.move(live, member[0] if member is not None else None))
+        try:
+            self._switch(*c.move(live, member[0] if member is not None else None,
+                                 self._m.world_id))
+        except Fenced as e:
+            self._fenced(e)
+            return
         new = self._live
         if live.left is not None and new.index == live.left[0] and self._m.returned():
             self._live = new = Live(new.index, new.epoch)  # back where its world formed
@@ -96,7 +140,12 @@ class Moves:
             if self._store is not failed:
                 return
             self._stop_heartbeats()
-            self._switch(*self._candidates.regroup(self._live, why.index))
+            try:
+                self._switch(*self._candidates.regroup(self._live, why.index,
+                                                       self._m.world_id))
+            except Fenced as e:
+                self._fenced(e)
+                return
             self._m.moved(self._live.proposed)
             log.warning("rendezvous %s: %s; regrouped there", self._run_id, why)
 
@@ -125,6 +174,21 @@ class Moves:
             log.warning("rendezvous %s: the store at %s (lost while this node belonged to no "
                         "world) is now at %s (epoch %d)", self._run_id, lost,
                         self._candidates.name(live.index), live.epoch)
+
+    def _fenced(self, why: Fenced) -> None:
+        """The store where this node's world formed proved it gone before its mark reached a
+        candidate: it drops that world (a new node from now on) and closes its connection, so
+        its next request fails and it follows (``_follow``) as a node with no world: to a
+        committed move, or back to its world's store (not to an uncommitted successor)."""
+        assert self._candidates is not None
+        self._m.back()
+        if self._live.left is not None:  # it was on an uncommitted successor: not its store
+            self._live = Live(self._live.left[0], 0)
+        with contextlib.suppress(Exception):
+            self._store.close()
+        log.warning("rendezvous %s: %s; it carries no world from now on: it does not move "
+                    "the rendezvous, it follows a committed move or waits for %s",
+                    self._run_id, why, self._candidates.name(self._live.index))
 
     def _switch(self, client: Any, live: Live) -> None:
         """Talks to the rendezvous through ``client`` (at ``live``) from now on."""

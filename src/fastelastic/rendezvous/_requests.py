@@ -139,11 +139,13 @@ class StopBeats:
 
 @dataclass(frozen=True, slots=True)
 class GoneElsewhere:
-    """Whether the other candidates prove these nodes (``<addr>|<pid>``) gone (see
-    :mod:`._majority`). Reply: "" when proven, else why not (str)."""
+    """Whether the other candidates prove these nodes (``<addr>|<pid>``) gone from
+    ``world`` (its id), fencing them there first (see :mod:`._majority`). Reply: "" when
+    proven, else why not (str)."""
 
     name: ClassVar[str] = "gone_elsewhere"
     idents: list[str]
+    world: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,9 @@ Run-wide:
   records), so a node that moved alone (a cut link) never makes a store look live.
 * ``moving``: the provisional marks of the nodes that moved here, ``<epoch it proposes>|<addr>|
   <pid>;`` each; no node follows them. Where a world formed, a member whose connection closed
-  and whom no other candidate has a mark of is proven gone (``_majority``).
+  and whom no other candidate has a mark of is proven gone (``_majority``). The prover appends
+  a fence ``x<world id>|<addr>|<pid>;`` there first: a mark after it is too late to count, and
+  its mover drops that world (:func:`marked_before_fence`, :func:`fenced`).
 
 Round ``r``:
 
@@ -309,6 +311,54 @@ def parse_gone(raw: bytes) -> dict[int, str]:
         if r not in out or (reason in FOR_GOOD and out[r] not in FOR_GOOD):
             out[r] = reason
     return out
+
+
+def encode_mark(epoch: int, ident: str) -> bytes:
+    """A mover's entry in ``moving``: the epoch it proposes (or the store's) and who it is."""
+    return b"%d|%s;" % (epoch, ident.encode())
+
+
+def encode_fence(wid: bytes, ident: str) -> bytes:
+    """A prover's entry in ``moving``: ``ident`` is about to be declared gone from world
+    ``wid``; a mark of it after this comes too late (see ``_majority``)."""
+    return b"x%s|%s;" % (wid, ident.encode())
+
+
+def _entries(raw: bytes) -> list[tuple[bytes, str]]:
+    """``moving``'s entries in append order: (first field, ``<addr>|<pid>``)."""
+    out = []
+    for entry in raw.split(b";"):
+        head, sep, ident = entry.partition(b"|")
+        if sep:
+            out.append((head, ident.decode("utf-8", "replace")))
+    return out
+
+
+def marked_before_fence(raw: bytes, ident: str, wid: bytes) -> bool:
+    """The prover's reading of ``moving``: a mark of ``ident`` precedes the first fence of it
+    from world ``wid`` (or there is no such fence): it moved here in time, so it is not gone."""
+    for head, who in _entries(raw):
+        if who != ident:
+            continue
+        if head.isdigit():
+            return True
+        if head == b"x" + wid:
+            return False
+    return False
+
+
+def fenced(raw: bytes, ident: str, wid: bytes) -> bool:
+    """The mover's reading of ``moving`` after its mark: a fence of it from its world ``wid``
+    precedes its last mark, so that world declared it gone and it must not carry it here."""
+    fence, last_mark = -1, -1
+    for i, (head, who) in enumerate(_entries(raw)):
+        if who != ident:
+            continue
+        if head.isdigit():
+            last_mark = i
+        elif head == b"x" + wid and fence < 0:
+            fence = i
+    return 0 <= fence < last_mark
 
 
 def assign_ranks(prefs: list[int], world_size: int) -> list[int]:

@@ -21,11 +21,13 @@ import socket
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastelastic.errors import StoreError
 
-__all__ = ["WorkerStoreHost", "is_ip"]
+from .api import RendezvousStoreInfo
+
+__all__ = ["RoundStores", "WorkerStoreHost", "is_ip"]
 
 # a child of fast_rendezvous's logger: logging configs written for that name keep working
 log = logging.getLogger("fastelastic.rendezvous.fast_rendezvous.worker_store")
@@ -154,3 +156,46 @@ class WorkerStoreHost:
         sock, self._sock = self._sock, None
         if sock is not None:
             sock.close()
+
+
+class RoundStores:
+    """Mixin of ``FastRendezvousHandler``: each round's agents' store (a per-round prefix of the
+    rendezvous store) and its workers' store (hosted by rank 0, :class:`WorkerStoreHost`)."""
+
+    if TYPE_CHECKING:
+        _store: Any
+        _wstore: WorkerStoreHost
+        _local_addr: str
+        _m: Any
+
+        @property
+        def store_prefix(self) -> str | None: ...
+        @property
+        def use_agent_store(self) -> bool: ...
+        def wait_members(self, store: Any, keys: list[str], deadline: float) -> None: ...
+
+    def _round_store(self, r: int, rank: int,
+                     wstore: bytes = b"") -> tuple[Any, RendezvousStoreInfo]:
+        """The agents' store (prefixed per round) and the workers' store address."""
+        from fastelastic.store import PrefixStore
+
+        round_store = PrefixStore(str(self.store_prefix), self._store)
+        if not self.use_agent_store:
+            # torch's TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: rank 0's workers host their own.
+            return round_store, RendezvousStoreInfo.build(rank, round_store, self._local_addr)
+        return round_store, self._worker_store_info(r, rank, self._store, wstore)
+
+    def _worker_store_info(self, r: int, rank: int, meet: Any,
+                           addr: bytes = b"") -> RendezvousStoreInfo:
+        """The workers' store of round ``r``: rank 0 hosts it (``WorkerStoreHost.meet``)."""
+        host, port = self._wstore.meet(rank, self._m.keys.round(r).wstore, meet, addr,
+                                       self._store.timeout, self.wait_members)
+        return RendezvousStoreInfo(host, port)
+
+    @property
+    def _worker_server(self) -> Any:
+        return self._wstore.server
+
+    def _retire_worker_store(self) -> None:
+        """Stops the previous round's worker store (its workers were stopped before re-joining)."""
+        self._wstore.retire()

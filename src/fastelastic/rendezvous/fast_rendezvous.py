@@ -30,18 +30,17 @@ from fastelastic.events import NodeState, construct_and_record_rdzv_event
 
 from . import _requests as rq
 from . import _store_ops as ops
-from ._failover import Candidates, GoBack, Live, Regroup, parse_candidates
+from ._failover import Candidates, Live, parse_candidates
 from ._liveness import BEATER
 from ._moves import Moves
 from ._round import Config, Machine
 from ._schema import Membership, assign_ranks
 from ._store_hosting import host_store, token_from
-from ._worker_store import WorkerStoreHost
+from ._worker_store import RoundStores, WorkerStoreHost
 from .api import (
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
-    RendezvousStoreInfo,
 )
 from .timeouts import RendezvousTimeout, store_times_from_params, timeout_from_params
 from .utils import parse_rendezvous_endpoint
@@ -53,14 +52,13 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 DEFAULT_PORT = 29400
 _LINGER_S = 10.0  # at most this long the host's store outlives its own shutdown
-_MAX_HOPS = 64  # moves and returns of one next_rendezvous
 _LEAVE_CONNECT_S = 2.0  # at most this long a leave waits for a connection of its own
 _MEMBERS_LINGER_S = 2.0  # ... when no spare waits: for the members' own shutdowns
 DEFAULT_KEEP_ALIVE_INTERVAL = 1.0  # seconds
 DEFAULT_KEEP_ALIVE_MAX_ATTEMPT = 5  # detection window: interval * attempts = 5 s (torch: 15 s)
 
 
-class FastRendezvousHandler(Moves, RendezvousHandler):
+class FastRendezvousHandler(Moves, RoundStores, RendezvousHandler):
     """Rendezvous handler running the ticket protocol of :mod:`._round` on a store.
 
     Args:
@@ -177,9 +175,9 @@ class FastRendezvousHandler(Moves, RendezvousHandler):
             case rq.StopBeats():
                 BEATER.remove(self)
                 return None
-            case rq.GoneElsewhere(idents):  # the proof of _majority (only when it can move)
+            case rq.GoneElsewhere(idents, world):  # the proof of _majority (it can move)
                 assert self._candidates is not None
-                return self._candidates.gone_elsewhere(self._live.index, idents)
+                return self._candidates.gone_elsewhere(self._live.index, idents, world)
             case rq.MovedElsewhere():  # one endpoint: nowhere else to be
                 if self._candidates is not None:
                     self._candidates.check(self._live)
@@ -291,36 +289,6 @@ class FastRendezvousHandler(Moves, RendezvousHandler):
                      f"{info.rank} of {info.world_size}", NodeState.SUCCEEDED, info.rank)
         return info
 
-    def _next_rendezvous_anywhere(self) -> RendezvousInfo:
-        """``_next_rendezvous`` on the live store, moving to the next candidate when the
-        store's host is lost (bounded by the number of candidates). A node that carries no
-        world never moves the rendezvous (``_failover.NO_WORLD_RULE``): it follows a committed
-        move, or waits for its store, within the join timeout."""
-        moves = len(self._candidates.endpoints) - 1 if self._candidates is not None else 0
-        until = time.monotonic() + self._timeout.join.total_seconds()
-        for _ in range(_MAX_HOPS):  # bounded: each pass moves (at most ``moves``) or goes back
-            store = self._store
-            try:
-                info = self._next_rendezvous()
-                self._live = self._live.member()
-                return info
-            except GoBack as e:
-                self._go_back(e, store)
-            except Regroup as e:
-                self._regroup(e, store)
-            except (RendezvousConnectionError, StoreTimeoutError) as e:
-                if self._candidates is not None and self._m.member is None and not (
-                        self._m.carried):
-                    self._follow(e, store, until)
-                    continue
-                if moves <= 0:
-                    raise
-                moves -= 1
-                self._move(e, store)
-        raise RendezvousConnectionError(
-            f"The rendezvous '{self._run_id}' moved between its candidates {_MAX_HOPS} times "
-            "without forming a round.")
-
     def _next_rendezvous(self) -> RendezvousInfo:
         wstore = self._wstore.address() if self.use_agent_store else b""
         join = self._m.join(self._node_rank, self._local_addr, os.getpid(), wstore)
@@ -414,8 +382,10 @@ class FastRendezvousHandler(Moves, RendezvousHandler):
                 # a rendezvous runs in another thread: it moves, on its own failure
                 return [(-1, f"the rendezvous store's host {lost} was lost ({e})")]
             self._move(e, store)
-            return [(-1, f"the rendezvous store's host {lost} was lost ({e}); the "
-                         f"rendezvous moved to {self._candidates.name(self._live.index)}")]
+            where = self._candidates.name(self._live.index)
+            return [(-1, f"the rendezvous store's host {lost} was lost ({e}); " + (
+                f"the rendezvous moved to {where}" if self._m.carried or self._m.member else
+                f"this node was proven gone from its world first: it follows ({where})"))]
 
     def mark_done(self) -> None:
         """Tells the other members that this node finished its work (its workers succeeded).
@@ -542,32 +512,6 @@ class FastRendezvousHandler(Moves, RendezvousHandler):
             if server.num_connections <= own:
                 break
             time.sleep(0.01)  # polled: the server has no "connections dropped to N" event
-
-    # ------------------------------------------------------------------ workers' store
-
-    def _round_store(self, r: int, rank: int,
-                     wstore: bytes = b"") -> tuple[Any, RendezvousStoreInfo]:
-        """The agents' store (prefixed per round) and the workers' store address."""
-        round_store = _prefix_store(str(self.store_prefix), self._store)
-        if not self.use_agent_store:
-            # torch's TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: rank 0's workers host their own.
-            return round_store, RendezvousStoreInfo.build(rank, round_store, self._local_addr)
-        return round_store, self._worker_store_info(r, rank, self._store, wstore)
-
-    def _worker_store_info(self, r: int, rank: int, meet: Any,
-                           addr: bytes = b"") -> RendezvousStoreInfo:
-        """The workers' store of round ``r``: rank 0 hosts it (``WorkerStoreHost.meet``)."""
-        host, port = self._wstore.meet(rank, self._m.keys.round(r).wstore, meet, addr,
-                                       self._store.timeout, self.wait_members)
-        return RendezvousStoreInfo(host, port)
-
-    @property
-    def _worker_server(self) -> Any:
-        return self._wstore.server
-
-    def _retire_worker_store(self) -> None:
-        """Stops the previous round's worker store (its workers were stopped before re-joining)."""
-        self._wstore.retire()
 
     def _stop_heartbeats(self) -> None:
         BEATER.remove(self)

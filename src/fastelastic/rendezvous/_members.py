@@ -1,0 +1,108 @@
+"""The round machine's operations on a node's membership between rounds (a mixin of
+``_round.Machine``): its membership checks (``lost_members``, ``num_nodes_waiting``), its
+leave, its ``moved`` word before a move, ``done``, and closing the rendezvous."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from fastelastic.errors import (
+    RendezvousClosedError,
+    RendezvousError,
+    RendezvousGracefulExitError,
+)
+
+from . import _schema as sc
+from ._liveness import Watch, lost_members
+from ._requests import Add, Append, MultiSet, Proto, Set
+from ._schema import Membership
+
+if TYPE_CHECKING:
+    from ._round import Config
+
+
+class MemberOps:
+    """``Machine``'s membership operations (see the module doc)."""
+
+    if TYPE_CHECKING:
+        cfg: Config
+        clock: Callable[[], float]
+        keys: sc.Keys
+        member: Membership | None
+        watch: Watch | None
+        spare_ready: bool
+        leaving: bool
+        waited_as_spare: bool
+
+
+    def lost_members(self) -> Proto[list[tuple[int, str]]]:
+        """Members of this node's round lost since the last call: ``[(rank, why), ...]``
+        (see ``FastRendezvousHandler.lost_members``)."""
+        if self.watch is None:
+            return []
+        return (yield from lost_members(self.watch, self.cfg, self.spare_ready, self.clock))
+
+    def num_nodes_waiting(self) -> Proto[int]:
+        """Tickets taken in the round after this node's; 0 behind a full round (spares)."""
+        if self.member is None:
+            return 0
+        r, _, world = self.member
+        v = int((yield Add(self.keys.round(r + 1).tickets, 0)))
+        v = v - sc.SEAL if v >= sc.SEAL else v
+        if world >= self.cfg.max_nodes:
+            self.spare_ready = v > 0
+            return 0
+        return v
+
+    def leave(self, for_good: bool = False) -> Proto[None]:
+        """Tells the members of this node's last round that it left, if it is leaving (a
+        re-join whose ticket is counted) or ``for_good``: ``left/<rank>`` (what the next
+        round's coordinator waits for), ``broken`` (a next round may form) and ``<rank>:left;``
+        in ``gone`` (``quit`` when ``for_good``: it is nowhere else; the others restart at
+        their next membership check). Fire-and-forget."""
+        if self.member is None or not (self.leaving or for_good):
+            return
+        self.leaving = False
+        q, rank, _ = self.member
+        k = self.keys.round(q)
+        yield MultiSet([k.left(rank), k.broken], [b"1", b"1"])
+        yield Append(k.gone, b"%d:%s;" % (rank, b"quit" if for_good else b"left"))
+
+    def moving(self) -> Proto[None]:
+        """Before a node that moves to another candidate closes anything: ``<rank>:moved;`` in
+        its round's ``gone`` (fire-and-forget), so that where its world formed its close is
+        not taken for a death (``_majority.proof_candidates``)."""
+        if self.member is not None:
+            q, rank, _ = self.member
+            yield Append(self.keys.round(q).gone, b"%d:moved;" % rank)
+
+    def mark_done(self) -> Proto[None]:
+        """Tells the others this node's workers finished: its later exit is no loss."""
+        if self.watch is not None:
+            yield Append(self.watch.k.gone, b"%d:done;" % self.watch.rank)
+
+    def set_closed(self) -> Proto[None]:
+        """Sets ``closed`` and wakes every node waiting in a forming round or as a spare."""
+        yield Set(self.keys.closed, b"1")
+        cur = int((yield Add(self.keys.open, 0)))
+        rounds = {cur, cur + 1}
+        if self.member is not None:
+            rounds.add(self.member.round + 1)
+        for r in sorted(rounds):
+            yield Append(self.keys.round(r).outcome, sc.CLOSED)
+        if self.member is not None:  # wakes the spares waiting behind our round at once
+            yield Append(self.keys.round(self.member.round).broken, sc.BROKEN_CLOSED)
+
+    def has_waiters(self) -> Proto[bool]:
+        """True when nodes wait for the round after this node's (spares, at shutdown)."""
+        if self.member is None:
+            return False
+        return bool(int((yield Add(self.keys.round(self.member.round + 1).tickets, 0))))
+
+    def closed_error(self) -> RendezvousError:
+        """Closed: a spare (waiting behind a full round) exits gracefully, as torch's does."""
+        if self.waited_as_spare:
+            return RendezvousGracefulExitError(
+                f"The rendezvous '{self.cfg.run_id}' is closed; this node waited as a spare.")
+        return RendezvousClosedError(f"The rendezvous '{self.cfg.run_id}' is closed.")
