@@ -234,8 +234,10 @@ def test_hang_recovery(benchmark, request, monkeypatch, tmp_path: Path, kind: st
                     # the same job's plain restart after a crash
                     crash = tmp_path / f"c{i}"
                     crash.mkdir()
-                    got[-1]["paired_crash_s"] = _fastrun_round(crash, "crash", False,
-                                                               job)["downtime_s"]
+                    paired = _fastrun_round(crash, "crash", False, job)
+                    got[-1]["paired_crash_s"] = paired["downtime_s"]
+                    # its phases, to set the two restarts side by side
+                    got[-1]["paired_crash"] = {k: paired[k] for k in ("phases", "load")}
 
     benchmark.pedantic(run, rounds=1, iterations=1)
     for g in got:
