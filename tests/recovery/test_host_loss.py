@@ -83,7 +83,9 @@ def test_a_two_two_partition_trains_one_world_at_most(tmp_path):
         job.wait_world({0, 1, 2, 3}, 4, timeout=90)
         t = time.time()
         c.partition({2, 3})
-        job.wait_world({0, 1}, 2, after=t, timeout=WINDOW + MARGIN + 20)
+        got = job.wait_world({0, 1}, 2, after=t, timeout=WINDOW + MARGIN + 20)
+        print(f"2|2 partition: nodes 0, 1 train as a world of 2 "
+              f"{max(s['t'] for s in got.values()) - t:.2f}s after the split")
         job.assert_never_trains({2, 3}, after=t, seconds=2 * WINDOW + 5)
         assert f"moved to {c.addr(2)}:" in job.log(2) + job.log(3), job.tail()
         assert "need 3 of it" in job.log(2) + job.log(3), job.tail()
