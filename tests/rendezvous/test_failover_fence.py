@@ -5,34 +5,21 @@ mark comes after it drops its world and does not count as a carrier on the succe
 
 from __future__ import annotations
 
-import socket
 from datetime import timedelta
 
 import pytest
+from loopback import free_port as _free_port
+from loopback import store as _store
 
 from fastelastic.errors import RendezvousTimeoutError
 from fastelastic.rendezvous import RendezvousParameters
 from fastelastic.rendezvous import _schema as sc
 from fastelastic.rendezvous._failover import Candidates, Fenced, Live
 from fastelastic.rendezvous.fast_rendezvous import create_fast_handler
-from fastelastic.store import TCPStore
 
 RUN = "fence"
 K = f"fe.rdzv.{RUN}/"
 W = b"1.0badf00d"  # a world id (``<gen>.<nonce>``)
-
-
-def _store() -> TCPStore:
-    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                    multi_tenant=True, timeout=timedelta(seconds=30))
-
-
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()  # nothing listens there: refused
-    return port
 
 
 def _candidates(ports: list[int], me: str) -> Candidates:

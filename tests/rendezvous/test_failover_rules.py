@@ -5,33 +5,20 @@ answers (finding F)."""
 
 from __future__ import annotations
 
-import socket
 import time
 from datetime import timedelta
 
 import pytest
+from loopback import free_port as _free_port
+from loopback import store as _store
 
 from fastelastic.errors import RendezvousConnectionError, RendezvousTimeoutError
 from fastelastic.rendezvous import RendezvousParameters
 from fastelastic.rendezvous._failover import Candidates, GoBack, Live, Regroup
 from fastelastic.rendezvous.fast_rendezvous import create_fast_handler
-from fastelastic.store import TCPStore
 
 RUN = "rules"
 K = f"fe.rdzv.{RUN}/"
-
-
-def _store(port: int = 0) -> TCPStore:
-    return TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                    multi_tenant=True, timeout=timedelta(seconds=30))
-
-
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()  # nothing listens there: refused
-    return port
 
 
 def _params(ports: list[int], min_nodes: int = 2, **conf: object) -> RendezvousParameters:
