@@ -672,3 +672,41 @@ def test_preloading_torch_preloads_torch_dynamo(tmp_path, zygote_factory, monkey
     assert seen["torch._dynamo"] is (implied == "1")
     ready = [r.getMessage() for r in caplog.records if "ready: imported" in r.getMessage()]
     assert len(ready) == 1 and ("(and torch._dynamo)" in ready[0]) is (implied == "1"), ready
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("script", ["no-torch", "torch"])
+def test_a_torch_zygote_starts_workers_as_plain_python_would(tmp_path, monkeypatch,
+                                                             zygote_factory, script):
+    """With ``--preload torch`` (and so ``torch._dynamo``, whose import sets
+    ``TORCHINDUCTOR_CACHE_DIR``) a script that never imports torch, and one that imports it and
+    builds an optimizer, start with the argv, ``__main__``, ``sys.path[0]`` and environment a
+    plain start gives them."""
+    pytest.importorskip("torch", reason="!!! torch 2.13 is not installed: --preload torch untested")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # a thread-free torch import (README)
+    monkeypatch.delenv("FASTELASTIC_PRELOAD_DYNAMO", raising=False)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    extra = {"FE_DUMP_THEN_TORCH": "1"} if script == "torch" else {}
+    z = zygote_factory(("torch",))
+    assert z.wait_ready(120) and z.state == "ready", z.reason
+    dumps = {}
+    for kind, zyg in (("plain", None), ("zygote", z)):
+        out = tmp_path / kind
+        out.mkdir()
+        pc, result = _run(zyg, _args(1, "dump", str(out)), _envs(1, **extra),
+                          DefaultLogsSpecs(log_dir=str(tmp_path / f"l{kind}")))
+        assert result is not None and not result.is_failed(), result
+        dumps[kind] = json.loads((out / "0.json").read_text())
+    plain, forked = dumps["plain"], dumps["zygote"]
+    assert forked["ppid"] == z.pid != plain["ppid"]  # really forked by it
+    for d in (plain, forked):
+        d.pop("pid"), d.pop("ppid")
+        assert d["env"].pop("TORCHELASTIC_ERROR_FILE").endswith("/0/error.json")
+    forked = json.loads(json.dumps(forked).replace(str(tmp_path / "zygote"),
+                                                   str(tmp_path / "plain")))
+    env_diff = {k: (plain["env"].get(k), forked["env"].get(k))
+                for k in set(forked["env"]) | set(plain["env"])
+                if forked["env"].get(k) != plain["env"].get(k)}
+    assert env_diff == {}
+    for key in ("argv", "orig_argv", "path", "file", "name", "main_is_globals", "cwd"):
+        assert forked[key] == plain[key], key

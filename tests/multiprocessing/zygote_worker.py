@@ -78,6 +78,10 @@ if MODE == "dump":
         "pid": os.getpid(),
         "ppid": os.getppid(),
     })
+    if os.environ.get("FE_DUMP_THEN_TORCH"):  # a training script: torch and an optimizer
+        import torch
+
+        torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
 elif MODE == "modules":  # which of these were imported before the script ran
     _write(f"{RANK}.json", {"torch": "torch" in sys.modules,
                             "torch._dynamo": "torch._dynamo" in sys.modules,

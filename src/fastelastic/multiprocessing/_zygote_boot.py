@@ -208,11 +208,15 @@ def _import_implied():
     """With torch preloaded (by name or by a module that imports it), ``torch._dynamo`` too:
     every ``torch.optim`` optimizer's constructor imports it, so a restarted training script
     would otherwise pay it (4-6 s for 4 workers on 2 cores). Best effort: a failure leaves the
-    worker to import it itself. What was done, for the agent's log."""
+    worker to import it itself. The environment is left as the named imports left it (the
+    import sets ``TORCHINDUCTOR_CACHE_DIR``, which inductor derives again when it needs it), so
+    a worker, torch or not, starts with the environment it has without this import. What was
+    done, for the agent's log."""
     if "torch" not in sys.modules or os.environ.get(IMPLIED_ENV) == "0":
         return ""
     if "torch._dynamo" in sys.modules:
         return ""
+    before = dict(os.environ)
     try:
         __import__("torch._dynamo")
     except Exception as e:  # noqa: BLE001 - the worker imports it itself, as without us
@@ -220,6 +224,10 @@ def _import_implied():
                      m.startswith("torch._dynamo.")]:
             sys.modules.pop(name, None)
         return f"torch._dynamo not preloaded: {type(e).__name__}: {e}"
+    finally:
+        for key in set(os.environ) - set(before):
+            del os.environ[key]
+        os.environ.update(before)
     return "torch._dynamo"
 
 
