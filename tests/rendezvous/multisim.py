@@ -1,13 +1,12 @@
-"""Several candidate stores, links cut per (node, store) pair, and a thin driver that mirrors
-the handler's failover (``_moves.Moves._next_rendezvous_anywhere``, ``_move``, ``_go_back``,
-``_follow``, ``lost_members``'s move, and ``_failover.Candidates``' probes, marks, proofs,
-``connect``'s start, ``follow`` and ``check``).
+"""Several candidate stores, links cut per (node, store) pair, and a thin driver that runs the
+handler's failover on them.
 
-What is simulated, precisely: the round state machine (``_round.Machine``) runs unchanged; the
-moves around it are this module's driver, written from the handler's code, not the handler
-itself (issue 27 item 2's "typed operations of the machine" is not done), except the proof
-that lost members are gone and a mover's mark with its fence check, which run the real
-policies (``_failover.prove_gone``, ``_failover.mark_moving``) on the simulated stores.
+What is simulated, precisely: the round state machine (``_round.Machine``) and the failover's
+operations (``_hops``: a start's connect, move, go back, regroup, follow, a fenced mover's drop,
+the proof that lost members are gone, a mover's mark with its fence check, a mover's check) run
+unchanged; this driver answers their requests (``_hop``, as ``_failover.Candidates.run`` does on
+real stores) and loops as the handler does (``_join``: ``_moves.Moves._next_rendezvous_anywhere``;
+``_agent``: a node's start, its training loop and ``lost_members``'s move).
 A request to a store
 a node cannot reach fails as the handler's I/O layer sees it: a dead host refuses at once; a
 cut link or a frozen host times out (after the detection window for a store request, after
@@ -28,11 +27,12 @@ from typing import Any
 
 from simstore import Node, Sim, Sleep
 
-from fastelastic.errors import RendezvousConnectionError, RendezvousTimeoutError
-from fastelastic.rendezvous import _failover as fo
+from fastelastic.errors import RendezvousConnectionError
+from fastelastic.rendezvous import _hops as hops
 from fastelastic.rendezvous import _requests as rq
 from fastelastic.rendezvous import _schema as sc
-from fastelastic.rendezvous._failover import PROBE_S, Fenced, GoBack, Live, Regroup
+from fastelastic.rendezvous._failover import PROBE_S
+from fastelastic.rendezvous._hops import Live
 
 DOWN = object()  # the reply of a request that failed as a connection error
 MAX_HOPS = 16
@@ -67,7 +67,8 @@ class MNode(Node):
     worlds: dict[tuple[int, int], int] = field(default_factory=dict)
     log: list[str] = field(default_factory=list)
     pending: At | Peek | None = None  # a request waiting for its link to come back
-    closed: bool = False  # its connection closed by the node itself (``_moves._fenced``)
+    closed: bool = False  # its connection closed by the node itself (``_hops.drop_world``)
+    plan: hops.Plan | None = None  # what its failover operations know (``MultiSim.start``)
 
 
 class MultiSim(Sim):
@@ -228,6 +229,11 @@ class MultiSim(Sim):
         from fastelastic.rendezvous._round import Machine
 
         node = MNode(len(self.nodes), Machine(self.cfg, self.clock), node_rank)
+        node.plan = hops.Plan(
+            [str(i) for i in range(len(self.stores))], self.keys, START_PATIENCE,
+            self.cfg.run_id, f"10.0.0.{node.id}|{1000 + node.id}", start_wait=self.cfg.join,
+            join_s=self.cfg.join, clock=self.clock,
+            say=lambda fmt, *a: node.log.append(f"{self.clock.t:.1f} " + fmt % a))
         self.nodes.append(node)
         self.at(t, lambda: self._launch(node))
         return node
@@ -238,7 +244,9 @@ class MultiSim(Sim):
         node.seg_start = -1.0
 
     def _op(self, node: MNode, gen: rq.Proto[Any]) -> Any:
-        """Runs one machine operation on the node's store (the handler's ``_run``/``_do``)."""
+        """Runs one machine operation on the node's store (the handler's ``_run``/``_do``):
+        its ``MovedElsewhere`` and ``GoneElsewhere`` are the failover's real operations
+        (``_hops.check``, ``_hops.prove_gone``)."""
         reply: Any = None
         try:
             for _ in range(1_000_000):
@@ -250,10 +258,11 @@ class MultiSim(Sim):
                     case rq.Beat() | rq.StopBeats():
                         reply = yield op
                     case rq.MovedElsewhere():
-                        yield from self._check(node)
+                        yield from self._hop(node, hops.check(node.plan, node.live))
                         reply = None
                     case rq.GoneElsewhere(idents, world):
-                        reply = yield from self._gone_elsewhere(node, idents, world)
+                        reply = yield from self._hop(node, hops.prove_gone(
+                            node.plan.names, node.live.index, idents, world))
                     case _ if node.closed:  # a request on a closed client fails at once
                         raise RendezvousConnectionError(f"store {node.store}: closed")
                     case _:
@@ -264,53 +273,51 @@ class MultiSim(Sim):
         finally:
             gen.close()
 
-    def _probe(self, node: MNode, exclude: int) -> Generator[Any, Any, list[tuple[int, int]]]:
-        found = []
-        for i in range(len(self.stores)):
-            if i == exclude:
-                continue
-            v = yield Peek(i, lambda d: int(d.get(self.keys.epoch, b"0")))
-            if v is not DOWN:
-                found.append((-v, i))
-        return sorted(found)
+    def _hop(self, node: MNode, gen: hops.Ops[Any]) -> Generator[Any, Any, Any]:
+        """Runs one of the failover's operations (``_hops``) as ``Candidates.run`` does on
+        real stores: a probe within ``PROBE_S``; a request that fails as a connection error
+        thrown into the operation."""
+        reply: Any = None
+        error: BaseException | None = None
+        try:
+            for _ in range(1_000_000):
+                try:
+                    op = gen.send(reply) if error is None else gen.throw(error)
+                except StopIteration as e:
+                    return e.value
+                reply, error = None, None
+                match op:
+                    case hops.Probe(i, key):
+                        v = yield Peek(i, lambda d, key=key: int(d.get(key, b"0")))
+                        reply = f"{i}: did not answer" if v is DOWN else v
+                    case hops.On(i, sop):
+                        reply = yield At(i, sop)
+                    case hops.Marks(i, fence):
+                        reply = yield from self._marks(node, i, fence)
+                    case hops.Pause(seconds):
+                        yield Sleep(seconds)
+                    case hops.Adopt(live):
+                        self._switch(node, live)
+                    case hops.CloseStore(live):
+                        if not node.closed:
+                            self._close(node)
+                        node.closed, node.live = True, live
+                        node.log.append(f"{self.clock.t:.1f} closed, follows from {live}")
+                    case rq.Beat() | rq.StopBeats():
+                        reply = yield op
+                    case _ if node.closed:
+                        error = RendezvousConnectionError(f"store {node.store}: closed")
+                    case _:
+                        reply = yield At(node.store, op)
+                if reply is DOWN:
+                    reply, error = None, RendezvousConnectionError(f"store {op} lost")
+            raise AssertionError("a failover operation that never ends")
+        finally:
+            gen.close()
 
     @property
     def keys(self) -> sc.Keys:
         return sc.Keys(self.cfg.run_id)
-
-    def _connect(self, node: MNode, exclude: int = -1, at_least: int = 0,
-                 world: bytes = b"") -> Generator[Any, Any, tuple[int, int, int]]:
-        start, deadline = self.clock.t, self.clock.t + START_PATIENCE
-        for _ in range(100_000):  # as Candidates.connect: a start never proposes an epoch
-            found = yield from self._probe(node, exclude)
-            if found and (exclude >= 0 or found[0][0] != 0 or found[0][1] == 0):
-                break
-            if self.clock.t >= deadline and (not found or self.clock.t >= start + self.cfg.join):
-                raise RendezvousConnectionError("no candidate could be reached")
-            yield Sleep(0.2)
-        else:
-            raise RendezvousConnectionError("no candidate could be reached")
-        epoch, i = -found[0][0], found[0][1]
-        proposed = at_least if epoch < at_least else 0
-        if exclude >= 0 or proposed:
-            yield from self._mark(node, i, proposed or epoch, world)
-        return i, epoch, proposed
-
-    def _mark(self, node: MNode, i: int, epoch: int,
-              world: bytes) -> Generator[Any, Any, None]:
-        """``Candidates._mark``: the real policy (``_failover.mark_moving``) on store ``i``."""
-        me = f"10.0.0.{node.id}|{1000 + node.id}"
-        proto, reply = fo.mark_moving(self.keys.moving, me, epoch, world), None
-        try:
-            for _ in range(3):
-                reply = yield At(i, proto.send(reply))
-                if reply is DOWN:
-                    raise RendezvousConnectionError(f"store {i} lost")
-        except StopIteration as e:
-            if e.value:
-                raise Fenced(f"store {i} fenced {me} from {world!r}") from None
-            return
-        raise AssertionError("mark_moving asked more than two requests")
 
     def _switch(self, node: MNode, live: Live) -> None:
         if node.store >= 0 and not node.closed:
@@ -334,114 +341,6 @@ class MultiSim(Sim):
                             self.stores[old][key] = self.stores[old].get(key, b"") + value
                 self.at(self.clock.t + self.closes_after, late)
 
-    def _fenced(self, node: MNode) -> None:
-        """``_moves._fenced``: drops its world, closes its connection; it follows next."""
-        node.m.back()
-        node.beat_key = None  # the handler's _move stopped them first
-        if node.live.left is not None:
-            node.live = Live(node.live.left[0], 0)
-        if not node.closed:
-            self._close(node)
-        node.closed = True
-        node.log.append(f"{self.clock.t:.1f} fenced, follows from {node.live}")
-
-    def _move(self, node: MNode) -> Generator[Any, Any, None]:
-        live, member = node.live, node.m.member
-        try:
-            yield from self._op(node, node.m.moving())
-        except RendezvousConnectionError:
-            pass
-        try:
-            i, epoch, proposed = yield from self._connect(
-                node, exclude=live.index, at_least=max(live.epoch, live.proposed) + 1,
-                world=node.m.world_id)
-        except Fenced:
-            self._fenced(node)
-            return
-        left = (live.index, member[0]) if member is not None else live.left
-        self._switch(node, Live(i, epoch, proposed,
-                                left if proposed and live.index >= 0 else None))
-        if live.left is not None and i == live.left[0] and node.m.returned():
-            node.live = Live(i, epoch)  # as the handler's _move_now
-        else:
-            node.m.moved(proposed)
-
-    def _check(self, node: MNode) -> Generator[Any, Any, None]:
-        """``Candidates.check``."""
-        live = node.live
-        found = yield from self._probe(node, live.index)
-        if found and -found[0][0] > live.epoch:
-            raise RendezvousConnectionError("the rendezvous moved on")
-        if live.left is not None:
-            j, left = live.left
-            v = yield Peek(j, lambda d: int(d.get(self.keys.open, b"0")))
-            if v is not DOWN and v > left + 1:
-                raise GoBack("the store left went on")
-            if v is not DOWN and v == left + 1:
-                raise GoBack("the store left answers, no round since", rejoin=True)
-            lower = sorted(i for _, i in found if i < live.index and i != j)
-            if lower:
-                raise Regroup("an earlier candidate answers", lower[0])
-
-    def _regroup(self, node: MNode, j: int) -> Generator[Any, Any, None]:
-        """``fast_rendezvous._regroup`` (``Candidates.regroup``)."""
-        live = node.live
-        v = yield Peek(j, lambda d: int(d.get(self.keys.epoch, b"0")))
-        if v is DOWN:
-            raise RendezvousConnectionError(f"store {j} lost")
-        proposed = live.proposed if live.proposed > v else 0
-        try:
-            yield from self._mark(node, j, proposed or v, node.m.world_id)
-        except Fenced:
-            self._fenced(node)
-            return
-        self._switch(node, Live(j, v, proposed, live.left if proposed else None))
-        node.m.moved(proposed)
-
-    def _back(self, node: MNode, rejoin: bool) -> Generator[Any, Any, None]:
-        """``fast_rendezvous._go_back`` (``Candidates.back``)."""
-        assert node.live.left is not None
-        j = node.live.left[0]
-        v = yield Peek(j, lambda d: int(d.get(self.keys.epoch, b"0")))
-        if v is DOWN:
-            raise RendezvousConnectionError(f"store {j} lost")
-        self._switch(node, Live(j, v))
-        if not (rejoin and node.m.returned()):
-            node.m.back()
-
-    def _follow(self, node: MNode, until: float) -> Generator[Any, Any, None]:
-        """``fast_rendezvous._follow`` (``Candidates.follow``): a node that carries no world
-        never moves the rendezvous; it follows a committed epoch or waits for its store."""
-        live = node.live
-        for _ in range(1_000_000):
-            found = yield from self._probe(node, -1)
-            pick = next((f for f in found if -f[0] > live.epoch or (
-                f[1] == live.index and -f[0] >= live.epoch)), None)
-            if pick is not None:
-                self._switch(node, Live(pick[1], -pick[0]))
-                node.m.moved()
-                return
-            if self.clock.t >= until:
-                break
-            yield Sleep(0.2)
-        raise RendezvousTimeoutError("lost its store while in no world; none came back")
-
-    def _gone_elsewhere(self, node: MNode, idents: list[str],
-                        world: bytes) -> Generator[Any, Any, str]:
-        """``Candidates.gone_elsewhere``: the real policy (``_failover.prove_gone``), each of
-        its requests (append the fence if any, then read the list) as ``Candidates._marks``
-        makes them, each within ``PROBE_S``."""
-        proof = fo.prove_gone([str(i) for i in range(len(self.stores))], node.live.index, idents,
-                           world)
-        reply = None
-        try:
-            for _ in range(2 * len(self.stores) + 1):
-                i, fence = proof.send(reply)
-                reply = yield from self._marks(node, i, fence)
-        except StopIteration as e:
-            return str(e.value)
-        raise AssertionError("prove_gone asked more than two passes")
-
     def _marks(self, node: MNode, i: int, fence: bytes) -> Generator[Any, Any, Any]:
         if self.link(node, i) == "refused":
             return None
@@ -454,6 +353,8 @@ class MultiSim(Sim):
         return f"{i} did not answer" if marks is DOWN else marks
 
     def _join(self, node: MNode) -> Generator[Any, Any, Any]:
+        """``_moves.Moves._next_rendezvous_anywhere``: the join, and what ``_hops.after``
+        does when it fails."""
         m, addr = node.m, f"10.0.0.{node.id}"
         moves = len(self.stores) - 1
         until = self.clock.t + self.cfg.join
@@ -463,26 +364,15 @@ class MultiSim(Sim):
                     node.node_rank, addr, 1000 + node.id, b"%s:%d" % (addr.encode(), 29500)))
                 node.live = node.live.member()
                 return seat
-            except GoBack as e:
-                yield from self._back(node, e.rejoin)
-            except Regroup as e:
-                yield from self._regroup(node, e.index)
-            except RendezvousConnectionError:
-                if m.member is None and not m.carried:  # as _next_rendezvous_anywhere
-                    yield from self._follow(node, until)
-                    continue
-                if moves <= 0:
-                    raise
-                moves -= 1
-                yield from self._move(node)
+            except RendezvousConnectionError as e:
+                moves = yield from self._hop(node, hops.after(node.plan, m, node.live, e, moves,
+                                                              until))
         raise RendezvousConnectionError("moved too many times")
 
     def _agent(self, node: Node) -> Generator[Any, Any, None]:
         assert isinstance(node, MNode)
-        i, epoch, proposed = yield from self._connect(node)
-        self._switch(node, Live(i, epoch, proposed))
-        if proposed:
-            node.m.moved(proposed)
+        i, epoch, proposed = yield from self._hop(node, hops.connect(node.plan))
+        self._switch(node, hops.begin(node.m, i, epoch, proposed))
         while True:
             seat = yield from self._join(node)
             key = (node.store, seat.round)
@@ -495,10 +385,10 @@ class MultiSim(Sim):
                     try:
                         lost = yield from self._op(node, node.m.lost_members())
                         waiting = yield from self._op(node, node.m.num_nodes_waiting())
-                    except RendezvousConnectionError:
+                    except RendezvousConnectionError as e:
                         self._seg_end(node)
                         node.training = None
-                        yield from self._move(node)
+                        yield from self._hop(node, hops.move(node.plan, node.m, node.live, e))
                         break
                     if lost or waiting:
                         node.restarts += 1

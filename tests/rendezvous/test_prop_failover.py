@@ -112,7 +112,7 @@ def check(s: Schedule) -> str:
         return ""  # a majority of the last world lost: the majority rule holds, by design
     if last is None and sim.store_state[0] == "dead":
         return ""  # the first store lost before any world trained: by design, a node with no
-        # world never moves the rendezvous (_failover.NO_WORLD_RULE), so nothing can start
+        # world never moves the rendezvous (_hops.NO_WORLD_RULE), so nothing can start
     if late.training not in now:
         return (f"the late node is not in the world that trains at {sim.clock.t:.1f}: it is "
                 f"in {late.training} (training: {now}; its error: {late.error}; its moves: "
@@ -227,7 +227,7 @@ def test_finding_f_movers_split_across_successors_meet_again() -> None:
     (40-48 s) while node 2 cannot reach s1 (41-80 s): node 1 moves to s1, node 2 to s2, each
     1 of a moved world of 3 that needs 2; s0 objected to both, and nothing re-probed after the
     heal (failed before). Now a mover whose round fails the rule goes back to the store where
-    its world formed once it answers (``Candidates.check``), as a member when no round
+    its world formed once it answers (``_hops.check``), as a member when no round
     formed there since: node 1 and node 0 re-form there, node 2 joins after its heal."""
     s = Schedule(-5, 3, 3, 1.0, [(40.0, "freeze", 0, -1, 48.0), (41.0, "cut", 2, 1, 80.0)],
                  82.0)

@@ -45,7 +45,7 @@ while it carried ``W`` there, so both sides counted it. So the prover first appe
 list; a mover appends its mark, then reads the list. The server's appends are atomic, so both
 read one order: a mark before the fence blocks the proof (it moved in time); a mark after it
 tells its mover that ``W`` declared it gone: it drops ``W`` there and follows as a node with no
-world (``_failover.Fenced``; no rule counts it for ``W`` again). This needs no bound on a
+world (``_hops.Fenced``; no rule counts it for ``W`` again). This needs no bound on a
 mover's delay and holds through a freeze of either side between its write and its read (a time
 bound on the movers, the other way, breaks when a mover freezes between its check and its
 write). A fence left by a proof that then fails (a later candidate times out; a first read-only

@@ -1,42 +1,34 @@
-"""The rendezvous handler's moves between the ``--rdzv-endpoint`` candidates (the policy
-of :mod:`._failover`, run under the handler's move lock): a member that lost the live store
-moves to the next candidate; a node that carries no world only follows a committed move or
-waits for its store; a mover whose round failed the majority rule goes back to its world's
-store or regroups on an earlier candidate. A mover fenced by its world's proof
-(``_failover.Fenced``) drops that world and follows, as a node with no world."""
+"""The rendezvous handler's moves between the ``--rdzv-endpoint`` candidates: the failover's
+operations (:mod:`._hops`: move, go back, regroup, follow, a fenced mover's drop) run on the
+real stores (``_failover.Candidates.run``), one at a time under the handler's move lock, and
+only when the failure came from the store the handler still talks through."""
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from fastelastic.errors import (
-    RendezvousConnectionError,
-    RendezvousTimeoutError,
-    StoreError,
-    StoreTimeoutError,
-)
+from fastelastic.errors import RendezvousConnectionError, StoreTimeoutError
 
-from ._failover import Fenced, GoBack, Live, Regroup
+from . import _hops as hops
+from ._hops import Live
 
 if TYPE_CHECKING:
     import threading
 
     from ._failover import Candidates
-    from ._requests import Proto
     from ._round import Machine
     from .api import RendezvousInfo
     from .timeouts import RendezvousTimeout
 
-log = logging.getLogger("fastelastic.rendezvous.fast_rendezvous")
 _MAX_HOPS = 64  # moves and returns of one next_rendezvous
 
 
 class Moves:
-    """Mixin of ``FastRendezvousHandler``: its moves (every one holds ``_move_lock`` and acts
-    only when the failure came from the store it still talks through)."""
+    """Mixin of ``FastRendezvousHandler``: its moves, and the host side of the failover's
+    operations (``_failover.Host``)."""
 
     if TYPE_CHECKING:
         _candidates: Candidates | None
@@ -47,17 +39,17 @@ class Moves:
         _run_id: str
         _timeout: RendezvousTimeout
 
-        def _run(self, gen: Proto[Any], store: Any) -> Any: ...
         def _next_rendezvous(self) -> RendezvousInfo: ...
-        def _stop_heartbeats(self) -> None: ...
+        def _do(self, store: Any, op: Any) -> Any: ...
         def _close_side(self) -> None: ...
 
     def _next_rendezvous_anywhere(self) -> RendezvousInfo:
-        """``_next_rendezvous`` on the live store, moving to the next candidate when the
-        store's host is lost (bounded by the number of candidates). A node that carries no
-        world never moves the rendezvous (``_failover.NO_WORLD_RULE``): it follows a committed
-        move, or waits for its store, within the join timeout."""
-        moves = len(self._candidates.endpoints) - 1 if self._candidates is not None else 0
+        """``_next_rendezvous`` on the live store; when it fails there, what
+        :func:`._hops.after` says: go back, regroup, follow (a node with no world never moves
+        the rendezvous), or move to the next candidate (at most once per candidate)."""
+        if self._candidates is None:
+            return self._next_rendezvous()
+        plan, moves = self._candidates.plan, len(self._candidates.endpoints) - 1
         until = time.monotonic() + self._timeout.join.total_seconds()
         for _ in range(_MAX_HOPS):  # bounded: each pass moves (at most ``moves``) or goes back
             store = self._store
@@ -65,130 +57,33 @@ class Moves:
                 info = self._next_rendezvous()
                 self._live = self._live.member()
                 return info
-            except GoBack as e:
-                self._go_back(e, store)
-            except Regroup as e:
-                self._regroup(e, store)
             except (RendezvousConnectionError, StoreTimeoutError) as e:
-                if self._candidates is not None and self._m.member is None and not (
-                        self._m.carried):
-                    self._follow(e, store, until)
-                    continue
-                if moves <= 0:
-                    raise
-                moves -= 1
-                self._move(e, store)
+                moves = self._hop(lambda live, e=e, n=moves: hops.after(  # type: ignore[misc]
+                    plan, self._m, live, e, n, until), store, moves)
         raise RendezvousConnectionError(
             f"The rendezvous '{self._run_id}' moved between its candidates {_MAX_HOPS} times "
             "without forming a round.")
 
     def _move(self, why: BaseException, failed: Any) -> bool:
-        """The live store's host is lost: connect to the next live candidate, raise its epoch
-        past the lost one's, and start the rounds over there (see :mod:`._failover`).
+        """The live store's host is lost: :func:`._hops.move`. False when another call moved
+        while this one failed (the failure was the old store's): it does not move again."""
+        assert self._candidates is not None
+        plan = self._candidates.plan
+        return self._hop(lambda live: hops.move(plan, self._m, live, why), failed, False, True)
 
-        ``failed`` is the store client the failure came from. Moves are serialised
-        (``_move_lock``): when another call moved while this one failed, the failure was the
-        old store's and this one does not move again (False)."""
+    def _hop(self, op: Callable[[Live], hops.Ops[Any]], failed: Any, skipped: Any,
+             done: Any = None) -> Any:
+        """Runs the operation ``op(live)`` makes from where the handler is (``live``) under
+        the move lock, if the handler still talks through ``failed``: its answer (``done``
+        when it answers None), else ``skipped``."""
         assert self._candidates is not None
         with self._move_lock:
             if self._store is not failed:
-                return False
-            self._move_now(why)
-            return True
+                return skipped
+            out = self._candidates.run(op(self._live), self)
+            return done if out is None else out
 
-    def _move_now(self, why: BaseException) -> None:
-        assert self._candidates is not None
-        c, live, member = self._candidates, self._live, self._m.member
-        lost = c.name(live.index) if live.index >= 0 else "?"
-        self._stop_heartbeats()
-        with contextlib.suppress(RendezvousConnectionError, StoreError):  # before any close
-            self._run(self._m.moving(), self._store)
-        try:
-            self._switch(*c.move(live, member[0] if member is not None else None,
-                                 self._m.world_id))
-        except Fenced as e:
-            self._fenced(e)
-            return
-        new = self._live
-        if live.left is not None and new.index == live.left[0] and self._m.returned():
-            self._live = new = Live(new.index, new.epoch)  # back where its world formed
-        else:
-            self._m.moved(new.proposed)
-        log.warning("rendezvous %s: the store at %s was lost (%s); moved to %s (epoch %d%s)",
-                    self._run_id, lost, why, c.name(new.index), new.proposed or new.epoch,
-                    " proposed: committed once a round forms there" if new.proposed else "")
-
-    def _go_back(self, why: GoBack, failed: Any) -> None:
-        """A mover whose move was not committed finds the store it left answering again: it
-        goes back, as a member of its world when no round formed there since (``rejoin``),
-        else as a new node."""
-        assert self._candidates is not None
-        with self._move_lock:
-            if self._store is not failed:
-                return
-            self._stop_heartbeats()
-            self._switch(*self._candidates.back(self._live))
-            if not (why.rejoin and self._m.returned()):
-                self._m.back()
-            log.warning("rendezvous %s: %s; went back to it", self._run_id, why)
-
-    def _regroup(self, why: Regroup, failed: Any) -> None:
-        """A mover whose round failed the majority rule regroups on an earlier candidate (its
-        world's store not answering): the movers of a world meet there."""
-        assert self._candidates is not None
-        with self._move_lock:
-            if self._store is not failed:
-                return
-            self._stop_heartbeats()
-            try:
-                self._switch(*self._candidates.regroup(self._live, why.index,
-                                                       self._m.world_id))
-            except Fenced as e:
-                self._fenced(e)
-                return
-            self._m.moved(self._live.proposed)
-            log.warning("rendezvous %s: %s; regrouped there", self._run_id, why)
-
-    def _follow(self, why: BaseException, failed: Any, until: float) -> None:
-        """A node that carries no world lost its store: it follows a committed move, or
-        reconnects to its store once it answers (``Candidates.follow``; raises after
-        ``until``)."""
-        assert self._candidates is not None
-        with self._move_lock:
-            if self._store is not failed:
-                return
-            self._stop_heartbeats()
-            lost = self._candidates.name(self._live.index)
-            log.warning("rendezvous %s: the store at %s was lost (%s) while this node belonged "
-                        "to no world: it does not move the rendezvous; it waits up to %.0fs "
-                        "for that store or a committed move", self._run_id, lost, why,
-                        max(0.0, until - time.monotonic()))
-            try:
-                client, live = self._candidates.follow(self._live, until)
-            except RendezvousTimeoutError as e:
-                raise RendezvousTimeoutError(
-                    f"The rendezvous '{self._run_id}' did not complete within "
-                    f"{self._timeout.join.total_seconds():g} seconds ({why}): {e}") from e
-            self._switch(client, live)
-            self._m.moved()
-            log.warning("rendezvous %s: the store at %s (lost while this node belonged to no "
-                        "world) is now at %s (epoch %d)", self._run_id, lost,
-                        self._candidates.name(live.index), live.epoch)
-
-    def _fenced(self, why: Fenced) -> None:
-        """The store where this node's world formed proved it gone before its mark reached a
-        candidate: it drops that world (a new node from now on) and closes its connection, so
-        its next request fails and it follows (``_follow``) as a node with no world: to a
-        committed move, or back to its world's store (not to an uncommitted successor)."""
-        assert self._candidates is not None
-        self._m.back()
-        if self._live.left is not None:  # it was on an uncommitted successor: not its store
-            self._live = Live(self._live.left[0], 0)
-        with contextlib.suppress(Exception):
-            self._store.close()
-        log.warning("rendezvous %s: %s; it carries no world from now on: it does not move "
-                    "the rendezvous, it follows a committed move or waits for %s",
-                    self._run_id, why, self._candidates.name(self._live.index))
+    # ------------------------------------------------------------------ _failover.Host
 
     def _switch(self, client: Any, live: Live) -> None:
         """Talks to the rendezvous through ``client`` (at ``live``) from now on."""
@@ -197,3 +92,9 @@ class Moves:
         with contextlib.suppress(Exception):
             old.close()
 
+    def _close_store(self, live: Live) -> None:
+        """Closes the connection (a fenced mover's: its next request fails, so it follows
+        from ``live``)."""
+        self._live = live
+        with contextlib.suppress(Exception):
+            self._store.close()

@@ -28,9 +28,11 @@ from fastelastic.errors import (
 )
 from fastelastic.events import NodeState, construct_and_record_rdzv_event
 
+from . import _hops as hops
 from . import _requests as rq
 from . import _store_ops as ops
-from ._failover import Candidates, Live, parse_candidates
+from ._failover import Candidates, parse_candidates
+from ._hops import Live
 from ._liveness import BEATER
 from ._moves import Moves
 from ._round import Config, Machine
@@ -143,6 +145,8 @@ class FastRendezvousHandler(Moves, RoundStores, RendezvousHandler):
         self._side: Any = None
         self._wstore = WorkerStoreHost(self._local_addr)
         self._candidates = candidates
+        if candidates is not None:
+            candidates.plan.join_s = self._timeout.join.total_seconds()
         self._live = Live()  # where the rendezvous is (with candidates)
         self._move_lock = threading.RLock()  # one move at a time (see _move)
         self._closed_owned = False  # shutdown() closed the connections and the hosted store
@@ -180,7 +184,7 @@ class FastRendezvousHandler(Moves, RoundStores, RendezvousHandler):
                 return self._candidates.gone_elsewhere(self._live.index, idents, world)
             case rq.MovedElsewhere():  # one endpoint: nowhere else to be
                 if self._candidates is not None:
-                    self._candidates.check(self._live)
+                    self._candidates.run(hops.check(self._candidates.plan, self._live))
                 return None
             case _:  # the store's own requests (an unknown one is a TypeError)
                 return ops.apply(store, op, self._slice)
@@ -580,6 +584,5 @@ def create_fast_handler(params: RendezvousParameters) -> FastRendezvousHandler:
         candidates=candidates,
     )
     if candidates is not None:
-        handler._live = Live(index, epoch, proposed)
-        handler._m.moved(proposed)
+        handler._live = hops.begin(handler._m, index, epoch, proposed)
     return handler

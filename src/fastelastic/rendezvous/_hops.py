@@ -1,0 +1,515 @@
+"""The failover between the ``--rdzv-endpoint`` candidates as typed operations: where a
+node's rendezvous is (:class:`Live`) and every way that changes, each a generator of typed
+requests, as the round machine's operations are (:mod:`._round`).
+
+- A start finds the live store (:func:`connect`).
+- A member that lost the live store moves to the next candidate and leaves a provisional mark
+  there (:func:`move`); the epoch rises only with the first round there that passes the
+  majority rule (``_round.Machine._publish``).
+- A node that carries no world never moves the rendezvous: it follows a committed move, or
+  waits for its store (:func:`follow`, :data:`NO_WORLD_RULE`).
+- A mover whose round failed the majority rule checks where its world is (:func:`check`):
+  it goes back to the store it left (:func:`go_back`), or regroups on an earlier candidate
+  (:func:`regroup`).
+- A mover fenced by its world's proof drops that world and follows (:func:`drop_world`).
+- The proof that lost members are nowhere else (:func:`prove_gone`), and a mover's mark with
+  its fence check (:func:`mark_moving`).
+
+The policy alone: it reads an injected clock and does no I/O. :class:`._failover.Candidates`
+runs these operations on real stores (``run``), the tests' simulation (``multisim``) on
+simulated stores with dead, frozen and cut hosts: the same code. Besides the machine's store
+requests (:mod:`._requests`, on the node's current store), they yield the requests below; a
+request that fails as a connection error is thrown back into the operation as
+:class:`RendezvousConnectionError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+
+from fastelastic.errors import RendezvousConnectionError, RendezvousTimeoutError
+
+from ._requests import Append, Get, Op, Proto, StopBeats
+from ._schema import Keys, encode_fence, encode_mark, fenced, marked_before_fence
+
+if TYPE_CHECKING:
+    from ._round import Machine
+
+# a child of fast_rendezvous's logger: logging configs written for that name keep working
+log = logging.getLogger("fastelastic.rendezvous.fast_rendezvous.failover")
+
+T = TypeVar("T")
+RETRY_S = 0.2  # seconds between the probes of a node waiting for a candidate
+
+
+@dataclass(frozen=True)
+class Live:
+    """Where a node's rendezvous is: the live candidate and its committed epoch; after a move
+    not yet committed, the epoch this node proposes there and the (candidate, round) it left;
+    whether this node was a member of a round there (only then may it close that store)."""
+
+    index: int = -1
+    epoch: int = 0
+    proposed: int = 0
+    left: tuple[int, int] | None = None
+    formed: bool = False
+
+    def member(self) -> Live:
+        """This node is a member of a round here: any move it proposed was committed."""
+        return Live(self.index, max(self.epoch, self.proposed), 0, None, True)
+
+
+class GoBack(RendezvousConnectionError):
+    """The store a mover left answers again: its world went on there without it (it re-joins
+    as a new node), or formed no round there since (``rejoin``: it is a member there again)."""
+
+    def __init__(self, message: str, rejoin: bool = False) -> None:
+        super().__init__(message)
+        self.rejoin = rejoin
+
+
+class Regroup(RendezvousConnectionError):
+    """A mover whose round failed the majority rule, its world's store not answering, moves
+    to a candidate earlier in the list (``index``): the movers of a world meet there."""
+
+    def __init__(self, message: str, index: int) -> None:
+        super().__init__(message)
+        self.index = index
+
+
+class Fenced(RendezvousConnectionError):
+    """A mover's mark on a candidate came after a fence of it from its world: where that
+    world formed it was proven gone, so it must not carry that world there (``_majority``).
+    It drops that world and, as a node with no world, follows (``NO_WORLD_RULE``)."""
+
+
+NO_WORLD_RULE = (
+    "a node that belongs to no world (starting, or cut from the store during its first "
+    "join) does not move the rendezvous: it cannot know whether a world formed there with it "
+    "or without it, and a world it formed elsewhere could train beside that one. It follows "
+    "only a committed move (a candidate with a higher epoch), or waits for the store it was "
+    "on. Bring that store (or its link) back, or restart the job.")
+
+
+# ---------------------------------------------------------------------- the requests
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """Connects to candidate ``index`` (within ``_failover.PROBE_S``) and reads the counter
+    ``key``. Reply: its value (int), or why the candidate did not answer (str). The
+    connection stays open for :class:`On` and :class:`Adopt` until the next probe of that
+    candidate or the operation's end."""
+
+    name: ClassVar[str] = "probe"
+    index: int
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
+class On:
+    """The store request ``op`` on the connection the last :class:`Probe` of candidate
+    ``index`` opened. Reply: ``op``'s."""
+
+    name: ClassVar[str] = "on"
+    index: int
+    op: Op
+
+
+@dataclass(frozen=True, slots=True)
+class Marks:
+    """Appends ``fence`` (if any) to candidate ``index``'s ``moving`` list, then reads the
+    list, within ``PROBE_S`` each. Reply: the list (bytes), None when nothing listens there
+    (the connection is refused), or why it did not answer (str)."""
+
+    name: ClassVar[str] = "marks"
+    index: int
+    fence: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Pause:
+    """Reply: None, ``seconds`` later."""
+
+    name: ClassVar[str] = "pause"
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Adopt:
+    """The connection the last probe of candidate ``live.index`` opened is the node's store
+    from now on, and ``live`` where its rendezvous is; its previous connection closes (its
+    disconnect actions run there). Reply: None."""
+
+    name: ClassVar[str] = "adopt"
+    live: Live
+
+
+@dataclass(frozen=True, slots=True)
+class CloseStore:
+    """The node closes its store connection (its next request there fails) and its
+    rendezvous is at ``live`` from now on. Reply: None."""
+
+    name: ClassVar[str] = "close_store"
+    live: Live
+
+
+Hop = Probe | On | Marks | Pause | Adopt | CloseStore
+Ops = Generator[Op | Hop, Any, T]  # a failover operation: yields requests, is sent replies
+
+
+@dataclass
+class Plan:
+    """What the operations know of the candidates and of this node."""
+
+    names: list[str]  # each candidate as ``host:port``
+    keys: Keys
+    read_s: float  # a start waits this long for the first candidate (the read timeout)
+    run_id: str = ""
+    me: str = ""  # ``<addr>|<pid>`` as this node's ``who`` entries name it (its marks)
+    start_wait: float = 0.0  # a start waits this long (the join timeout) for a committed epoch
+    join_s: float = 600.0  # the join timeout (a node with no world follows within it)
+    clock: Callable[[], float] = time.monotonic
+    say: Callable[..., None] = log.warning  # a move, as the operator reads it
+
+    def name(self, i: int) -> str:
+        return self.names[i] if i >= 0 else "?"
+
+
+# ---------------------------------------------------------------------- finding stores
+
+
+def probe(p: Plan, exclude: int) -> Ops[tuple[list[tuple[int, int]], list[str]]]:
+    """Every answering candidate but ``exclude``: ``(-epoch, index)``, best first; and what
+    the others said."""
+    found, errors = [], []
+    for i in range(len(p.names)):
+        if i != exclude:
+            r = yield Probe(i, p.keys.epoch)
+            if isinstance(r, str):
+                errors.append(r)
+            else:
+                found.append((-int(r), i))
+    found.sort()
+    return found, errors
+
+
+def connect(p: Plan, exclude: int = -1, at_least: int = 0,
+            world: bytes = b"") -> Ops[tuple[int, int, int]]:
+    """The live store: (candidate index, its committed epoch, the epoch this node proposes
+    there or 0); the caller adopts the connection. When the store's epoch is below
+    ``at_least`` (this node moves the rendezvous there) it is not raised: the node writes
+    only a provisional mark (``moving``) and proposes ``at_least`` in its record.
+
+    At a node's start (``exclude`` -1) the first candidate is waited for up to the read
+    timeout, as a single endpoint is; a store that moved (epoch above 0) is taken at once;
+    while other candidates answer, empty (the rendezvous may be moving), up to
+    ``start_wait``. A starting node carries no world, so it never starts the rendezvous on
+    another candidate (:data:`NO_WORLD_RULE`): cut from the first alone, it would form a
+    world of its own there while the others form one on the first.
+
+    A mover that carries ``world`` reads the marks back after its own (:func:`mark`).
+
+    Raises:
+        RendezvousConnectionError: No candidate answered within the read timeout (at a
+            start: the first did not, and no other holds a committed epoch).
+        Fenced: ``world`` declared this node gone before its mark reached the candidate.
+    """
+    start = p.clock()
+    read_end = start + p.read_s
+    # each pass probes every candidate; the last pass is the first after the deadline
+    deadline = max(read_end, start + (max(p.start_wait, 0.0) if exclude < 0 else 0.0))
+    for _ in range(1_000_000):  # bounded by the deadline
+        found, errors = yield from probe(p, exclude)
+        if found and (exclude >= 0 or found[0][0] != 0 or found[0][1] == 0):
+            break
+        now = p.clock()
+        if now >= deadline and found:  # a start: only empty standbys
+            raise RendezvousConnectionError(
+                f"The first rendezvous store candidate did not answer within "
+                f"{deadline - start:g} seconds ({'; '.join(errors)}), and no other holds a "
+                f"committed epoch: {NO_WORLD_RULE}")
+        if now >= deadline or (not found and now >= read_end):
+            raise RendezvousConnectionError(
+                "No rendezvous store candidate could be reached: " + "; ".join(errors))
+        yield Pause(RETRY_S)
+    else:
+        raise RendezvousConnectionError("No rendezvous store candidate could be reached")
+    epoch, i = -found[0][0], found[0][1]
+    proposed = at_least if epoch < at_least else 0
+    if exclude >= 0 or proposed:  # a move: the mark that tells the proof this node is here
+        yield from mark(p, i, proposed or epoch, world)
+    return i, epoch, proposed
+
+
+def begin(m: Machine, i: int, epoch: int, proposed: int) -> Live:
+    """Where a started node's rendezvous is (``connect``'s answer); a proposal, when its
+    start found only a store it moves the rendezvous to, goes into its machine."""
+    m.moved(proposed)
+    return Live(i, epoch, proposed)
+
+
+def mark_moving(key: str, me: str, epoch: int, world: bytes) -> Proto[bool]:
+    """A mover's mark on a candidate (``me`` proposing ``epoch``, or that store's committed
+    one) in its ``moving`` list ``key``; carrying ``world``, it reads the list back. True
+    (fenced) when a fence of it from that world precedes its mark: where that world formed it
+    was proven gone first (the server's appends are atomic, so the prover read the same
+    order), and it must not carry that world here."""
+    yield Append(key, encode_mark(epoch, me))
+    return bool(world) and fenced(bytes((yield Get(key, None))), me, world)
+
+
+def mark(p: Plan, i: int, epoch: int, world: bytes) -> Ops[None]:
+    """:func:`mark_moving` on candidate ``i`` (its last probe's connection).
+
+    Raises:
+        Fenced: ``world`` proved this node gone before its mark reached ``i``.
+    """
+    proto, reply = mark_moving(p.keys.moving, p.me, epoch, world), None
+    try:
+        for _ in range(3):  # an append and a get
+            reply = yield On(i, proto.send(reply))
+    except StopIteration as e:
+        if e.value:
+            raise Fenced(f"{p.name(i)} holds a fence of this node from its world "
+                         f"{world.decode('utf-8', 'replace')} before its mark: the store "
+                         "where that world formed proved it gone first") from None
+        return
+    raise AssertionError("mark_moving asked more than two requests")
+
+
+def follow_to(p: Plan, live: Live, until: float) -> Ops[Live]:
+    """For a node that carries no world whose store was lost (:data:`NO_WORLD_RULE`): the
+    candidate with a committed epoch above ``live``'s, or the store it was on once that
+    answers again (at its epoch or above); probes every 0.2 s until ``until``.
+
+    Raises:
+        RendezvousTimeoutError: Neither happened by ``until``.
+    """
+    for _ in range(1_000_000):  # bounded by ``until``
+        found, _ = yield from probe(p, -1)
+        pick = next((f for f in found if -f[0] > live.epoch or (
+            f[1] == live.index and -f[0] >= live.epoch)), None)
+        if pick is not None:
+            return Live(pick[1], -pick[0])
+        if p.clock() >= until:
+            break
+        yield Pause(RETRY_S)
+    raise RendezvousTimeoutError(
+        f"the rendezvous store at {p.name(live.index)} was lost and did not answer again, "
+        f"and no other candidate holds a committed epoch above {live.epoch}: {NO_WORLD_RULE}")
+
+
+def raise_if_moved(p: Plan, index: int, epoch: int) -> Ops[list[int]]:
+    """The candidates other than ``index`` that answer; raises
+    ``RendezvousConnectionError`` when one holds an epoch above ``epoch``: the rendezvous
+    moved there while this node's store stayed up (a partition, or this node's host frozen
+    while the others moved)."""
+    found, _ = yield from probe(p, index)
+    if found and -found[0][0] > epoch:
+        raise RendezvousConnectionError(
+            f"the rendezvous moved on to {p.name(found[0][1])} (epoch {-found[0][0]})")
+    return sorted(i for _, i in found)
+
+
+def check(p: Plan, live: Live) -> Ops[None]:
+    """For a node whose round failed the majority rule (the machine's ``MovedElsewhere``):
+    raises when the rendezvous moved on elsewhere (a higher committed epoch), or
+    :class:`GoBack` when the store an uncommitted move left answers again: its world formed a
+    round there after the one left (it re-joins as a new node), or none (``rejoin``: it
+    re-joins as a member of its world). Movers stranded on different successors (each too few
+    for the rule) thus meet again where their world formed, once it answers; every mover of a
+    world goes back to the same store, and only one hop (a store that lost its rounds,
+    ``open`` 0, is not where its world formed). While that store does not answer, a mover
+    regroups on the first candidate in list order that answers (:class:`Regroup`), one hop
+    each time and only to a lower index, so the movers of a world meet there."""
+    answering = yield from raise_if_moved(p, live.index, live.epoch)
+    if live.left is None:
+        return
+    i, left = live.left
+    opened = yield Probe(i, p.keys.open)  # the round after its last complete one
+    if isinstance(opened, int) and opened > left + 1:
+        raise GoBack(f"the store this node left, {p.name(i)}, is alive and its world "
+                     f"formed a round after round {left}")
+    if isinstance(opened, int) and opened == left + 1:
+        raise GoBack(f"the store this node left, {p.name(i)}, answers again and its "
+                     f"world formed no round there after round {left}", rejoin=True)
+    lower = [j for j in answering if j < live.index and j != i]
+    if lower:
+        raise Regroup(f"{p.name(lower[0])} answers, before this node's "
+                      f"{p.name(live.index)} in the list", lower[0])
+
+
+def regroup_to(p: Plan, live: Live, j: int, world: bytes = b"") -> Ops[Live]:
+    """Candidate ``j`` for a mover that regroups there (see :func:`check`): the same move,
+    its proposal and mark carried over (:class:`Fenced` as :func:`connect`)."""
+    epoch = yield Probe(j, p.keys.epoch)
+    if isinstance(epoch, str):
+        raise RendezvousConnectionError(epoch)
+    proposed = live.proposed if live.proposed > epoch else 0
+    yield from mark(p, j, proposed or epoch, world)
+    return Live(j, epoch, proposed, live.left if proposed else None)
+
+
+# ---------------------------------------------------------------------- a node's moves
+
+
+def move(p: Plan, m: Machine, live: Live, why: BaseException) -> Ops[None]:
+    """The live store's host is lost: the node says ``moved`` there (before any close, so a
+    close without it is a death), connects to the next live candidate, proposes an epoch past
+    the lost one's with a mark, and starts the rounds over there. Back on the store where its
+    world formed (an uncommitted move returning), it is a member there again."""
+    member = m.member
+    yield StopBeats()
+    try:
+        yield from m.moving()
+    except RendezvousConnectionError:
+        pass  # that store is lost: its proof reads the other candidates
+    try:
+        i, epoch, proposed = yield from connect(
+            p, exclude=live.index, at_least=max(live.epoch, live.proposed) + 1,
+            world=m.world_id)
+    except Fenced as e:
+        yield from drop_world(p, m, live, e)
+        return
+    left = (live.index, member[0]) if member is not None else live.left
+    new = Live(i, epoch, proposed, left if proposed and live.index >= 0 else None)
+    if live.left is not None and i == live.left[0] and m.returned():
+        new = Live(i, epoch)  # back where its world formed
+    else:
+        m.moved(proposed)
+    yield Adopt(new)
+    p.say("rendezvous %s: the store at %s was lost (%s); moved to %s (epoch %d%s)", p.run_id,
+          p.name(live.index), why, p.name(i), proposed or epoch,
+          " proposed: committed once a round forms there" if proposed else "")
+
+
+def go_back(p: Plan, m: Machine, live: Live, why: GoBack) -> Ops[None]:
+    """A mover whose move was not committed finds the store it left answering again: it
+    goes back, as a member of its world when no round formed there since (``rejoin``), else
+    as a new node.
+
+    Raises:
+        RendezvousConnectionError: That store stopped answering meanwhile.
+    """
+    assert live.left is not None
+    yield StopBeats()
+    i = live.left[0]
+    epoch = yield Probe(i, p.keys.epoch)
+    if isinstance(epoch, str):
+        raise RendezvousConnectionError(epoch)
+    yield Adopt(Live(i, epoch))
+    if not (why.rejoin and m.returned()):
+        m.back()
+    p.say("rendezvous %s: %s; went back to it", p.run_id, why)
+
+
+def regroup(p: Plan, m: Machine, live: Live, why: Regroup) -> Ops[None]:
+    """A mover whose round failed the majority rule regroups on an earlier candidate (its
+    world's store not answering): the movers of a world meet there."""
+    yield StopBeats()
+    try:
+        new = yield from regroup_to(p, live, why.index, m.world_id)
+    except Fenced as e:
+        yield from drop_world(p, m, live, e)
+        return
+    yield Adopt(new)
+    m.moved(new.proposed)
+    p.say("rendezvous %s: %s; regrouped there", p.run_id, why)
+
+
+def follow(p: Plan, m: Machine, live: Live, why: BaseException, until: float) -> Ops[None]:
+    """A node that carries no world lost its store: it follows a committed move, or
+    reconnects to its store once it answers (:func:`follow_to`).
+
+    Raises:
+        RendezvousTimeoutError: Neither happened by ``until``.
+    """
+    yield StopBeats()
+    lost = p.name(live.index)
+    p.say("rendezvous %s: the store at %s was lost (%s) while this node belonged to no world: "
+          "it does not move the rendezvous; it waits up to %.0fs for that store or a "
+          "committed move", p.run_id, lost, why, max(0.0, until - p.clock()))
+    try:
+        new = yield from follow_to(p, live, until)
+    except RendezvousTimeoutError as e:
+        raise RendezvousTimeoutError(
+            f"The rendezvous '{p.run_id}' did not complete within {p.join_s:g} seconds "
+            f"({why}): {e}") from e
+    yield Adopt(new)
+    m.moved()
+    p.say("rendezvous %s: the store at %s (lost while this node belonged to no world) is now "
+          "at %s (epoch %d)", p.run_id, lost, p.name(new.index), new.epoch)
+
+
+def drop_world(p: Plan, m: Machine, live: Live, why: Fenced) -> Ops[None]:
+    """The store where this node's world formed proved it gone before its mark reached a
+    candidate: it drops that world (a new node from now on) and closes its connection, so its
+    next request fails and it follows (:func:`follow`) as a node with no world: to a
+    committed move, or back to its world's store (not to an uncommitted successor)."""
+    m.back()
+    where = Live(live.left[0], 0) if live.left is not None else live  # not a successor
+    yield CloseStore(where)
+    p.say("rendezvous %s: %s; it carries no world from now on: it does not move the "
+          "rendezvous, it follows a committed move or waits for %s", p.run_id, why,
+          p.name(where.index))
+
+
+def after(p: Plan, m: Machine, live: Live, why: BaseException, moves: int,
+          until: float) -> Ops[int]:
+    """What a join that failed with ``why`` on the live store does next: go back or regroup
+    (:class:`GoBack`, :class:`Regroup`); with no world, follow; else move, while ``moves``
+    (left of this rendezvous) last. Returns the moves left.
+
+    Raises:
+        ``why``: No move is left.
+    """
+    if isinstance(why, GoBack):
+        yield from go_back(p, m, live, why)
+    elif isinstance(why, Regroup):
+        yield from regroup(p, m, live, why)
+    elif m.member is None and not m.carried:
+        yield from follow(p, m, live, why, until)
+    elif moves <= 0:
+        raise why
+    else:
+        yield from move(p, m, live, why)
+        return moves - 1
+    return moves
+
+
+# ---------------------------------------------------------------------- the proof
+
+
+Proof = Generator[Marks, "bytes | str | None", str]
+
+
+def prove_gone(names: list[str], index: int, idents: list[str], world: bytes) -> Proof:
+    """Whether the members ``idents`` (``<addr>|<pid>``) of ``world``, whose connections
+    closed on candidate ``index``, are proven to be nowhere else (the candidates are
+    ``names``): "" when every other candidate refuses the connection, or answers and, after
+    this prover's fences of them (:func:`encode_fence`, one append), holds no mark of them
+    before their fence; else why not (a timeout or no route blocks the proof, as does a
+    mark). A mover that marks a candidate after the fence drops ``world`` there
+    (:func:`mark`), so the proof and the move cannot both count it, whatever the timing. A
+    first pass only reads, so that a proof bound to fail (a mark, a timeout) leaves no fences
+    behind."""
+    fences = b"".join(encode_fence(world, x) for x in idents)
+    for fence in (b"", fences):  # the decision is the second pass's alone
+        for i, name in enumerate(names):
+            if i == index:
+                continue
+            marks = yield Marks(i, fence)
+            if marks is None:
+                continue  # nothing listens there: no store they could be on
+            if isinstance(marks, str):
+                return marks
+            moved = [x for x in idents if marked_before_fence(marks, x, world)]
+            if moved:
+                return f"{moved} moved to {name}"
+    return ""
+
