@@ -79,3 +79,43 @@ def test_no_candidate_is_an_error_after_the_read_timeout():
     with pytest.raises(RendezvousConnectionError, match="No rendezvous store candidate"):
         c.connect()
     assert 0.5 <= time.monotonic() - t0 < 3.0
+
+
+def test_a_restarted_first_candidate_is_not_taken_for_a_jobs_start():
+    """Issue 27's known hole, on real stores: the rendezvous moved to the second candidate
+    (epoch 1 committed there), then the first candidate's host restarted, and its new agent
+    hosts an empty standby there again. A fresh node that cannot reach the second (a refused
+    port stands for its cut link) took the empty first for a job's start and would form a
+    world of its own beside the live one (checked: it failed so before). Now the restarted
+    agent, finding epoch 1 at its start, marks its own standby ``behind``: the fresh node
+    passes it over and, after the read timeout, says why. A node that reaches the live store
+    takes it, and once a move commits a newer epoch on the first, it is live again."""
+    live = _standby()
+    live.set(f"fe.rdzv.{RUN}/epoch", b"1")
+    first = _refused_port()  # free: the restarted agent hosts its standby there
+    restarted = Candidates(RUN, [("127.0.0.1", first), ("127.0.0.1", live.port)], True,
+                           timedelta(seconds=5))
+    try:
+        assert restarted.standby_index == 0
+        client, index, epoch, proposed = restarted.connect()
+        client.close()
+        assert (index, epoch, proposed) == (1, 1, 0)
+        fresh = Candidates(RUN, [("127.0.0.1", first), ("127.0.0.1", _refused_port())], False,
+                           timedelta(seconds=1.0))
+        t0 = time.monotonic()
+        with pytest.raises(RendezvousConnectionError,
+                           match="restarted after the rendezvous moved to epoch 1"):
+            fresh.connect()
+        assert 1.0 <= time.monotonic() - t0 < 3.0
+        reaches = Candidates(RUN, [("127.0.0.1", first), ("127.0.0.1", live.port)], False,
+                             timedelta(seconds=5))
+        client, index, epoch, proposed = reaches.connect()
+        client.close()
+        assert (index, epoch, proposed) == (1, 1, 0)
+        restarted.standby.set(f"fe.rdzv.{RUN}/epoch", b"3")  # a later move committed there
+        client, index, epoch, proposed = fresh.connect()
+        client.close()
+        assert (index, epoch, proposed) == (0, 3, 0)
+    finally:
+        restarted.close()
+        live.shutdown_server()

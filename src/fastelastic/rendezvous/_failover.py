@@ -264,6 +264,12 @@ class Candidates:
         """
         client, (i, epoch, proposed) = self._take(
             hops.connect(self.plan, exclude, at_least, world), lambda out: out[0])
+        if exclude < 0 and self.standby is not None:  # a start: is this node's store behind?
+            try:
+                ops.run_all(self.standby, hops.behind(self.plan, self.standby_index, i, epoch))
+            except (StoreError, OSError) as e:
+                log.warning("could not mark the standby store at %s as behind epoch %d: %s",
+                            self.name(self.standby_index), epoch, e)
         return client, i, epoch, proposed
 
     def check(self, live: Live) -> None:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from fastelastic.errors import RendezvousConnectionError, RendezvousTimeoutError
 
-from ._requests import Append, Get, Op, Proto, StopBeats
+from ._requests import Append, Get, Op, Proto, Set, StopBeats
 from ._schema import Keys, encode_fence, encode_mark, fenced, marked_before_fence
 
 if TYPE_CHECKING:
@@ -208,7 +208,9 @@ def connect(p: Plan, exclude: int = -1, at_least: int = 0,
     At a node's start (``exclude`` -1) the first candidate is waited for up to the read
     timeout, as a single endpoint is; a store that moved (epoch above 0) is taken at once;
     while other candidates answer, empty (the rendezvous may be moving), up to
-    ``start_wait``. A starting node carries no world, so it never starts the rendezvous on
+    ``start_wait``. An empty first candidate whose host restarted after the rendezvous moved
+    away (its ``behind`` key, :func:`behind`) is not a job's start: it is passed over.
+    A starting node carries no world, so it never starts the rendezvous on
     another candidate (:data:`NO_WORLD_RULE`): cut from the first alone, it would form a
     world of its own there while the others form one on the first.
 
@@ -225,6 +227,12 @@ def connect(p: Plan, exclude: int = -1, at_least: int = 0,
     deadline = max(read_end, start + (max(p.start_wait, 0.0) if exclude < 0 else 0.0))
     for _ in range(1_000_000):  # bounded by the deadline
         found, errors = yield from probe(p, exclude)
+        if exclude < 0 and found and found[0] == (0, 0):  # the first, empty: a job's start?
+            behind = yield Probe(0, p.keys.behind)
+            if isinstance(behind, int) and behind > 0:  # no: its host restarted (``behind``)
+                found = found[1:]
+                errors.append(f"{p.name(0)}: restarted after the rendezvous moved to epoch "
+                              f"{behind}")
         if found and (exclude >= 0 or found[0][0] != 0 or found[0][1] == 0):
             break
         now = p.clock()
@@ -244,6 +252,16 @@ def connect(p: Plan, exclude: int = -1, at_least: int = 0,
     if exclude >= 0 or proposed:  # a move: the mark that tells the proof this node is here
         yield from mark(p, i, proposed or epoch, world)
     return i, epoch, proposed
+
+
+def behind(p: Plan, standby: int, i: int, epoch: int) -> Proto[None]:
+    """A starting node that hosts candidate ``standby`` found the live store at candidate
+    ``i`` with the committed ``epoch``: its own store, empty, is behind that (its host
+    restarted after the rendezvous moved away). It says so there (``behind``), so that a
+    fresh node that cannot reach ``i`` does not take the empty first candidate for a job's
+    start and form a world of its own beside the live one. Its requests go to the standby."""
+    if standby >= 0 and standby != i and epoch > 0:
+        yield Set(p.keys.behind, b"%d" % epoch)
 
 
 def begin(m: Machine, i: int, epoch: int, proposed: int) -> Live:

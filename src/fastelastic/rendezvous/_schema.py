@@ -16,6 +16,10 @@ Run-wide:
   and whom no other candidate has a mark of is proven gone (``_majority``). The prover appends
   a fence ``x<world id>|<addr>|<pid>;`` there first: a mark after it is too late to count, and
   its mover drops that world (:func:`marked_before_fence`, :func:`fenced`).
+* ``behind``: on a standby store whose host restarted after the rendezvous moved away, the
+  committed epoch its new agent found elsewhere: while it is above the store's own ``epoch``
+  the store is not live, and a start does not take it as the first candidate's (an empty
+  first candidate is otherwise a job's start).
 
 Round ``r``:
 
@@ -79,6 +83,7 @@ class Keys:
         self.closed = self.base + "closed"
         self.epoch = self.base + "epoch"
         self.moving = self.base + "moving"
+        self.behind = self.base + "behind"
 
     def round(self, r: int) -> RoundKeys:
         return RoundKeys(self.base, r)

@@ -18,11 +18,13 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from fastelastic.errors import StoreTimeoutError
 
 from . import _requests as rq
+
+T = TypeVar("T")
 
 
 def apply(store: Any, op: rq.Op, bounded: float = 0.0) -> Any:
@@ -58,6 +60,18 @@ def apply(store: Any, op: rq.Op, bounded: float = 0.0) -> Any:
             return None
         case _:
             raise rq.unknown(op)
+
+
+def run_all(store: Any, gen: rq.Proto[T]) -> T:
+    """Runs a machine operation that makes only plain store requests on ``store``."""
+    reply: Any = None
+    for _ in range(1_000_000):  # an operation's requests
+        try:
+            op = gen.send(reply)
+        except StopIteration as e:
+            return e.value  # type: ignore[no-any-return]
+        reply = apply(store, op)
+    raise AssertionError("an operation that never ends")
 
 
 def on_disconnect(store: Any, keys: list[str], values: list[bytes]) -> None:
