@@ -24,7 +24,7 @@ W = b"1.0badf00d"  # a world id (``<gen>.<nonce>``)
 
 def _candidates(ports: list[int], me: str) -> Candidates:
     c = Candidates(RUN, [("127.0.0.1", p) for p in ports], False, timedelta(seconds=2))
-    c.me = me
+    c.plan.me = me
     return c
 
 
@@ -93,7 +93,7 @@ def test_a_fenced_mover_does_not_count_as_a_carrier_on_the_successor(nodes, fenc
         assert wid and hs[1]._m.world_id == wid
         if fence:
             prover = _candidates(ports, "127.0.0.1|0")
-            me = hs[1]._candidates.me
+            me = hs[1]._candidates.plan.me
             assert prover.gone_elsewhere(0, [me], wid) == ""
         s0.shutdown_server()                       # the world's store is lost
         for i in range(2):                         # the agent's check notices it, and moves

@@ -126,24 +126,6 @@ class Candidates:
         if is_host is not False:
             self._host(is_host)
 
-    @property
-    def me(self) -> str:
-        """``<addr>|<pid>`` as this node's ``who`` entries name it (its marks)."""
-        return self.plan.me
-
-    @me.setter
-    def me(self, value: str) -> None:
-        self.plan.me = value
-
-    @property
-    def start_wait(self) -> float:
-        """A start waits this long (the join timeout) for a committed epoch."""
-        return self.plan.start_wait
-
-    @start_wait.setter
-    def start_wait(self, value: float) -> None:
-        self.plan.start_wait = value
-
     def _host(self, is_host: bool | None) -> None:
         from fastelastic.store import TCPStore
 

@@ -559,8 +559,8 @@ def create_fast_handler(params: RendezvousParameters) -> FastRendezvousHandler:
     if "," in (params.endpoint or ""):
         candidates = Candidates(params.run_id, endpoints, params.get_as_bool("is_host"),
                                 read_timeout, token_from(params))
-        candidates.me = f"{params.local_addr or ''}|{os.getpid()}"  # as its who entries say
-        candidates.start_wait = timeout.join.total_seconds()
+        candidates.plan.me = f"{params.local_addr or ''}|{os.getpid()}"  # as its who entries say
+        candidates.plan.start_wait = timeout.join.total_seconds()
         client, index, epoch, proposed = candidates.connect()
         server = candidates.standby
         host = endpoints[index][0]
