@@ -16,6 +16,8 @@ its freeze freezes it. The server sees a connection close at once when the link 
 
 A world "trains" at a time when every one of its members is in its training loop, not frozen
 (its workers step only together): :meth:`MultiSim.overlaps` lists two worlds training at once.
+A world is named (store, round); a store that came back empty after its host restarted
+(:meth:`MultiSim.restart`) is named anew, ``store + ncand`` per restart.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class MNode(Node):
     pending: At | Peek | None = None  # a request waiting for its link to come back
     closed: bool = False  # its connection closed by the node itself (``_hops.drop_world``)
     plan: hops.Plan | None = None  # what its failover operations know (``MultiSim.start``)
+    hosts: int = -1  # the candidate whose store it hosts (node i hosts candidate i at first)
 
 
 class MultiSim(Sim):
@@ -80,6 +83,7 @@ class MultiSim(Sim):
         self.stores: list[dict[str, bytes]] = [{} for _ in range(ncand)]
         self.data = self.stores[0]
         self.store_state = ["up"] * ncand  # up, dead, frozen
+        self.restarts = [0] * ncand  # of each store: a world's key is (store + ncand x this, round)
         self.links_cut: set[tuple[int, int]] = set()
         self.closes_after = closes_after
 
@@ -121,13 +125,13 @@ class MultiSim(Sim):
         def stop() -> None:
             node.frozen = True
             self._seg_end(node)
-            if node.id < len(self.stores) and self.store_state[node.id] == "up":
-                self.store_state[node.id] = "frozen"
+            if node.hosts >= 0 and self.store_state[node.hosts] == "up":
+                self.store_state[node.hosts] = "frozen"
         def cont() -> None:
             node.frozen = False
             node.next_beat = min(node.next_beat, self.clock.t)
-            if node.id < len(self.stores) and self.store_state[node.id] == "frozen":
-                self.store_state[node.id] = "up"
+            if node.hosts >= 0 and self.store_state[node.hosts] == "frozen":
+                self.store_state[node.hosts] = "up"
             if node.training is not None and node.alive:
                 node.seg_start = self.clock.t
         self.at(t, stop)
@@ -141,8 +145,8 @@ class MultiSim(Sim):
         node.training = None
         self._stop(node)
         node.alive = False
-        if node.id < len(self.stores):
-            self.store_state[node.id] = "dead"
+        if node.hosts >= 0:
+            self.store_state[node.hosts] = "dead"
         if node.store >= 0:
             st = self.link(node, node.store)
             if st == "ok":
@@ -229,6 +233,7 @@ class MultiSim(Sim):
         from fastelastic.rendezvous._round import Machine
 
         node = MNode(len(self.nodes), Machine(self.cfg, self.clock), node_rank)
+        node.hosts = node.id if node.id < len(self.stores) else -1
         node.plan = hops.Plan(
             [str(i) for i in range(len(self.stores))], self.keys, START_PATIENCE,
             self.cfg.run_id, f"10.0.0.{node.id}|{1000 + node.id}", start_wait=self.cfg.join,
@@ -236,6 +241,15 @@ class MultiSim(Sim):
             say=lambda fmt, *a: node.log.append(f"{self.clock.t:.1f} " + fmt % a))
         self.nodes.append(node)
         self.at(t, lambda: self._launch(node))
+        return node
+
+    def restart(self, t: float, i: int) -> MNode:
+        """The host of candidate ``i`` restarted (its agent and store were killed): a new
+        agent starts there at ``t`` with the same command; its store comes back empty, as
+        ``Candidates`` hosts it (the other candidates probed first, ``_hops.behind``)."""
+        node = self.start(t)
+        assert isinstance(node, MNode) and node.hosts < 0
+        node.hosts = i
         return node
 
     def _seg_end(self, node: MNode) -> None:
@@ -352,6 +366,11 @@ class MultiSim(Sim):
         marks = yield Peek(i, lambda d: d.get(self.keys.moving, b""))
         return f"{i} did not answer" if marks is DOWN else marks
 
+    def _behind(self, node: MNode, i: int, epoch: int) -> Generator[Any, Any, None]:
+        """``Candidates._behind``: the real ``_hops.behind`` on the store the node hosts."""
+        for op in list(hops.behind(node.plan, node.hosts, i, epoch)):  # type: ignore[arg-type]
+            yield At(node.hosts, op)
+
     def _join(self, node: MNode) -> Generator[Any, Any, Any]:
         """``_moves.Moves._next_rendezvous_anywhere``: the join, and what ``_hops.after``
         does when it fails."""
@@ -371,11 +390,19 @@ class MultiSim(Sim):
 
     def _agent(self, node: Node) -> Generator[Any, Any, None]:
         assert isinstance(node, MNode)
+        if node.hosts >= 0 and self.store_state[node.hosts] == "dead":  # a restarted host
+            found, _ = yield from self._hop(node, hops.probe(node.plan, -1))
+            self.stores[node.hosts], self.store_state[node.hosts] = {}, "up"
+            self.restarts[node.hosts] += 1
+            if found:
+                yield from self._behind(node, found[0][1], -found[0][0])
         i, epoch, proposed = yield from self._hop(node, hops.connect(node.plan))
+        if node.hosts >= 0:
+            yield from self._behind(node, i, epoch)
         self._switch(node, hops.begin(node.m, i, epoch, proposed))
         while True:
             seat = yield from self._join(node)
-            key = (node.store, seat.round)
+            key = (node.store + len(self.stores) * self.restarts[node.store], seat.round)
             node.seats.append((self.clock.t, seat))
             node.worlds[key] = seat.world
             node.training, node.seg_start = key, self.clock.t

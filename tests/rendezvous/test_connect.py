@@ -87,9 +87,10 @@ def test_a_restarted_first_candidate_is_not_taken_for_a_jobs_start():
     hosts an empty standby there again. A fresh node that cannot reach the second (a refused
     port stands for its cut link) took the empty first for a job's start and would form a
     world of its own beside the live one (checked: it failed so before). Now the restarted
-    agent, finding epoch 1 at its start, marks its own standby ``behind``: the fresh node
-    passes it over and, after the read timeout, says why. A node that reaches the live store
-    takes it, and once a move commits a newer epoch on the first, it is live again."""
+    agent probes the other candidates before it hosts its standby and, finding epoch 1,
+    marks the standby ``behind`` as soon as it serves (before its own connect): the fresh
+    node passes it over and, after the read timeout, says why. A node that reaches the live
+    store takes it, and once a move commits a newer epoch on the first, it is live again."""
     live = _standby()
     live.set(f"fe.rdzv.{RUN}/epoch", b"1")
     first = _refused_port()  # free: the restarted agent hosts its standby there
@@ -97,6 +98,7 @@ def test_a_restarted_first_candidate_is_not_taken_for_a_jobs_start():
                            timedelta(seconds=5))
     try:
         assert restarted.standby_index == 0
+        assert restarted.standby.get(f"fe.rdzv.{RUN}/behind") == b"1"  # before its connect
         client, index, epoch, proposed = restarted.connect()
         client.close()
         assert (index, epoch, proposed) == (1, 1, 0)

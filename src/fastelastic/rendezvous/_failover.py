@@ -123,23 +123,42 @@ class Candidates:
                          read_timeout.total_seconds(), run_id)
         self.standby: Any = None  # the store this node hosts, if it owns a candidate
         self.standby_index = -1
-        if is_host is not False:
-            self._host(is_host)
+        mine = [] if is_host is False else [
+            i for i, (host, _) in enumerate(endpoints) if is_host or _is_mine(host)]
+        if mine:
+            self._host(mine)
 
-    def _host(self, is_host: bool | None) -> None:
+    def _host(self, mine: list[int]) -> None:
+        """Hosts the standby on the first of the candidates ``mine`` (this machine's) that
+        no other process hosts. The other candidates are probed first: a committed epoch
+        there means this host restarted after the rendezvous moved away, and its store,
+        empty, is marked ``behind`` it before anything else reaches it (:func:`._hops.behind`;
+        only a request in the microseconds between the server's start and that mark sees it
+        unmarked)."""
         from fastelastic.store import TCPStore
 
-        for i, (host, port) in enumerate(self.endpoints):
-            if not (is_host or _is_mine(host)):
-                continue
+        found, _ = self.run(hops.probe(self.plan, -1))
+        for i in mine:
+            host, port = self.endpoints[i]
             try:
                 self.standby = TCPStore(host, port, is_master=True, multi_tenant=True,
                                         wait_for_workers=False, timeout=self.read_timeout,
                                         token=self.token)
-                self.standby_index = i
-                return
             except (StoreError, OSError) as e:  # hosted by another node of this machine
                 log.debug("candidate %s:%d already hosted (%s)", host, port, e)
+                continue
+            self.standby_index = i
+            if found:
+                self._behind(found[0][1], -found[0][0])
+            return
+
+    def _behind(self, i: int, epoch: int) -> None:
+        """:func:`._hops.behind` on the standby (a failure only logged: it narrows a hole)."""
+        try:
+            ops.run_all(self.standby, hops.behind(self.plan, self.standby_index, i, epoch))
+        except (StoreError, OSError) as e:
+            log.warning("could not mark the standby store at %s as behind epoch %d: %s",
+                        self.name(self.standby_index), epoch, e)
 
     def name(self, i: int) -> str:
         return self.plan.name(i)
@@ -247,11 +266,7 @@ class Candidates:
         client, (i, epoch, proposed) = self._take(
             hops.connect(self.plan, exclude, at_least, world), lambda out: out[0])
         if exclude < 0 and self.standby is not None:  # a start: is this node's store behind?
-            try:
-                ops.run_all(self.standby, hops.behind(self.plan, self.standby_index, i, epoch))
-            except (StoreError, OSError) as e:
-                log.warning("could not mark the standby store at %s as behind epoch %d: %s",
-                            self.name(self.standby_index), epoch, e)
+            self._behind(i, epoch)
         return client, i, epoch, proposed
 
     def check(self, live: Live) -> None:

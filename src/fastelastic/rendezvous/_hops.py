@@ -256,10 +256,11 @@ def connect(p: Plan, exclude: int = -1, at_least: int = 0,
 
 def behind(p: Plan, standby: int, i: int, epoch: int) -> Proto[None]:
     """A starting node that hosts candidate ``standby`` found the live store at candidate
-    ``i`` with the committed ``epoch``: its own store, empty, is behind that (its host
-    restarted after the rendezvous moved away). It says so there (``behind``), so that a
-    fresh node that cannot reach ``i`` does not take the empty first candidate for a job's
-    start and form a world of its own beside the live one. Its requests go to the standby."""
+    ``i`` with the committed ``epoch`` (probing before it hosts, and again at its connect):
+    its own store, empty, is behind that (its host restarted after the rendezvous moved
+    away). It says so there (``behind``), so that a fresh node that cannot reach ``i`` does
+    not take the empty first candidate for a job's start and form a world of its own beside
+    the live one. Its requests go to the standby."""
     if standby >= 0 and standby != i and epoch > 0:
         yield Set(p.keys.behind, b"%d" % epoch)
 
