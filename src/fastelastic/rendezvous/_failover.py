@@ -67,6 +67,7 @@ def _is_mine(host: str) -> bool:
         except OSError:
             return False
 
+
 PROBE_S = 2.0  # seconds a candidate has to accept and answer a probe
 
 

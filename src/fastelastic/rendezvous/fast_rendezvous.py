@@ -184,7 +184,7 @@ class FastRendezvousHandler(Moves, RoundStores, RendezvousHandler):
                 return self._candidates.gone_elsewhere(self._live.index, idents, world)
             case rq.MovedElsewhere():  # one endpoint: nowhere else to be
                 if self._candidates is not None:
-                    self._candidates.run(hops.check(self._candidates.plan, self._live))
+                    self._candidates.check(self._live)
                 return None
             case _:  # the store's own requests (an unknown one is a TypeError)
                 return ops.apply(store, op, self._slice)
