@@ -121,3 +121,21 @@ def test_a_restarted_first_candidate_is_not_taken_for_a_jobs_start():
     finally:
         restarted.close()
         live.shutdown_server()
+
+
+def test_hosting_a_standby_does_not_wait_for_candidates_that_refuse(monkeypatch):
+    """Found by this stop's measuring session: the host of a candidate asked every candidate
+    for a committed epoch before hosting its standby, and a client retries a refused connect
+    until its timeout, so each candidate that listened nowhere yet (its own, and the others
+    at a job's start) cost ``PROBE_S``: every job with candidates started 6 s later (failed
+    so before: 6.0 s here). A refused connection now answers that question at once."""
+    monkeypatch.setattr(_failover, "PROBE_S", 2.0)  # as shipped: the module fixture shortens it
+    ports = [_refused_port() for _ in range(3)]
+    t0 = time.monotonic()
+    c = Candidates(RUN, [("127.0.0.1", p) for p in ports], True, timedelta(seconds=5))
+    try:
+        took = time.monotonic() - t0
+        assert c.standby_index == 0
+        assert took < 1.0, f"hosting the standby took {took:.2f}s"
+    finally:
+        c.close()

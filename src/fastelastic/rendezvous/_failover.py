@@ -69,6 +69,7 @@ def _is_mine(host: str) -> bool:
 
 
 PROBE_S = 2.0  # seconds a candidate has to accept and answer a probe
+PRE_PROBE_S = 0.5  # seconds a silent candidate gets before a node hosts its standby
 
 
 def parse_candidates(endpoint: str, default_port: int) -> list[tuple[str, int]]:
@@ -131,14 +132,14 @@ class Candidates:
 
     def _host(self, mine: list[int]) -> None:
         """Hosts the standby on the first of the candidates ``mine`` (this machine's) that
-        no other process hosts. The other candidates are probed first: a committed epoch
-        there means this host restarted after the rendezvous moved away, and its store,
-        empty, is marked ``behind`` it before anything else reaches it (:func:`._hops.behind`;
-        only a request in the microseconds between the server's start and that mark sees it
-        unmarked)."""
+        no other process hosts. The candidates are asked first (:meth:`_committed_elsewhere`):
+        a committed epoch there means this host restarted after the rendezvous moved away,
+        and its store, empty, is marked ``behind`` it before anything else reaches it
+        (:func:`._hops.behind`; only a request in the microseconds between the server's start
+        and that mark sees it unmarked)."""
         from fastelastic.store import TCPStore
 
-        found, _ = self.run(hops.probe(self.plan, -1))
+        found = self._committed_elsewhere()
         for i in mine:
             host, port = self.endpoints[i]
             try:
@@ -149,9 +150,29 @@ class Candidates:
                 log.debug("candidate %s:%d already hosted (%s)", host, port, e)
                 continue
             self.standby_index = i
-            if found:
-                self._behind(found[0][1], -found[0][0])
+            if found is not None:
+                self._behind(*found)
             return
+
+    def _committed_elsewhere(self) -> tuple[int, int] | None:
+        """Asked before this node hosts its standby: (index, epoch) of the answering candidate
+        with the highest committed epoch, if any is above 0. Best effort and quick, so a
+        job's start does not wait for it: a refused connection (nothing listens there yet,
+        such as this node's own candidate) answers at once, a silent host gets
+        ``PRE_PROBE_S``. The start's ``connect`` looks again, and marks the standby then."""
+        best = None
+        for i, (host, port) in enumerate(self.endpoints):
+            try:
+                socket.create_connection((host, port), timeout=PRE_PROBE_S).close()
+            except OSError:
+                continue
+            conns: dict[int, Any] = {}
+            epoch = self._probe(i, self.plan.keys.epoch, conns)
+            for c in conns.values():
+                c.close()
+            if isinstance(epoch, int) and epoch > (best[1] if best else 0):
+                best = (i, epoch)
+        return best
 
     def _behind(self, i: int, epoch: int) -> None:
         """:func:`._hops.behind` on the standby (a failure only logged: it narrows a hole)."""
