@@ -161,10 +161,8 @@ class Candidates:
         such as this node's own candidate) answers at once, a silent host gets
         ``PRE_PROBE_S``. The start's ``connect`` looks again, and marks the standby then."""
         best = None
-        for i, (host, port) in enumerate(self.endpoints):
-            try:
-                socket.create_connection((host, port), timeout=PRE_PROBE_S).close()
-            except OSError:
+        for i in range(len(self.endpoints)):
+            if self._listens(i, PRE_PROBE_S) is not True:
                 continue
             conns: dict[int, Any] = {}
             epoch = self._probe(i, self.plan.keys.epoch, conns)
@@ -173,6 +171,18 @@ class Candidates:
             if isinstance(epoch, int) and epoch > (best[1] if best else 0):
                 best = (i, epoch)
         return best
+
+    def _listens(self, i: int, timeout: float) -> bool | str:
+        """Whether candidate ``i`` accepts a connection: False when it is refused (nothing
+        listens there: at once, where a store client retries until its timeout), why when it
+        does not answer within ``timeout``."""
+        try:
+            socket.create_connection(self.endpoints[i], timeout=timeout).close()
+        except ConnectionRefusedError:
+            return False
+        except OSError as e:
+            return f"{self.name(i)} did not answer ({e})"
+        return True
 
     def _behind(self, i: int, epoch: int) -> None:
         """:func:`._hops.behind` on the standby (a failure only logged: it narrows a hole)."""
@@ -308,19 +318,16 @@ class Candidates:
         refuses the connection; why, when it does not answer."""
         from fastelastic.store import TCPStore
 
+        listens = self._listens(i, PROBE_S)
+        if listens is not True:
+            return None if listens is False else listens
         host, port = self.endpoints[i]
-        try:
-            socket.create_connection((host, port), timeout=PROBE_S).close()
-        except ConnectionRefusedError:
-            return None
-        except OSError as e:
-            return f"{self.name(i)} did not answer ({e})"
         try:
             c = TCPStore(host, port, timeout=timedelta(seconds=PROBE_S), token=self.token)
             try:
-                if fence:
-                    c.append(self.plan.keys.moving, fence)
                 key = self.plan.keys.moving
+                if fence:
+                    c.append(key, fence)
                 return bytes(c.get(key)) if c.check([key]) else b""
             finally:
                 c.close()

@@ -58,8 +58,9 @@ class Moves:
                 self._live = self._live.member()
                 return info
             except (RendezvousConnectionError, StoreTimeoutError) as e:
-                moves = self._hop(lambda live, e=e, n=moves: hops.after(  # type: ignore[misc]
-                    plan, self._m, live, e, n, until), store, moves)
+                ran, left = self._hop(lambda live, e=e, n=moves: hops.after(  # type: ignore[misc]
+                    plan, self._m, live, e, n, until), store)
+                moves = left if ran else moves
         raise RendezvousConnectionError(
             f"The rendezvous '{self._run_id}' moved between its candidates {_MAX_HOPS} times "
             "without forming a round.")
@@ -69,19 +70,17 @@ class Moves:
         while this one failed (the failure was the old store's): it does not move again."""
         assert self._candidates is not None
         plan = self._candidates.plan
-        return self._hop(lambda live: hops.move(plan, self._m, live, why), failed, False, True)
+        return self._hop(lambda live: hops.move(plan, self._m, live, why), failed)[0]
 
-    def _hop(self, op: Callable[[Live], hops.Ops[Any]], failed: Any, skipped: Any,
-             done: Any = None) -> Any:
+    def _hop(self, op: Callable[[Live], hops.Ops[Any]], failed: Any) -> tuple[bool, Any]:
         """Runs the operation ``op(live)`` makes from where the handler is (``live``) under
-        the move lock, if the handler still talks through ``failed``: its answer (``done``
-        when it answers None), else ``skipped``."""
+        the move lock, if the handler still talks through ``failed``: (True, its answer), else
+        (False, None)."""
         assert self._candidates is not None
         with self._move_lock:
             if self._store is not failed:
-                return skipped
-            out = self._candidates.run(op(self._live), self)
-            return done if out is None else out
+                return False, None
+            return True, self._candidates.run(op(self._live), self)
 
     # ------------------------------------------------------------------ _failover.Host
 
