@@ -189,6 +189,7 @@ def _run_seeds(seeds: list[int], end: float) -> None:
         ran += 1
         if why:
             failures.append(f"{s}\n    -> {why}")
+            print(f"VIOLATION {failures[-1]}", flush=True)  # kept if the run is cut short
     print(f"{ran} schedules run")
     assert ran > 0
     safety = sum("two worlds" in f for f in failures)
