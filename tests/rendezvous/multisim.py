@@ -23,6 +23,7 @@ A world is named (store, round); a store that came back empty after its host res
 from __future__ import annotations
 
 import heapq
+import random
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,8 +79,10 @@ class MultiSim(Sim):
     """``Sim`` with ``ncand`` stores; ``self.data`` is switched to the store of each request."""
 
     def __init__(self, min_nodes: int, max_nodes: int, ncand: int, closes_after: float = 10.0,
-                 **cfg: Any) -> None:
+                 flaky_fences: float = 0.0, seed: int = 0, **cfg: Any) -> None:
         super().__init__(min_nodes, max_nodes, can_move=True, **cfg)
+        self.flaky_fences = flaky_fences  # see _marks
+        self.rnd = random.Random(seed)
         self.stores: list[dict[str, bytes]] = [{} for _ in range(ncand)]
         self.data = self.stores[0]
         self.store_state = ["up"] * ncand  # up, dead, frozen
@@ -356,8 +359,19 @@ class MultiSim(Sim):
                 self.at(self.clock.t + self.closes_after, late)
 
     def _marks(self, node: MNode, i: int, fence: bytes) -> Generator[Any, Any, Any]:
+        """``Candidates._marks``. With ``flaky_fences``, that share of a proof's fences on its
+        last candidate meet that candidate as it stops answering the prover (the fence lands or
+        not; no answer within ``PROBE_S``): the proof fails after fencing the others, which it
+        withdraws."""
         if self.link(node, i) == "refused":
             return None
+        last = max(j for j in range(len(self.stores)) if j != node.live.index)
+        if (fence.startswith(b"x") and i == last and self.flaky_fences
+                and self.rnd.random() < self.flaky_fences):
+            if self.rnd.random() < 0.5:
+                self.stores[i][self.keys.moving] = self.stores[i].get(self.keys.moving, b"") + fence
+            yield Sleep(PROBE_S)
+            return f"{i} did not answer"
         if fence:
             r = yield Peek(i, lambda d: d.__setitem__(
                 self.keys.moving, d.get(self.keys.moving, b"") + fence))
@@ -486,6 +500,20 @@ class MultiSim(Sim):
             if n.training is not None and n.alive and not n.frozen:
                 count[n.training] = count.get(n.training, 0) + 1
         return [k for k, c in count.items() if c >= world[k]]
+
+    def lost_majority_carriers(self, store: int) -> list[int]:
+        """The live nodes on ``store`` that still carry a world (moved with it) whose majority
+        is lost: the majority rule holds them, and every round they join there, by design."""
+        out = []
+        for n in self.nodes:
+            assert isinstance(n, MNode)
+            if not (n.alive and n.store == store and n.m.carried and n.worlds):
+                continue
+            key = list(n.worlds)[-1]  # its last world
+            members = [x for x in self.nodes if key in getattr(x, "worlds", {})]
+            if 2 * sum(x.alive for x in members) <= n.worlds[key]:
+                out.append(n.id)
+        return out
 
     def last_world(self) -> tuple[tuple[int, int], int, int] | None:
         """The world that trained last (whose members all trained together latest): (key, its

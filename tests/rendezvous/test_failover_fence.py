@@ -5,6 +5,11 @@ mark comes after it drops its world and does not count as a carrier on the succe
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import subprocess
+import sys
 from datetime import timedelta
 
 import pytest
@@ -48,10 +53,12 @@ def test_a_mark_before_the_fence_blocks_the_proof_and_a_mark_after_it_is_fenced(
         assert why == f"['10.0.0.2|2'] moved to 127.0.0.1:{s1.port}", why
         assert s1.get(K + "moving") == b"1|10.0.0.2|2;"  # no fence left by a failing proof
         assert prover.gone_elsewhere(0, ["10.0.0.3|3"], W) == ""
-        assert s1.get(K + "moving") == b"1|10.0.0.2|2;x1.0badf00d|10.0.0.3|3;"
+        assert re.fullmatch(rb"1\|10\.0\.0\.2\|2;x1\.0badf00d/[0-9a-f]{8}\|10\.0\.0\.3\|3;",
+                            s1.get(K + "moving"))  # the fence: world id / the proof's name
         with pytest.raises(Fenced, match="proved it gone first"):
             b.connect(exclude=0, at_least=1, world=W)
-        assert s1.get(K + "moving").endswith(b"x1.0badf00d|10.0.0.3|3;1|10.0.0.3|3;")
+        assert re.search(rb"x1\.0badf00d/[0-9a-f]{8}\|10\.0\.0\.3\|3;1\|10\.0\.0\.3\|3;$",
+                         s1.get(K + "moving"))
         # the fenced mark is after the fence: the proof, asked again, still finds B gone
         assert prover.gone_elsewhere(0, ["10.0.0.3|3"], W) == ""
         with pytest.raises(Fenced):                # a regroup there carrying W: the same
@@ -65,25 +72,79 @@ def test_a_mark_before_the_fence_blocks_the_proof_and_a_mark_after_it_is_fenced(
         s1.shutdown_server()
 
 
+def test_a_withdrawal_lifts_its_own_proof_s_fence_and_only_from_then_on():
+    """The order in ``moving``, as every reader judges it: a fence stands from its append until
+    the same proof withdraws it; a mark made while any fence of its mover from that world
+    stands is fenced (its mover drops the world, and no proof counts it as moved), whatever
+    comes after. Another proof's fence, another world's and an older writer's (no proof
+    name) are judged alike."""
+    me, other = "10.0.0.3|3", "10.0.0.4|4"
+
+    def order(*entries: bytes) -> tuple[bool, bool]:  # (the mover is fenced, the prover
+        raw = b"".join(entries)                          # finds it moved in time)
+        return sc.fenced(raw, me, W), sc.marked_before_fence(raw, me, W)
+
+    fence = sc.encode_fence(W, me, b"p1")
+    lifted = sc.encode_withdrawal(W, me, b"p1")
+    mark = sc.encode_mark(1, me)
+    assert order(mark) == (False, True)
+    assert order(fence, mark) == (True, False)
+    assert order(fence, lifted, mark) == (False, True)
+    assert order(fence, mark, lifted) == (True, False)  # lifted too late for that mark
+    assert order(fence, mark, lifted, mark) == (False, True)  # its next mark counts
+    assert order(fence, sc.encode_fence(W, me, b"p2"), lifted, mark) == (True, False)
+    assert order(fence, sc.encode_withdrawal(W, me, b"p2"), mark) == (True, False)
+    assert order(fence, sc.encode_withdrawal(W, other, b"p1"), mark) == (True, False)
+    assert order(sc.encode_fence(b"2.feedface", me, b"p1"), mark) == (False, True)
+    assert order(b"x%s|%s;" % (W, me.encode()), mark) == (True, False)  # an older writer's
+    assert order(mark, fence, mark) == (True, True)  # moved in time once: the proof fails
+
+
 def _params(ports: list[int], addr: str) -> RendezvousParameters:
     endpoint = ",".join(f"127.0.0.1:{p}" for p in ports)
     return RendezvousParameters("c10d", endpoint, RUN, 2, 4, is_host=False, local_addr=addr,
                                 read_timeout=2, last_call_timeout=1, join_timeout=6)
 
 
+class _FrozenStore:
+    """A store in a process of its own, to freeze (SIGSTOP) and thaw."""
+
+    def __init__(self) -> None:
+        code = ("import sys; from datetime import timedelta; from fastelastic.store import "
+                "TCPStore; s = TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False,"
+                " multi_tenant=True, timeout=timedelta(seconds=30)); print(s.port, flush=True);"
+                " sys.stdin.read()")
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE)
+        assert self.proc.stdout is not None
+        self.port = int(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
+        self.proc.kill()
+        self.proc.wait(10)
+
+
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("fence", [False, True], ids=["no fence", "fenced"])
+@pytest.mark.parametrize("fence", ["none", "fenced", "withdrawn"])
 def test_a_fenced_mover_does_not_count_as_a_carrier_on_the_successor(nodes, fence):
     """Real handlers: a world of 2 forms on s0, s0's host is lost, both move to s1. Without a
     fence they are 2 carriers of 2 and form their world there (the control). With node 1
     fenced on s1 first (as the proof on s0 leaves it), node 1 drops its world when its mark
     comes after the fence: it takes no ticket on s1, carries nothing, and waits for s0 or a
     committed move; node 0 alone is 1 of the 2 needed, so no world forms on s1 (before the
-    fence, node 1 counted there while s0's proof counted it gone)."""
+    fence, node 1 counted there while s0's proof counted it gone).
+
+    Withdrawn: the proof fences node 1 on s1, then s2's process is frozen (SIGSTOP) before the
+    proof's fence reaches it, so the proof fails; it withdraws its fence on s1, and the world
+    of 2 forms there as in the control. Before the withdrawal, that fence stayed: node 1 was
+    fenced by a proof that had failed, and with s0 lost nobody could make the world's majority
+    again until the join timeout."""
+    s2 = _FrozenStore() if fence == "withdrawn" else None
     s0, s1 = _store(), _store()
     hs = []
     try:
-        ports = [s0.port, s1.port]
+        ports = [s0.port, s1.port] + ([s2.port] if s2 is not None else [])
         hs = [create_fast_handler(_params(ports, f"127.0.0.{i + 1}")) for i in range(2)]
         for i in range(2):
             nodes.start(i, lambda i: hs[i].next_rendezvous())
@@ -91,20 +152,33 @@ def test_a_fenced_mover_does_not_count_as_a_carrier_on_the_successor(nodes, fenc
         assert not nodes.errors, nodes.errors
         wid = hs[0]._m.world_id
         assert wid and hs[1]._m.world_id == wid
-        if fence:
-            prover = _candidates(ports, "127.0.0.1|0")
-            me = hs[1]._candidates.plan.me
+        prover = _candidates(ports, "127.0.0.1|0")
+        me = hs[1]._candidates.plan.me
+        if fence == "fenced":
             assert prover.gone_elsewhere(0, [me], wid) == ""
+        elif s2 is not None:
+            marks = prover._marks
+
+            def freeze_s2_before_its_fence(i: int, fences: bytes) -> bytes | str | None:
+                if i == 2 and fences:  # the second pass, s1 fenced already
+                    os.kill(s2.proc.pid, signal.SIGSTOP)
+                return marks(i, fences)
+            prover._marks = freeze_s2_before_its_fence  # type: ignore[method-assign]
+            why = prover.gone_elsewhere(0, [me], wid)
+            assert why.startswith(f"127.0.0.1:{s2.port} did not answer"), why
+            os.kill(s2.proc.pid, signal.SIGCONT)
+            assert not sc.fenced(bytes(s1.get(K + "moving")) + sc.encode_mark(1, me), me, wid)
         s0.shutdown_server()                       # the world's store is lost
         for i in range(2):                         # the agent's check notices it, and moves
             lost = hs[i].lost_members()
             assert len(lost) == 1 and lost[0][0] == -1, lost
-            said = "proven gone from its world" if fence and i == 1 else "the rendezvous moved to"
+            said = ("proven gone from its world" if fence == "fenced" and i == 1 else
+                    "the rendezvous moved to")
             assert said in lost[0][1], lost
         for i in range(2):
             nodes.start(10 + i, lambda i: hs[i - 10].next_rendezvous())
         nodes.join(30)
-        if not fence:
+        if fence != "fenced":
             assert not nodes.errors, nodes.errors
             assert [nodes.results[10 + i].world_size for i in range(2)] == [2, 2]
             assert s1.get(K + "epoch") == b"1"     # the move committed
@@ -124,3 +198,5 @@ def test_a_fenced_mover_does_not_count_as_a_carrier_on_the_successor(nodes, fenc
         for h in hs:
             h._close_owned(linger=False)
         s1.shutdown_server()
+        if s2 is not None:
+            s2.close()

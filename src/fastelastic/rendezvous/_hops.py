@@ -26,6 +26,7 @@ request that fails as a connection error is thrown back into the operation as
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
@@ -34,7 +35,14 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 from fastelastic.errors import RendezvousConnectionError, RendezvousTimeoutError
 
 from ._requests import Append, Get, Op, Proto, Set, StopBeats
-from ._schema import Keys, encode_fence, encode_mark, fenced, marked_before_fence
+from ._schema import (
+    Keys,
+    encode_fence,
+    encode_mark,
+    encode_withdrawal,
+    fenced,
+    marked_before_fence,
+)
 
 if TYPE_CHECKING:
     from ._round import Machine
@@ -507,17 +515,24 @@ def after(p: Plan, m: Machine, live: Live, why: BaseException, moves: int,
 Proof = Generator[Marks, "bytes | str | None", str]
 
 
-def prove_gone(names: list[str], index: int, idents: list[str], world: bytes) -> Proof:
+def prove_gone(names: list[str], index: int, idents: list[str], world: bytes,
+               proof: bytes = b"") -> Proof:
     """Whether the members ``idents`` (``<addr>|<pid>``) of ``world``, whose connections
     closed on candidate ``index``, are proven to be nowhere else (the candidates are
     ``names``): "" when every other candidate refuses the connection, or answers and, after
     this prover's fences of them (:func:`encode_fence`, one append), holds no mark of them
-    before their fence; else why not (a timeout or no route blocks the proof, as does a
-    mark). A mover that marks a candidate after the fence drops ``world`` there
+    made before a fence stood; else why not (a timeout or no route blocks the proof, as does
+    a mark). A mover that marks a candidate while a fence stands drops ``world`` there
     (:func:`mark`), so the proof and the move cannot both count it, whatever the timing. A
     first pass only reads, so that a proof bound to fail (a mark, a timeout) leaves no fences
-    behind."""
-    fences = b"".join(encode_fence(world, x) for x in idents)
+    behind; a second pass that fails after fencing withdraws the fences it appended
+    (``proof`` names them; a random name by default), so a mover that comes later carries its
+    world all the same (else, with the prover's store lost next, nobody could make that
+    world's majority again). A fence whose withdrawal does not get through stays: it costs a
+    mover its world, never a second one."""
+    proof = proof or os.urandom(4).hex().encode()
+    fences = b"".join(encode_fence(world, x, proof) for x in idents)
+    why, fenced_at = "", []
     for fence in (b"", fences):  # the decision is the second pass's alone
         for i, name in enumerate(names):
             if i == index:
@@ -526,9 +541,17 @@ def prove_gone(names: list[str], index: int, idents: list[str], world: bytes) ->
             if marks is None:
                 continue  # nothing listens there: no store they could be on
             if isinstance(marks, str):
-                return marks
+                why = marks
+                break
+            if fence:
+                fenced_at.append(i)
             moved = [x for x in idents if marked_before_fence(marks, x, world)]
             if moved:
-                return f"{moved} moved to {name}"
-    return ""
-
+                why = f"{moved} moved to {name}"
+                break
+        if why:
+            break
+    withdrawals = b"".join(encode_withdrawal(world, x, proof) for x in idents)
+    for i in fenced_at if why else ():
+        yield Marks(i, withdrawals)  # best effort (see above)
+    return why

@@ -41,16 +41,21 @@ way out.
 cannot say ``moved`` there, and the server closes its connection by keep-alive, maybe before
 its mark reaches a successor; a proof that only read the successor in between took it for gone
 while it carried ``W`` there, so both sides counted it. So the prover first appends a fence,
-``x<W's id>|<addr>|<pid>``, to each other answering candidate's ``moving`` list, then reads the
-list; a mover appends its mark, then reads the list. The server's appends are atomic, so both
-read one order: a mark before the fence blocks the proof (it moved in time); a mark after it
-tells its mover that ``W`` declared it gone: it drops ``W`` there and follows as a node with no
-world (``_hops.Fenced``; no rule counts it for ``W`` again). This needs no bound on a
-mover's delay and holds through a freeze of either side between its write and its read (a time
-bound on the movers, the other way, breaks when a mover freezes between its check and its
-write). A fence left by a proof that then fails (a later candidate times out; a first read-only
-pass makes that rare) costs at most that mover's vote: it follows back to ``W``'s store or to
-a committed move, and with fewer carriers no world forms that could not before.
+``x<W's id>/<proof>|<addr>|<pid>``, to each other answering candidate's ``moving`` list, then
+reads the list; a mover appends its mark, then reads the list. The server's appends are atomic,
+so both read one order: a mark made while no fence stands blocks the proof (it moved in time); a
+mark made while one stands tells its mover that ``W`` declared it gone: it drops ``W`` there and
+follows as a node with no world (``_hops.Fenced``; no rule counts it for ``W`` again). This
+needs no bound on a mover's delay and holds through a freeze of either side between its write
+and its read (a time bound on the movers, the other way, breaks when a mover freezes between its
+check and its write).
+
+A proof that fails after fencing (a later candidate stops answering between its read-only first
+pass and its second) withdraws its own fences (``y<W's id>/<proof>|...``: another proof's fence
+still stands), so a mover that comes later carries ``W`` all the same. Before, such a fence
+cost that mover its vote, and with the prover's store lost next, nobody could make ``W``'s
+majority again until the join timeout. A withdrawal that does not get through (or one a mark
+beats) still costs at most that vote: with fewer carriers, no world forms that could not before.
 """
 
 from __future__ import annotations

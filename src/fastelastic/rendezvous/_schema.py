@@ -14,8 +14,10 @@ Run-wide:
 * ``moving``: the provisional marks of the nodes that moved here, ``<epoch it proposes>|<addr>|
   <pid>;`` each; no node follows them. Where a world formed, a member whose connection closed
   and whom no other candidate has a mark of is proven gone (``_majority``). The prover appends
-  a fence ``x<world id>|<addr>|<pid>;`` there first: a mark after it is too late to count, and
-  its mover drops that world (:func:`marked_before_fence`, :func:`fenced`).
+  a fence ``x<world id>/<proof>|<addr>|<pid>;`` there first: a mark while it stands is too late
+  to count, and its mover drops that world (:func:`marked_before_fence`, :func:`fenced`). A
+  proof that fails after fencing withdraws its fences (``y<world id>/<proof>|<addr>|<pid>;``,
+  ``<proof>`` naming that proof's fences alone), so a failed proof costs no mover its world.
 * ``behind``: on a standby store whose host restarted after the rendezvous moved away, the
   committed epoch its new agent found elsewhere: while it is above the store's own ``epoch``
   the store is not live, and a start does not take it as the first candidate's (an empty
@@ -323,10 +325,17 @@ def encode_mark(epoch: int, ident: str) -> bytes:
     return b"%d|%s;" % (epoch, ident.encode())
 
 
-def encode_fence(wid: bytes, ident: str) -> bytes:
+def encode_fence(wid: bytes, ident: str, proof: bytes = b"") -> bytes:
     """A prover's entry in ``moving``: ``ident`` is about to be declared gone from world
-    ``wid``; a mark of it after this comes too late (see ``_majority``)."""
-    return b"x%s|%s;" % (wid, ident.encode())
+    ``wid`` by the proof named ``proof``; a mark of it while this stands comes too late (see
+    ``_majority``)."""
+    return b"x%s/%s|%s;" % (wid, proof, ident.encode())
+
+
+def encode_withdrawal(wid: bytes, ident: str, proof: bytes) -> bytes:
+    """A failed proof's entry in ``moving``: its fence of ``ident`` (same ``wid`` and ``proof``)
+    no longer stands; a later mark counts again."""
+    return b"y%s/%s|%s;" % (wid, proof, ident.encode())
 
 
 def _entries(raw: bytes) -> list[tuple[bytes, str]]:
@@ -339,31 +348,41 @@ def _entries(raw: bytes) -> list[tuple[bytes, str]]:
     return out
 
 
-def marked_before_fence(raw: bytes, ident: str, wid: bytes) -> bool:
-    """The prover's reading of ``moving``: a mark of ``ident`` precedes the first fence of it
-    from world ``wid`` (or there is no such fence): it moved here in time, so it is not gone."""
+def _marks_fenced(raw: bytes, ident: str, wid: bytes) -> list[bool]:
+    """For each mark of ``ident`` in ``moving``, in append order: whether a fence of it from
+    world ``wid`` stood when it was appended (appended before it, and not withdrawn before it
+    by the proof that appended it). The list only grows at its end (the server's appends are
+    atomic), so every reader judges a mark alike, whenever it reads."""
+    fence, withdrawal = b"x" + wid, b"y" + wid
+    standing: set[bytes] = set()
+    out = []
     for head, who in _entries(raw):
         if who != ident:
             continue
         if head.isdigit():
-            return True
-        if head == b"x" + wid:
-            return False
-    return False
+            out.append(bool(standing))
+            continue
+        kind, _, proof = head.partition(b"/")  # no "/": a fence of an older writer
+        if kind == fence:
+            standing.add(proof)
+        elif kind == withdrawal:
+            standing.discard(proof)
+    return out
+
+
+def marked_before_fence(raw: bytes, ident: str, wid: bytes) -> bool:
+    """The prover's reading of ``moving``: a mark of ``ident`` was appended while no fence of
+    it from world ``wid`` stood: it moved here in time (carrying that world), so it is not
+    gone."""
+    return not all(_marks_fenced(raw, ident, wid))
 
 
 def fenced(raw: bytes, ident: str, wid: bytes) -> bool:
     """The mover's reading of ``moving`` after its mark: a fence of it from its world ``wid``
-    precedes its last mark, so that world declared it gone and it must not carry it here."""
-    fence, last_mark = -1, -1
-    for i, (head, who) in enumerate(_entries(raw)):
-        if who != ident:
-            continue
-        if head.isdigit():
-            last_mark = i
-        elif head == b"x" + wid and fence < 0:
-            fence = i
-    return 0 <= fence < last_mark
+    stood when its last mark was appended, so that world declared it gone and it must not
+    carry it here."""
+    marks = _marks_fenced(raw, ident, wid)
+    return bool(marks) and marks[-1]
 
 
 def assign_ranks(prefs: list[int], world_size: int) -> list[int]:
