@@ -100,8 +100,11 @@ def test_a_withdrawal_lifts_its_own_proof_s_fence_and_only_from_then_on():
     assert order(mark, fence, mark) == (True, True)  # moved in time once: the proof fails
 
 
-def _params(ports: list[int], addr: str) -> RendezvousParameters:
+def _params(ports: list[int], addr: str, defaults: bool = False) -> RendezvousParameters:
     endpoint = ",".join(f"127.0.0.1:{p}" for p in ports)
+    if defaults:  # torch's: last call 30 s, join 600 s, keep-alive 5 s x 3
+        return RendezvousParameters("c10d", endpoint, RUN, 2, 4, is_host=False,
+                                    local_addr=addr)
     return RendezvousParameters("c10d", endpoint, RUN, 2, 4, is_host=False, local_addr=addr,
                                 read_timeout=2, last_call_timeout=1, join_timeout=6)
 
@@ -125,8 +128,8 @@ class _FrozenStore:
         self.proc.wait(10)
 
 
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("fence", ["none", "fenced", "withdrawn"])
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("fence", ["none", "fenced", "withdrawn", "withdrawn-defaults"])
 def test_a_fenced_mover_does_not_count_as_a_carrier_on_the_successor(nodes, fence):
     """Real handlers: a world of 2 forms on s0, s0's host is lost, both move to s1. Without a
     fence they are 2 carriers of 2 and form their world there (the control). With node 1
@@ -140,15 +143,16 @@ def test_a_fenced_mover_does_not_count_as_a_carrier_on_the_successor(nodes, fenc
     of 2 forms there as in the control. Before the withdrawal, that fence stayed: node 1 was
     fenced by a proof that had failed, and with s0 lost nobody could make the world's majority
     again until the join timeout."""
-    s2 = _FrozenStore() if fence == "withdrawn" else None
+    s2 = _FrozenStore() if fence.startswith("withdrawn") else None
     s0, s1 = _store(), _store()
     hs = []
     try:
         ports = [s0.port, s1.port] + ([s2.port] if s2 is not None else [])
-        hs = [create_fast_handler(_params(ports, f"127.0.0.{i + 1}")) for i in range(2)]
+        hs = [create_fast_handler(_params(ports, f"127.0.0.{i + 1}", fence.endswith("defaults")))
+              for i in range(2)]
         for i in range(2):
             nodes.start(i, lambda i: hs[i].next_rendezvous())
-        nodes.join(20)
+        nodes.join(45)  # torch's last call: 30 s
         assert not nodes.errors, nodes.errors
         wid = hs[0]._m.world_id
         assert wid and hs[1]._m.world_id == wid
