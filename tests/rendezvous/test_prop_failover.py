@@ -173,6 +173,24 @@ def test_seed_731001856_the_survivor_of_a_world_lost_with_its_store() -> None:
     assert late.training in sim.training_now(), f"{s}: nothing trains at the end"
 
 
+def test_seed_951000533_a_rack_lost_while_its_world_re_forms_is_proven_gone() -> None:
+    """Seed 951000533 (a slow run of the racks), minimised: 6 nodes at once, 2 candidates,
+    torch's last call (30 s). Node 1 is cut from s0 25.4-28.4 s, so its seat in the world of 6
+    that forms at 30 s never reaches it and that world re-forms; 4 nodes die together at
+    36 s, while they re-join (each wrote ``left``, then the server wrote ``closed``). The
+    proof took only a first reason of ``closed`` as a death, so ``left`` hid theirs, and nodes
+    0 and 1 (and the late node) waited until the join timeout. Now a close after any reason
+    but ``moved`` counts (``_schema.closed_unmoved``): s1 holds no mark of them, and the
+    survivors train with the late node."""
+    s = Schedule(-16, 2, 2, 30.0, [(0.1 * (i + 1), "replace", -1, -1, 0.0) for i in range(4)]
+                 + [(25.4, "cut", 1, 0, 28.4)]
+                 + [(36.0, "kill", i, -1, 0.0) for i in (2, 3, 4, 5)], 61.5)
+    sim, late = run(s)
+    assert late.training in sim.training_now(), f"{s}: nothing trains at the end"
+    assert sim.nodes[0].training == sim.nodes[1].training == late.training
+    assert check(s) == ""
+
+
 def test_a_restarted_first_host_is_not_taken_by_a_fresh_node_cut_from_the_live_store() -> None:
     """Issue 27's known hole, simulated: 3 nodes, 2 candidates, last call 1 s. s0's host is
     killed at 20 s: the others move to s1 and commit epoch 1 there. s0's host restarts at

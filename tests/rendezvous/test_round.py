@@ -373,6 +373,16 @@ def test_gone_quit_or_done_wins_over_a_reason_that_says_the_node_may_be_elsewher
     assert parse_gone(raw) == {2: "quit", 3: "closed", 4: "done", 5: "quit", 6: "done"}
 
 
+def test_a_close_after_any_reason_but_moved_makes_a_proof_candidate():
+    """What the proof that lost members are gone starts from (``_majority.proof_candidates``):
+    a connection that closed here, first reason or not, and no word of a move."""
+    from fastelastic.rendezvous._schema import closed_unmoved
+
+    raw = (b"1:closed;2:left;2:closed;3:left;3:moved;3:closed;4:moved;4:closed;5:silent;"
+           b"5:closed;6:left;7:quit;7:closed;x:closed;8:closedx;")
+    assert closed_unmoved(raw) == {1, 2, 5, 7}
+
+
 def test_the_epoch_rises_only_with_a_round():
     """The epoch is written by one request only: the multi_set that publishes the first round
     on the successor (its members' ``who`` entries), just before that round's outcome."""

@@ -97,10 +97,13 @@ def away(records: list[bytes], last_round: int, world: int, gone: dict[int, str]
     return [i for i in range(world) if i not in back and gone.get(i) not in GONE_FOR_GOOD]
 
 
-def proof_candidates(out: list[int], gone: dict[int, str]) -> list[int]:
-    """The ranks of ``out`` that may be proven gone: their connection closed here, and they
-    did not say they moved (a cut, a silence or a move blocks any proof)."""
-    return [i for i in out if gone.get(i) == "closed"]
+def proof_candidates(out: list[int], raw_gone: bytes) -> list[int]:
+    """The ranks of ``out`` that may be proven gone: their connection closed here (first
+    reason or not: a member that left to re-join and died while it did is as gone as one
+    that died training; seed 951000533), and they never said they moved (a cut, a silence or
+    a move blocks any proof)."""
+    closed = sc.closed_unmoved(raw_gone)
+    return [i for i in out if i in closed]
 
 
 def objection(records: list[bytes], last: tuple[int, int] | None, can_move: bool,
@@ -133,7 +136,8 @@ def objection(records: list[bytes], last: tuple[int, int] | None, can_move: bool
         # whose majority formed it or let it form, so that older world's members away can
         # make no majority elsewhere (sim seed 250240073: its rule blocked every round here)
         return ""
-    gone = sc.parse_gone(bytes((yield Get(lk.gone, None))))
+    raw_gone = bytes((yield Get(lk.gone, None)))
+    gone = sc.parse_gone(raw_gone)
     out = away(records, q, world, gone)
     if len(out) < need(world):
         return ""
@@ -145,7 +149,7 @@ def objection(records: list[bytes], last: tuple[int, int] | None, can_move: bool
            if (addr.encode(), pid.encode()) not in here]
     if len(out) < need(world):
         return ""
-    closed = proof_candidates(out, gone)
+    closed = proof_candidates(out, raw_gone)
     blocked = ""
     if len(out) - len(closed) < need(world):  # the proof can decide it: ask the others
         who = [sc.who_parts(bytes(v)) for v in (yield MultiGet([lk.who(i) for i in closed]))]

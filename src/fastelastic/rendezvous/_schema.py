@@ -320,6 +320,18 @@ def parse_gone(raw: bytes) -> dict[int, str]:
     return out
 
 
+def closed_unmoved(raw: bytes) -> set[int]:
+    """The ranks in ``gone`` whose connection closed (``closed``, whatever they said before:
+    a member that left to re-join and died while it did) and that never said ``moved``."""
+    closed: set[int] = set()
+    moved: set[int] = set()
+    for entry in raw.split(b";"):
+        rank, _, why = entry.partition(b":")
+        if rank.isdigit() and why in (b"closed", b"moved"):
+            (closed if why == b"closed" else moved).add(int(rank))
+    return closed - moved
+
+
 def encode_mark(epoch: int, ident: str) -> bytes:
     """A mover's entry in ``moving``: the epoch it proposes (or the store's) and who it is."""
     return b"%d|%s;" % (epoch, ident.encode())
