@@ -139,3 +139,26 @@ def test_hosting_a_standby_does_not_wait_for_candidates_that_refuse(monkeypatch)
         assert took < 1.0, f"hosting the standby took {took:.2f}s"
     finally:
         c.close()
+
+
+def test_a_start_does_not_wait_for_candidates_that_refuse(monkeypatch):
+    """A start probes every candidate, and a client retries a refused connect until its
+    timeout: each candidate whose host was lost cost ``PROBE_S``, so a rack's replacements
+    (two of three candidates' hosts lost) reached the rendezvous 4 s late (4.0 s here before).
+    A refused connection now answers the probe at once."""
+    monkeypatch.setattr(_failover, "PROBE_S", 2.0)  # as shipped: the module fixture shortens it
+    live = _standby()
+    c = Candidates(RUN, [("127.0.0.1", live.port)] + [("127.0.0.1", _refused_port())
+                                                        for _ in range(2)],
+                   False, timedelta(seconds=5))
+    try:
+        live.set(f"fe.rdzv.{RUN}/epoch", b"1")  # the rendezvous moved here: taken at once
+        t0 = time.monotonic()
+        client, i, epoch, proposed = c.connect()
+        took = time.monotonic() - t0
+        client.close()
+        assert (i, epoch, proposed) == (0, 1, 0)
+        assert took < 1.0, f"the start's connect took {took:.2f}s"
+    finally:
+        c.close()
+        live.close()

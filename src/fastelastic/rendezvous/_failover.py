@@ -257,9 +257,16 @@ class Candidates:
                 return host._do(host._store, op)
 
     def _probe(self, i: int, key: str, conns: dict[int, Any]) -> int | str:
+        """Candidate ``i``'s counter ``key`` (its connection kept in ``conns``), or why not. A
+        refused connection answers at once: a store client retries it until its timeout, and
+        a start or a move probes every candidate, so each whose host is lost or not up yet
+        cost ``PROBE_S`` (4 s for a rack's replacements with two candidates' hosts lost)."""
         from fastelastic.store import TCPStore
 
         host, port = self.endpoints[i]
+        listens = self._listens(i, PROBE_S)
+        if listens is not True:
+            return f"{host}:{port}: connection refused" if listens is False else listens
         try:
             c = TCPStore(host, port, timeout=timedelta(seconds=PROBE_S), token=self.token)
         except (StoreError, OSError) as e:
