@@ -89,6 +89,7 @@ class MultiSim(Sim):
         self.restarts = [0] * ncand  # of each store: a world's key is (store + ncand x this, round)
         self.links_cut: set[tuple[int, int]] = set()
         self.closes_after = closes_after
+        self.queued_closes: list[list[tuple[MNode, int]]] = [[] for _ in range(ncand)]
 
     # ------------------------------------------------------------------ links
 
@@ -135,6 +136,11 @@ class MultiSim(Sim):
             node.next_beat = min(node.next_beat, self.clock.t)
             if node.hosts >= 0 and self.store_state[node.hosts] == "frozen":
                 self.store_state[node.hosts] = "up"
+                # the closes its kernel queued while it was stopped (a node killed meanwhile)
+                closes, self.queued_closes[node.hosts] = self.queued_closes[node.hosts], []
+                for other, gen in closes:
+                    if other.conn == gen and other.store == node.hosts:
+                        self._disconnect(other)
             if node.training is not None and node.alive:
                 node.seg_start = self.clock.t
         self.at(t, stop)
@@ -154,10 +160,12 @@ class MultiSim(Sim):
             st = self.link(node, node.store)
             if st == "ok":
                 self._disconnect(node)
-            elif st == "timeout":
+            elif (node.id, node.store) in self.links_cut:  # the server's keep-alive, later
                 gen = node.conn
                 self.at(self.clock.t + self.closes_after,
                         lambda: self._late_close(node, node.store, gen))
+            elif st == "timeout":  # its host is stopped: seen once it runs again
+                self.queued_closes[node.store].append((node, node.conn))
 
     def quit(self, node: Node) -> None:
         assert isinstance(node, MNode)

@@ -191,6 +191,36 @@ def test_seed_951000533_a_rack_lost_while_its_world_re_forms_is_proven_gone() ->
     assert check(s) == ""
 
 
+def test_seed_962008044_members_dead_before_they_read_their_seats_are_proven_gone() -> None:
+    """Seed 962008044 (a slow run of the racks), minimised: 6 nodes at once, 2 candidates,
+    torch's last call (30 s). s0's host is frozen 29.3-31.3 s, across the last call: the
+    others' requests time out, and node 0 publishes the world of 6 at the thaw, before they
+    read their seats. 4 of them die at 34.1 s. Their ranks had no entry in ``gone`` (a
+    rank's is registered with its seat), so the proof could not start and the survivors
+    waited until the join timeout. The record now registers ``t<ticket>:closed``
+    (``_schema.ticket_closed``), and the proof reads it by the ``who`` entries' tickets."""
+    s = Schedule(-17, 3, 2, 30.0, [(0.1 * (i + 1), "replace", -1, -1, 0.0) for i in range(3)]
+                 + [(29.3, "freeze", 0, -1, 31.3)]
+                 + [(34.1, "kill", i, -1, 0.0) for i in (2, 3, 4, 5)], 46.7)
+    sim, late = run(s)
+    assert late.training in sim.training_now(), f"{s}: nothing trains at the end"
+    assert check(s) == ""
+
+
+def test_seed_962007615_a_close_queued_while_the_store_s_host_was_stopped_is_seen() -> None:
+    """Seed 962007615, a fault of the simulation (the handler was right): nodes killed while
+    s0's host was frozen lost their connections' closes for good, where a real server's kernel
+    queues them and the server sees them once it runs again; so the proof never saw them
+    closed. 3 nodes, 2 candidates, torch's last call: s0's host frozen 17.3-47.3 s, nodes 1 and
+    2 killed at 28.5 s, two replacements; all of them train at the end."""
+    s = Schedule(-18, 3, 2, 30.0, [(17.3, "freeze", 0, -1, 47.3), (28.5, "kill", 1, -1, 0.0),
+                                   (28.5, "kill", 2, -1, 0.0), (33.6, "replace", -1, -1, 0.0),
+                                   (33.7, "replace", -1, -1, 0.0)], 51.0)
+    sim, late = run(s)
+    assert late.training in sim.training_now(), f"{s}: nothing trains at the end"
+    assert check(s) == ""
+
+
 def test_a_restarted_first_host_is_not_taken_by_a_fresh_node_cut_from_the_live_store() -> None:
     """Issue 27's known hole, simulated: 3 nodes, 2 candidates, last call 1 s. s0's host is
     killed at 20 s: the others move to s1 and commit epoch 1 there. s0's host restarts at

@@ -381,6 +381,9 @@ def test_a_close_after_any_reason_but_moved_makes_a_proof_candidate():
     raw = (b"1:closed;2:left;2:closed;3:left;3:moved;3:closed;4:moved;4:closed;5:silent;"
            b"5:closed;6:left;7:quit;7:closed;x:closed;8:closedx;")
     assert closed_unmoved(raw) == {1, 2, 5, 7}
+    # a member that died before it read its seat: known by its ticket (rank 4 moved: no)
+    raw += b"t12:closed;t13:closed;t14:closed;"
+    assert closed_unmoved(raw, {9: "12", 4: "13", 10: "15"}) == {1, 2, 5, 7, 9}
 
 
 def test_the_epoch_rises_only_with_a_round():

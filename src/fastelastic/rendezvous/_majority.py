@@ -97,12 +97,13 @@ def away(records: list[bytes], last_round: int, world: int, gone: dict[int, str]
     return [i for i in range(world) if i not in back and gone.get(i) not in GONE_FOR_GOOD]
 
 
-def proof_candidates(out: list[int], raw_gone: bytes) -> list[int]:
+def proof_candidates(out: list[int], raw_gone: bytes, tickets: dict[int, str]) -> list[int]:
     """The ranks of ``out`` that may be proven gone: their connection closed here (first
     reason or not: a member that left to re-join and died while it did is as gone as one
-    that died training; seed 951000533), and they never said they moved (a cut, a silence or
-    a move blocks any proof)."""
-    closed = sc.closed_unmoved(raw_gone)
+    that died training, seed 951000533; one that died before it read its seat is known by its
+    ticket, ``tickets`` rank -> ticket, seed 962008044), and they never said they moved (a
+    cut, a silence or a move blocks any proof)."""
+    closed = sc.closed_unmoved(raw_gone, tickets)
     return [i for i in out if i in closed]
 
 
@@ -145,11 +146,12 @@ def objection(records: list[bytes], last: tuple[int, int] | None, can_move: bool
     # its record) is in this round, not elsewhere: its address and pid are in the records.
     here = {tuple(raw.split(b"|")[1:3]) for raw in records}
     who = [sc.who_parts(bytes(v)) for v in (yield MultiGet([lk.who(i) for i in out]))]
+    tickets = {i: ticket for i, (ticket, _, _) in zip(out, who, strict=True)}
     out = [i for i, (_, addr, pid) in zip(out, who, strict=True)
            if (addr.encode(), pid.encode()) not in here]
     if len(out) < need(world):
         return ""
-    closed = proof_candidates(out, raw_gone)
+    closed = proof_candidates(out, raw_gone, tickets)
     blocked = ""
     if len(out) - len(closed) < need(world):  # the proof can decide it: ask the others
         who = [sc.who_parts(bytes(v)) for v in (yield MultiGet([lk.who(i) for i in closed]))]

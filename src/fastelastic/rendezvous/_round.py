@@ -35,7 +35,6 @@ from ._phases import FINAL, E, Event, P, Phase, transition
 from ._requests import (
     Add,
     Append,
-    AppendOnDisconnect,
     Beat,
     Check,
     CompareSet,
@@ -261,8 +260,8 @@ class Machine(MemberOps):
 
     def _record(self, a: _Attempt) -> Proto[Event]:
         k, t, cfg = a.k, a.ticket, self.cfg
-        if cfg.hooks:  # our death abandons the round while it forms
-            yield AppendOnDisconnect(k.outcome, sc.ABANDONED)
+        if cfg.hooks:  # our death abandons the round while it forms, and says we are gone
+            yield OnDisconnect([k.outcome, k.gone], [sc.ABANDONED, sc.ticket_closed(t)])
         node_rank, addr, pid, wstore = self._identity
         member_of, pref = (-1, node_rank) if self.member is None else (
             self.member.round, self.member.rank)

@@ -47,7 +47,9 @@ Round ``r``:
   (abandoned: everyone re-joins ``r + 1``; also appended by the server when a joined node's
   connection closes). A ``C;`` appended by ``set_closed`` means closed. Text after the first
   newline is not part of the verdict, so late appends never corrupt a complete outcome.
-* ``gone`` (:py:attr:`RoundKeys.gone`): ``<rank>:<why>;`` entries, the first one per rank wins
+* ``gone`` (:py:attr:`RoundKeys.gone`): ``<rank>:<why>;`` entries (and ``t<ticket>:closed;``,
+  :func:`ticket_closed`, for a node whose connection closed before it read its seat), the
+  first one per rank wins
   but ``quit`` and ``done`` win over the others (:func:`parse_gone`):
   ``closed`` (the server, when a member's connection closed), ``done`` (its workers finished;
   its later exit is no loss), ``left`` (it re-joins), ``quit`` (it leaves for good: preempted),
@@ -320,15 +322,27 @@ def parse_gone(raw: bytes) -> dict[int, str]:
     return out
 
 
-def closed_unmoved(raw: bytes) -> set[int]:
+def ticket_closed(ticket: int) -> bytes:
+    """The ``gone`` entry the server appends when the connection of the node holding
+    ``ticket`` closes, registered with its record: a member that died before it read its seat
+    (so before its rank's own entry was registered) is known closed all the same."""
+    return b"t%d:closed;" % ticket
+
+
+def closed_unmoved(raw: bytes, tickets: dict[int, str] | None = None) -> set[int]:
     """The ranks in ``gone`` whose connection closed (``closed``, whatever they said before:
-    a member that left to re-join and died while it did) and that never said ``moved``."""
+    a member that left to re-join and died while it did; or, for the ranks in ``tickets``
+    (rank -> its ticket), the entry of :func:`ticket_closed`) and that never said ``moved``."""
+    by_ticket = {b"t" + t.encode(): rank for rank, t in (tickets or {}).items() if t}
     closed: set[int] = set()
     moved: set[int] = set()
     for entry in raw.split(b";"):
-        rank, _, why = entry.partition(b":")
-        if rank.isdigit() and why in (b"closed", b"moved"):
-            (closed if why == b"closed" else moved).add(int(rank))
+        who, _, why = entry.partition(b":")
+        if why not in (b"closed", b"moved"):
+            continue
+        rank = int(who) if who.isdigit() else by_ticket.get(who, -1)
+        if rank >= 0:
+            (closed if why == b"closed" else moved).add(rank)
     return closed - moved
 
 
