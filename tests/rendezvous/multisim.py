@@ -414,10 +414,16 @@ class MultiSim(Sim):
         assert isinstance(node, MNode)
         if node.hosts >= 0 and self.store_state[node.hosts] == "dead":  # a restarted host
             found, _ = yield from self._hop(node, hops.probe(node.plan, -1))
+            fences = b""  # ``Candidates._committed_elsewhere``'s read of the moving lists
+            for i in range(len(self.stores)):
+                if self.link(node, i) == "ok":
+                    fences += sc.proof_entries(self.stores[i].get(self.keys.moving, b""))
             self.stores[node.hosts], self.store_state[node.hosts] = {}, "up"
             self.restarts[node.hosts] += 1
             if found:
                 yield from self._behind(node, found[0][1], -found[0][0])
+            for op in list(hops.carry_fences(node.plan, fences)):  # type: ignore[arg-type]
+                yield At(node.hosts, op)
         i, epoch, proposed = yield from self._hop(node, hops.connect(node.plan))
         if node.hosts >= 0:
             yield from self._behind(node, i, epoch)

@@ -100,6 +100,41 @@ def test_a_withdrawal_lifts_its_own_proof_s_fence_and_only_from_then_on():
     assert order(mark, fence, mark) == (True, True)  # moved in time once: the proof fails
 
 
+@pytest.mark.timeout(30)
+def test_a_candidate_whose_host_restarts_after_a_proof_carries_its_fences():
+    """Real stores: the world trains on candidate 1 (the rendezvous moved there). A proof
+    passes there while candidates 0 and 2 refuse the connection (their hosts' stores are
+    gone), so it fences nothing on them. Candidate 0's host restarts: before it hosts its
+    store again it reads the proofs' entries on the answering candidates (candidate 1 holds
+    the proof's fence, appended there first) and appends them to its own. Member B, declared
+    gone (cut from candidate 1, say), then moves to candidate 0 carrying its world: it is
+    fenced there. Before, candidate 0 came back with no fence, and a cut majority carried its
+    world there while the world the proof let form trained (two worlds: simulated in
+    ``test_prop_failover``)."""
+    live = _store()
+    restarted = None
+    try:
+        ports = [_free_port(), live.port, _free_port()]
+        prover = _candidates(ports, "10.0.0.1|1")
+        assert prover.gone_elsewhere(1, ["10.0.0.3|3"], W) == ""
+        assert sc.fenced(bytes(live.get(K + "moving")) + sc.encode_mark(1, "10.0.0.3|3"),
+                         "10.0.0.3|3", W)  # the fence on the prover's own store
+        restarted = Candidates(RUN, [("127.0.0.1", p) for p in ports], True,
+                               timedelta(seconds=2))
+        assert restarted.standby_index == 0
+        b = _candidates(ports, "10.0.0.3|3")
+        with pytest.raises(Fenced, match="proved it gone first"):
+            b.connect(exclude=1, at_least=1, world=W)
+        client, i, _, _ = _candidates(ports, "10.0.0.4|4").connect(exclude=1, at_least=1,
+                                                                   world=W)
+        client.close()  # a member not declared gone carries its world there
+        assert i == 0
+    finally:
+        if restarted is not None:
+            restarted.close()
+        live.shutdown_server()
+
+
 def _params(ports: list[int], addr: str, defaults: bool = False) -> RendezvousParameters:
     endpoint = ",".join(f"127.0.0.1:{p}" for p in ports)
     if defaults:  # torch's: last call 30 s, join 600 s, keep-alive 5 s x 3

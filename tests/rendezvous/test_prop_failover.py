@@ -221,6 +221,22 @@ def test_seed_962007615_a_close_queued_while_the_store_s_host_was_stopped_is_see
     assert check(s) == ""
 
 
+def test_a_proof_that_counted_on_a_refused_candidate_holds_when_its_host_restarts() -> None:
+    """Found by reading the proof this stop: 7 nodes, 3 candidates, last call 1 s. At 20 s the
+    hosts of s1 and s2 are killed and nodes 3-6 (a majority) are cut from s0 for good; their
+    connections close there by keep-alive, s1 and s2 refuse, so node 0 proves them gone and
+    trains. s1's host restarts at 45 s with an empty store, and nodes 3-6 carried their world
+    of 7 there: two worlds trained at once from 46 s. Now s1's new agent copies the proof's
+    fences from s0 before it hosts (``_hops.carry_fences``): they drop that world there."""
+    s = Schedule(-19, 7, 3, 1.0, sorted([(20.0, "kill", 1, -1, 0.0), (20.0, "kill", 2, -1, 0.0),
+                                         (45.0, "restart", 1, -1, 0.0)]
+                                        + [(20.0, "cut", i, 0, 300.0) for i in (3, 4, 5, 6)]),
+                 60.0)
+    sim, _ = run(s)
+    assert sim.overlaps() == [], str(s)
+    assert check(s) == ""
+
+
 def test_a_restarted_first_host_is_not_taken_by_a_fresh_node_cut_from_the_live_store() -> None:
     """Issue 27's known hole, simulated: 3 nodes, 2 candidates, last call 1 s. s0's host is
     killed at 20 s: the others move to s1 and commit epoch 1 there. s0's host restarts at

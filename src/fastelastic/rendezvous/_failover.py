@@ -45,7 +45,7 @@ from ._hops import (  # noqa: F401 (the failover's names, as callers and tests k
     mark_moving,
     prove_gone,
 )
-from ._schema import Keys
+from ._schema import Keys, proof_entries
 from .utils import _matches_machine_hostname, parse_rendezvous_endpoint
 
 T = TypeVar("T")
@@ -139,7 +139,7 @@ class Candidates:
         and that mark sees it unmarked)."""
         from fastelastic.store import TCPStore
 
-        found = self._committed_elsewhere()
+        found, fences = self._committed_elsewhere()
         for i in mine:
             host, port = self.endpoints[i]
             try:
@@ -152,25 +152,35 @@ class Candidates:
             self.standby_index = i
             if found is not None:
                 self._behind(*found)
+            if fences:
+                self._carry(fences)
             return
 
-    def _committed_elsewhere(self) -> tuple[int, int] | None:
+    def _committed_elsewhere(self) -> tuple[tuple[int, int] | None, bytes]:
         """Asked before this node hosts its standby: (index, epoch) of the answering candidate
-        with the highest committed epoch, if any is above 0. Best effort and quick, so a
-        job's start does not wait for it: a refused connection (nothing listens there yet,
-        such as this node's own candidate) answers at once, a silent host gets
-        ``PRE_PROBE_S``. The start's ``connect`` looks again, and marks the standby then."""
-        best = None
+        with the highest committed epoch, if any is above 0; and the proofs' entries of their
+        ``moving`` lists (:func:`._hops.carry_fences`). Best effort and quick, so a job's
+        start does not wait for it: a refused connection (nothing listens there yet, such as
+        this node's own candidate) answers at once, a silent host gets ``PRE_PROBE_S``. The
+        start's ``connect`` looks again, and marks the standby then."""
+        best, fences = None, b""
         for i in range(len(self.endpoints)):
             if self._listens(i, PRE_PROBE_S) is not True:
                 continue
             conns: dict[int, Any] = {}
             epoch = self._probe(i, self.plan.keys.epoch, conns)
-            for c in conns.values():
-                c.close()
+            try:
+                for c in conns.values():
+                    key = self.plan.keys.moving
+                    fences += proof_entries(bytes(c.get(key)) if c.check([key]) else b"")
+            except (StoreError, OSError) as e:
+                log.debug("could not read %s's moving list: %s", self.name(i), e)
+            finally:
+                for c in conns.values():
+                    c.close()
             if isinstance(epoch, int) and epoch > (best[1] if best else 0):
                 best = (i, epoch)
-        return best
+        return best, fences
 
     def _listens(self, i: int, timeout: float) -> bool | str:
         """Whether candidate ``i`` accepts a connection: False when it is refused (nothing
@@ -191,6 +201,14 @@ class Candidates:
         except (StoreError, OSError) as e:
             log.warning("could not mark the standby store at %s as behind epoch %d: %s",
                         self.name(self.standby_index), epoch, e)
+
+    def _carry(self, fences: bytes) -> None:
+        """:func:`._hops.carry_fences` on the standby (a failure only logged, as ``_behind``)."""
+        try:
+            ops.run_all(self.standby, hops.carry_fences(self.plan, fences))
+        except (StoreError, OSError) as e:
+            log.warning("could not copy the proofs' fences to the standby store at %s: %s",
+                        self.name(self.standby_index), e)
 
     def name(self, i: int) -> str:
         return self.plan.name(i)

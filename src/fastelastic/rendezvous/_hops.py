@@ -273,6 +273,17 @@ def behind(p: Plan, standby: int, i: int, epoch: int) -> Proto[None]:
         yield Set(p.keys.behind, b"%d" % epoch)
 
 
+def carry_fences(p: Plan, fences: bytes) -> Proto[None]:
+    """A starting node that hosts a candidate read the proofs' entries (``fences``,
+    :func:`._schema.proof_entries`) in the other candidates' ``moving`` lists before it hosted
+    its store; it appends them there. A proof that passed while this host refused the
+    connection fenced nothing here, and without them a cut majority it declared gone could
+    carry its world here once this store is back, beside the world the proof let form (two
+    worlds). Its requests go to the standby."""
+    if fences:
+        yield Append(p.keys.moving, fences)
+
+
 def begin(m: Machine, i: int, epoch: int, proposed: int) -> Live:
     """Where a started node's rendezvous is (``connect``'s answer); a proposal, when its
     start found only a store it moves the rendezvous to, goes into its machine."""
@@ -523,17 +534,24 @@ def prove_gone(names: list[str], index: int, idents: list[str], world: bytes,
     this prover's fences of them (:func:`encode_fence`, one append), holds no mark of them
     made before a fence stood; else why not (a timeout or no route blocks the proof, as does
     a mark). A mover that marks a candidate while a fence stands drops ``world`` there
-    (:func:`mark`), so the proof and the move cannot both count it, whatever the timing. A
-    first pass only reads, so that a proof bound to fail (a mark, a timeout) leaves no fences
-    behind; a second pass that fails after fencing withdraws the fences it appended
-    (``proof`` names them; a random name by default), so a mover that comes later carries its
-    world all the same (else, with the prover's store lost next, nobody could make that
-    world's majority again). A fence whose withdrawal does not get through stays: it costs a
-    mover its world, never a second one."""
+    (:func:`mark`), so the proof and the move cannot both count it, whatever the timing. The
+    second pass fences ``index`` itself first: the host of a candidate that refused reads
+    them there when it restarts (:func:`carry_fences`). A first pass only reads, so that a
+    proof bound to fail (a mark, a timeout) leaves no fences behind; a second pass that fails
+    after fencing withdraws the fences it appended (``proof`` names them; a random name by
+    default), so a mover that comes later carries its world all the same (else, with the
+    prover's store lost next, nobody could make that world's majority again). A fence whose
+    withdrawal does not get through stays: it costs a mover its world, never a second one."""
     proof = proof or os.urandom(4).hex().encode()
     fences = b"".join(encode_fence(world, x, proof) for x in idents)
     why, fenced_at = "", []
     for fence in (b"", fences):  # the decision is the second pass's alone
+        if fence:  # first here, where a restarted candidate's host reads it (carry_fences)
+            here = yield Marks(index, fence)
+            if isinstance(here, str) or here is None:
+                why = here or f"{names[index]} refused the connection"
+                break
+            fenced_at.append(index)
         for i, name in enumerate(names):
             if i == index:
                 continue

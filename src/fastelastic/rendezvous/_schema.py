@@ -374,6 +374,12 @@ def _entries(raw: bytes) -> list[tuple[bytes, str]]:
     return out
 
 
+def proof_entries(raw: bytes) -> bytes:
+    """The proofs' entries of a ``moving`` list (fences and withdrawals), in append order."""
+    return b"".join(entry + b";" for entry in raw.split(b";")
+                    if entry[:1] in (b"x", b"y") and b"|" in entry)
+
+
 def _marks_fenced(raw: bytes, ident: str, wid: bytes) -> list[bool]:
     """For each mark of ``ident`` in ``moving``, in append order: whether a fence of it from
     world ``wid`` stood when it was appended (appended before it, and not withdrawn before it
