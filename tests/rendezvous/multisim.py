@@ -529,6 +529,27 @@ class MultiSim(Sim):
                 out.append(n.id)
         return out
 
+    def dead_movers(self, store: int) -> list[int]:
+        """When a majority of the last world formed on ``store`` is dead: those of its dead
+        members that marked another candidate first (they moved, then died there). Their
+        marks block the proof that they are gone, by design: nothing on that candidate tells
+        a mover that died there from one alive there (README)."""
+        d = self.stores[store]
+        done = [int(k.split("/")[1]) for k, v in d.items()
+                if k.endswith("/res") and k.split("/")[1].isdigit() and v.startswith(b"M")]
+        if not done:
+            return []
+        r = max(done)
+        world = int(d[f"{self.keys.base}{r}/res"][1:].split(b"\n")[0])
+        members = [sc.who_parts(d.get(f"{self.keys.base}{r}/who/{i}", b"")) for i in range(world)]
+        ids = [int(addr.rsplit(".", 1)[1]) for _, addr, _ in members if addr]
+        dead = [i for i in ids if not self.nodes[i].alive]
+        if 2 * (world - len(dead)) > world:
+            return []
+        marks = b"".join(o.get(self.keys.moving, b"") for j, o in enumerate(self.stores)
+                         if j != store)
+        return [i for i in dead if b"|10.0.0.%d|%d;" % (i, 1000 + i) in marks]
+
     def last_world(self) -> tuple[tuple[int, int], int, int] | None:
         """The world that trained last (whose members all trained together latest): (key, its
         size, its members still running)."""
