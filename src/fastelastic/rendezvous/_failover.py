@@ -70,6 +70,7 @@ def _is_mine(host: str) -> bool:
 
 PROBE_S = 2.0  # seconds a candidate has to accept and answer a probe
 PRE_PROBE_S = 0.5  # seconds a silent candidate gets before a node hosts its standby
+QUICK_S = 0.2  # a probe's first, plain connect: what refuses at once is skipped
 
 
 def parse_candidates(endpoint: str, default_port: int) -> list[tuple[str, int]]:
@@ -282,11 +283,15 @@ class Candidates:
         from fastelastic.store import TCPStore
 
         host, port = self.endpoints[i]
-        listens = self._listens(i, PROBE_S)
-        if listens is not True:
-            return f"{host}:{port}: connection refused" if listens is False else listens
+        t0 = time.monotonic()
+        if self._listens(i, QUICK_S) is False:
+            return f"{host}:{port}: connection refused"
+        # Listening, or silent so far: the store client, which retries its connect until the
+        # rest of PROBE_S (a single connect waits for the kernel's SYN retransmission instead,
+        # so a link healed during the probe was seen up to a second later)
+        left = max(PROBE_S - (time.monotonic() - t0), 0.1)
         try:
-            c = TCPStore(host, port, timeout=timedelta(seconds=PROBE_S), token=self.token)
+            c = TCPStore(host, port, timeout=timedelta(seconds=left), token=self.token)
         except (StoreError, OSError) as e:
             return f"{host}:{port}: {e}"
         try:
