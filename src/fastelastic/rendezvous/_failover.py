@@ -170,14 +170,14 @@ class Candidates:
                 continue
             conns: dict[int, Any] = {}
             epoch = self._probe(i, self.plan.keys.epoch, conns)
+            c, key = conns.get(i), self.plan.keys.moving
             try:
-                for c in conns.values():
-                    key = self.plan.keys.moving
-                    fences += proof_entries(bytes(c.get(key)) if c.check([key]) else b"")
+                if c is not None and c.check([key]):
+                    fences += proof_entries(bytes(c.get(key)))
             except (StoreError, OSError) as e:
                 log.debug("could not read %s's moving list: %s", self.name(i), e)
             finally:
-                for c in conns.values():
+                if c is not None:
                     c.close()
             if isinstance(epoch, int) and epoch > (best[1] if best else 0):
                 best = (i, epoch)
@@ -196,19 +196,21 @@ class Candidates:
         return True
 
     def _behind(self, i: int, epoch: int) -> None:
-        """:func:`._hops.behind` on the standby (a failure only logged: it narrows a hole)."""
-        try:
-            ops.run_all(self.standby, hops.behind(self.plan, self.standby_index, i, epoch))
-        except (StoreError, OSError) as e:
-            log.warning("could not mark the standby store at %s as behind epoch %d: %s",
-                        self.name(self.standby_index), epoch, e)
+        """:func:`._hops.behind` on the standby."""
+        self._on_standby(hops.behind(self.plan, self.standby_index, i, epoch),
+                         f"mark it as behind epoch {epoch}")
 
     def _carry(self, fences: bytes) -> None:
-        """:func:`._hops.carry_fences` on the standby (a failure only logged, as ``_behind``)."""
+        """:func:`._hops.carry_fences` on the standby."""
+        self._on_standby(hops.carry_fences(self.plan, fences), "copy the proofs' fences to it")
+
+    def _on_standby(self, gen: Any, what: str) -> None:
+        """Runs ``gen``'s requests on the standby; a failure is only logged (each narrows a
+        hole that the standby's first microseconds leave open anyway)."""
         try:
-            ops.run_all(self.standby, hops.carry_fences(self.plan, fences))
+            ops.run_all(self.standby, gen)
         except (StoreError, OSError) as e:
-            log.warning("could not copy the proofs' fences to the standby store at %s: %s",
+            log.warning("could not %s, on the standby store at %s: %s", what,
                         self.name(self.standby_index), e)
 
     def name(self, i: int) -> str:
