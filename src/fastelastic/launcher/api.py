@@ -1,9 +1,10 @@
 """The launcher API torch users call: ``LaunchConfig``, ``elastic_launch``, ``launch_agent``.
 
-Mirrors ``torch.distributed.launcher.api`` (torch 2.13). Differences: two extra
-``LaunchConfig`` fields (``exit_barrier_timeout``, ``events_endpoint``), torch is never
-imported, and a ``ChildFailedError`` raised here carries ``run_log_dir`` (the job's log
-directory) so that the failure report can say where the full logs are.
+Mirrors ``torch.distributed.launcher.api`` (torch 2.13). Differences: four extra
+``LaunchConfig`` fields (``exit_barrier_timeout``, ``events_endpoint``, ``preload``,
+``hang_timeout``), torch is never imported, and a ``ChildFailedError`` raised here carries
+``run_log_dir`` (the job's log directory) so that the failure report can say where the full
+logs are.
 """
 
 from __future__ import annotations

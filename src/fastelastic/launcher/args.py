@@ -156,7 +156,7 @@ def get_args_parser(prog: str = "fastrun") -> ArgumentParser:
     a("--rdzv-endpoint", "--rdzv_endpoint", action=env, type=str, default="",
       help="Rendezvous endpoint, usually HOST:PORT. With the c10d or fastelastic backend, a "
       "comma-separated list of candidates HOST:PORT,HOST:PORT,... keeps the job going when the "
-      "store's host is lost (README: 'When the rendezvous store's host is lost').")
+      "store's host is lost (docs/failover.md).")
     a("--rdzv-id", "--rdzv_id", action=env, type=str, default="none",
       help="Job id shared by all nodes of the job.")
     a("--rdzv-conf", "--rdzv_conf", action=env, type=str, default="",
@@ -230,7 +230,7 @@ def get_args_parser(prog: str = "fastrun") -> ArgumentParser:
       "forks every Python worker, so starts and restarts skip Python's startup and the "
       "imports (default: $FASTELASTIC_PRELOAD); with torch, torch._dynamo too (every "
       "optimizer imports it; FASTELASTIC_PRELOAD_DYNAMO=0: not). Needs "
-      "OMP_NUM_THREADS=1-like thread-free imports and no CUDA at import; see the README.")
+      "OMP_NUM_THREADS=1-like thread-free imports and no CUDA at import; see docs/preload.md.")
     a("--hang-timeout", "--hang_timeout", type=str, default=None,
       help="SECONDS|auto: restart the job when no rank made progress (an optimizer step, "
       "after the first) for this many seconds, with no save, load or evaluation under way; "

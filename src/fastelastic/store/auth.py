@@ -3,7 +3,7 @@
 A store hosted with a token serves only clients that prove they know it: the server answers the
 capability PING with a random challenge and the client returns HMAC-SHA256(token, context +
 challenge) (``kvclient.pyx``); the token never crosses the network. torch's clients cannot
-answer, so only the control-plane (rendezvous) store is hosted with one; see the README.
+answer, so only the control-plane (rendezvous) store is hosted with one; see docs/store.md.
 """
 
 from __future__ import annotations
