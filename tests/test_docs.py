@@ -3,9 +3,9 @@
 A fenced block whose fence line says ``runnable`` (```` ```bash runnable ````,
 ```` ```python runnable ````) is run: the blocks of one page in order, in one fresh temporary
 directory (a block may use a file an earlier block of the same page wrote), bash blocks with
-``bash -e``, python blocks as a file run by this interpreter, each with a timeout. ``fastrun``
-and ``fastelastic`` on the blocks' PATH run this tree with this interpreter. A block that also
-says ``needs=etcd`` or ``needs=torch`` is skipped, loudly, where that is missing.
+``bash -e``, python blocks as a file run by this interpreter, each with a timeout. ``fastrun``,
+``fastelastic`` and ``python3`` on the blocks' PATH run this tree with this interpreter. A block
+that also says ``needs=etcd`` or ``needs=torch`` is skipped, loudly, where that is missing.
 """
 
 from __future__ import annotations
@@ -212,10 +212,13 @@ def test_every_environment_variable_named_exists_in_the_code():
 
 
 def _shims(bindir: Path) -> None:
-    """``fastrun`` and ``fastelastic`` commands that run this tree with this interpreter."""
-    for name, module in (("fastrun", "fastelastic.run"), ("fastelastic", "fastelastic")):
+    """``fastrun``, ``fastelastic`` and ``python3`` commands that run this interpreter (on this
+    tree: PYTHONPATH), whatever else is on PATH."""
+    exe = shlex.quote(sys.executable)
+    for name, args in (("fastrun", "-m fastelastic.run "), ("fastelastic", "-m fastelastic "),
+                       ("python3", ""), ("python", "")):
         shim = bindir / name
-        shim.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m {module} "$@"\n')
+        shim.write_text(f'#!/bin/sh\nexec {exe} {args}"$@"\n')
         shim.chmod(0o755)
 
 
