@@ -39,12 +39,16 @@ class SlotView:
     main_tid: int
     dump_sig: int
     hooked: bool
+    end_ns: int = 0  # when its program ended (main code returned), 0 while it runs
+
 
     def suspend_names(self) -> list[str]:
         """What suspends the check on this rank (``torch.save``, ``evaluation``...)."""
         out = [name for bit, name in w.KIND_NAMES.items() if self.suspend_kind & bit]
         if self.eval_ns:
             out.append("evaluation")
+        if self.end_ns:
+            out.append("exiting")
         return out
 
 
@@ -106,6 +110,7 @@ class Slots:
             suspend=v[w.F_SUSPEND], suspend_ns=v[w.F_SUSPEND_NS],
             suspend_kind=v[w.F_SUSPEND_KIND], eval_ns=v[w.F_EVAL_NS],
             main_tid=v[w.F_MAIN_TID], dump_sig=v[w.F_DUMP_SIG], hooked=bool(v[w.F_HOOKED]),
+            end_ns=v[w.F_END_NS],
         )
 
     def read_all(self) -> dict[int, SlotView]:

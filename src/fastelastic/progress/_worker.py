@@ -33,12 +33,11 @@ MAGIC = 0x46455052  # "FEPR"
 # field indexes
 F_MAGIC, F_PID, F_STEPS, F_LAST_NS = 0, 1, 2, 3
 F_SUSPEND, F_SUSPEND_NS, F_SUSPEND_KIND, F_EVAL_NS = 4, 5, 6, 7
-F_MAIN_TID, F_DUMP_SIG, F_HOOKED = 8, 9, 10
+F_MAIN_TID, F_DUMP_SIG, F_HOOKED, F_END_NS = 8, 9, 10, 11
 # suspend kinds (bits of F_SUSPEND_KIND)
-K_SAVE, K_LOAD, K_CHECKPOINT, K_CUSTOM, K_EXIT = 1, 2, 4, 8, 16
+K_SAVE, K_LOAD, K_CHECKPOINT, K_CUSTOM = 1, 2, 4, 8
 KIND_NAMES = {K_SAVE: "torch.save", K_LOAD: "torch.load",
-              K_CHECKPOINT: "torch.distributed.checkpoint", K_CUSTOM: "suspend()",
-              K_EXIT: "exiting"}
+              K_CHECKPOINT: "torch.distributed.checkpoint", K_CUSTOM: "suspend()"}
 # the signal the agent sends for a dump of every thread's stack (faulthandler, no GIL needed)
 DUMP_SIGNAL = int(signal.SIGRTMIN) + 7
 
@@ -63,15 +62,31 @@ def install(path):
         os.close(fd)
     _slot = memoryview(_mm).cast("q")
     _slot_path[0] = path
+    if _slot[F_PID] and _slot[F_PID] != os.getpid():
+        # an earlier Python process of the same worker (a shell wrapper runs several) marked
+        # this slot: its marks (its end, its steps) are not this process's
+        for i in range(F_PID + 1, SLOT_FIELDS):
+            _slot[i] = 0
     _slot[F_PID] = os.getpid()
     _slot[F_MAIN_TID] = threading.get_ident()
     os.register_at_fork(after_in_child=_detach)
     atexit.register(_finishing)
-    if "torch.optim" in sys.modules:
-        _hook_torch()
-        _hook_checkpoint()
-    else:
-        sys.meta_path.insert(0, _AfterImport())
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:  # runs when the program's main code returned, before Python
+        try:  # joins its non-daemon threads and runs the atexit handlers
+            register(_ended)
+        except RuntimeError:
+            pass
+    # each watched module is hooked now if imported, else when it is: every start mode (a
+    # zygote that preloaded torch, a script that imports DCP late) ends with both hooked
+    pending = set()
+    for name, hook in _WATCHED.items():
+        if _WATCHED_DONE[name] in sys.modules:
+            hook()
+        else:
+            pending.add(name)
+    if pending:
+        sys.meta_path.insert(0, _AfterImport(pending))
 
 
 def _detach():
@@ -90,15 +105,23 @@ def _detach():
             sys.meta_path.remove(f)
 
 
+def _ended():
+    """The rank's program ended (its main code returned, its default process group was
+    destroyed, or the interpreter exits): from now on the agent judges it by the end-of-run
+    bound, not the training timeout. The first end counts."""
+    s = _slot
+    if s is not None and not s[F_END_NS]:
+        s[F_END_NS] = time.monotonic_ns()
+
+
 def _finishing():
-    """The rank is done (its process group destroyed, or the interpreter exiting): its
-    silence from now on is no stall; and faulthandler's handler is about to go, so the agent
-    must not send the dump signal (its default action would kill the process)."""
+    """The last atexit handler: faulthandler's handler is about to go, so the agent must not
+    send the dump signal (its default action would kill the process)."""
     s = _slot
     if s is None:
         return
+    _ended()
     s[F_DUMP_SIG] = 0
-    _enter(K_EXIT)
 
 
 def _finishing_after(fn):
@@ -108,7 +131,7 @@ def _finishing_after(fn):
             return fn(*args, **kwargs)
         finally:
             if not args and not kwargs.get("group"):  # the default group: the rank is done
-                _enter(K_EXIT)
+                _ended()
 
     marked.__fastelastic_marked__ = True
     return marked
@@ -205,10 +228,41 @@ def _suspending(fn, kind):
     return marked
 
 
-def _wrap(mod, name, kind):
-    fn = getattr(mod, name, None)
-    if fn is not None and not getattr(fn, "__fastelastic_marked__", False):
-        setattr(mod, name, _suspending(fn, kind))
+_wrappers: dict = {}  # id(original) -> (original, its one wrapper)
+
+
+def _replace(modules, name, make):
+    """Puts ``make(fn)`` in place of ``name`` in each module, one wrapper per original:
+    ``torch.save is torch.serialization.save`` stays true (pickle finds a function by its
+    module and name, and checks it is the same object)."""
+    for mod in modules:
+        fn = getattr(mod, name, None) if mod is not None else None
+        if fn is None or getattr(fn, "__fastelastic_marked__", False):
+            continue
+        got = _wrappers.get(id(fn))
+        if got is None or got[0] is not fn:
+            got = _wrappers[id(fn)] = (fn, make(fn))
+        setattr(mod, name, got[1])
+
+
+def _wrap(modules, name, kind):
+    _replace(modules, name, lambda fn: _suspending(fn, kind))
+
+
+def _stepping(fn):
+    """``fn`` (a whole step, as a CUDA graph's replay is), then one step marked."""
+
+    @functools.wraps(fn)
+    def marked(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        s = _slot
+        if s is not None:
+            s[F_STEPS] += 1
+            s[F_LAST_NS] = time.monotonic_ns()
+        return out
+
+    marked.__fastelastic_marked__ = True
+    return marked
 
 
 def _hook_torch():
@@ -220,15 +274,14 @@ def _hook_torch():
         return
     _opt_handle = optimizer.register_optimizer_step_post_hook(_on_step)
     ser = sys.modules.get("torch.serialization")
-    for mod in (torch, ser):
-        if mod is not None:
-            _wrap(mod, "save", K_SAVE)
-            _wrap(mod, "load", K_LOAD)
-    for name in ("torch.distributed", "torch.distributed.distributed_c10d"):
-        mod = sys.modules.get(name)
-        fn = getattr(mod, "destroy_process_group", None)
-        if fn is not None and not getattr(fn, "__fastelastic_marked__", False):
-            mod.destroy_process_group = _finishing_after(fn)
+    _wrap((ser, torch), "save", K_SAVE)
+    _wrap((ser, torch), "load", K_LOAD)
+    _replace([sys.modules.get(name) for name in
+              ("torch.distributed.distributed_c10d", "torch.distributed")],
+             "destroy_process_group", _finishing_after)
+    graph = getattr(sys.modules.get("torch.cuda.graphs"), "CUDAGraph", None)
+    if graph is not None and not getattr(graph.replay, "__fastelastic_marked__", False):
+        graph.replay = _stepping(graph.replay)  # a whole-step CUDA graph calls no optimizer
     module = getattr(getattr(torch, "nn", None), "Module", None)
     if module is not None and not getattr(module.train, "__fastelastic_marked__", False):
         module.train = _marking_train(module.train)
@@ -269,15 +322,12 @@ def _hook_checkpoint():
     dcp = sys.modules.get("torch.distributed.checkpoint")
     if dcp is None or _slot is None:
         return
-    for mod_name, names in (
-        ("torch.distributed.checkpoint", ("save", "load", "save_state_dict", "load_state_dict")),
-        ("torch.distributed.checkpoint.state_dict_saver", ("save", "save_state_dict")),
-        ("torch.distributed.checkpoint.state_dict_loader", ("load", "load_state_dict")),
-    ):
-        mod = sys.modules.get(mod_name)
-        if mod is not None:
-            for name in names:
-                _wrap(mod, name, K_CHECKPOINT)
+    saver = sys.modules.get("torch.distributed.checkpoint.state_dict_saver")
+    loader = sys.modules.get("torch.distributed.checkpoint.state_dict_loader")
+    for mods, names in (((saver, dcp), ("save", "save_state_dict", "async_save")),
+                        ((loader, dcp), ("load", "load_state_dict"))):
+        for name in names:
+            _wrap(mods, name, K_CHECKPOINT)
 
 
 _leftover: list = []  # (name, module): the bootstrap's module, to leave sys.modules
@@ -298,6 +348,9 @@ def _drop_leftover():
 
 
 _WATCHED = {"torch": _hook_torch, "torch.distributed.checkpoint": _hook_checkpoint}
+# the module whose presence says a watched one finished importing (torch imports torch.optim)
+_WATCHED_DONE = {"torch": "torch.optim", "torch.distributed.checkpoint":
+                 "torch.distributed.checkpoint.state_dict_saver"}
 
 
 class _AfterImport:
