@@ -37,7 +37,7 @@ def job_env(out: Path, **hang: Any) -> dict[str, str]:
 
 def fastrun_argv(nproc: int, hang_timeout: float | str | None, preload: bool | str,
                  nnodes: int = 1, port: int = 0, log_dir: Path | None = None,
-                 max_restarts: int = 3) -> list[str]:
+                 max_restarts: int = 3, worker: Path = WORKER) -> list[str]:
     argv = [sys.executable, "-m", "fastelastic.run", "--nproc-per-node", str(nproc),
             "--max-restarts", str(max_restarts)]
     if nnodes == 1:
@@ -51,19 +51,21 @@ def fastrun_argv(nproc: int, hang_timeout: float | str | None, preload: bool | s
         argv += ["--preload", preload if isinstance(preload, str) else "torch"]
     if log_dir is not None:
         argv += ["--log-dir", str(log_dir)]
-    return [*argv, str(WORKER)]
+    return [*argv, str(worker)]
 
 
 def run_job(out: Path, nproc: int = 2, nnodes: int = 1, hang_timeout: float | str | None = 2,
             preload: bool | str = False, timeout: float = 240, max_restarts: int = 3,
+            worker: Path = WORKER, log_dir: bool = True, extra_env: dict[str, str] | None = None,
             **hang: Any) -> list[subprocess.CompletedProcess[str]]:
     """Runs ``nnodes`` launchers of ``nproc`` workers each until they end; their results."""
     env = job_env(out, **hang)
+    env.update(extra_env or {})
     port = free_port()
     procs = []
     for i in range(nnodes):
-        argv = fastrun_argv(nproc, hang_timeout, preload, nnodes, port, out / f"logs{i}",
-                            max_restarts)
+        argv = fastrun_argv(nproc, hang_timeout, preload, nnodes, port,
+                            out / f"logs{i}" if log_dir else None, max_restarts, worker)
         procs.append(subprocess.Popen(argv, env=env, cwd=str(out), stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     results = []

@@ -4,6 +4,7 @@ Settings come from the environment (HANG_*); every step is appended to $HANG_OUT
 as {"rank", "restart", "step", "t"} (wall clock), so a test reads what the ranks did.
 """
 
+import atexit
 import ctypes
 import json
 import os
@@ -31,6 +32,9 @@ def _at(name):
 
 
 SAVE_AT, SAVE_S = _at("SAVE")
+END = os.environ.get("HANG_END", "")  # after training: upload (atexit/thread), deadlock
+END_S = float(os.environ.get("HANG_END_S", "0"))
+END_RANK = int(os.environ.get("HANG_END_RANK", "-1"))  # -1: every rank
 EVAL_AT, EVAL_S = _at("EVAL")
 PAUSE_AT, PAUSE_S = _at("PAUSE")
 
@@ -138,6 +142,25 @@ def main():
         time.sleep(STEP_S)
     note(event="done")
     dist.destroy_process_group()
+    if END and END_RANK in (-1, RANK):
+        at_end()
+
+
+def upload():
+    time.sleep(END_S)  # a slow upload of the finished run's files
+    note(event="uploaded")
+
+
+def at_end():
+    """What the program leaves to the interpreter's exit (after its main code returned)."""
+    if END == "upload" and RANK % 2 == 0:
+        atexit.register(upload)
+    elif END == "upload":
+        threading.Thread(target=upload, name="upload").start()  # non-daemon: joined at exit
+    elif END == "deadlock" or (END == "upload_deadlock" and RANK == 1):
+        atexit.register(hung_in_deadlock)
+    elif END == "upload_deadlock":
+        atexit.register(upload)
 
 
 if __name__ == "__main__":

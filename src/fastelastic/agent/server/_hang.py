@@ -21,14 +21,19 @@ import json
 import logging
 import os
 import socket
+import tempfile
 import time
 from enum import Enum
 from typing import Any
 
 from fastelastic.agent.server._hang_verdict import (
+    FLOOR_SCALE_ENV,
+    NO_PROGRESS_WARN_S,
     Intervals,
     RankReport,
     Verdict,
+    end_bound_s,
+    floor_scale,
     judge,
     node_stalled,
     rank_report,
@@ -79,6 +84,7 @@ class HangAction(str, Enum):
 
     RETRY = "RETRY"  # the culprit's node: restart, using one of its restarts
     RESTART = "RESTART"  # a survivor: restart without using one
+    END = "END"  # the run's end hung (a rank's program had ended): stop, no restart
 
 
 class HangWatch:
@@ -93,7 +99,11 @@ class HangWatch:
     def __init__(self, timeout_s: float, allowance_s: float = SUSPEND_ALLOWANCE_S) -> None:
         self.auto = timeout_s == AUTO
         self.timeout_s = timeout_s
-        self.intervals = Intervals()
+        self.scale = floor_scale(os.environ.get(FLOOR_SCALE_ENV))
+        self.intervals = Intervals(self.scale)
+        self._started_ns = 0  # the job's first start (the no-progress warning's origin)
+        self._warned = False  # the no-progress warning was given, or progress was seen
+        self._kept_dir: str | None = None  # the reports' directory when there is no log dir
         self.allowance_s = allowance_s
         self.slots = Slots()
         self.verdicts = 0
@@ -120,6 +130,7 @@ class HangWatch:
         """The attempt's workers: ``{local_rank: pid}`` and ``{local_rank: global_rank}``."""
         self._pids = dict(pids)
         self._ranks = dict(ranks)
+        self._started_ns = self._started_ns or time.monotonic_ns()
 
     def progress(self) -> dict[int, dict[str, Any]]:
         """Each local rank's step count, seconds since its last progress (None before the
@@ -181,6 +192,9 @@ class HangWatch:
         if self.auto and views:
             self.intervals.observe(max(v.last_ns for v in views.values()), steps)
         timeout = self.intervals.timeout_s() if self.auto else self.timeout_s
+        end_s = end_bound_s(timeout, self.scale)
+        if not self._warned:
+            self._warn_no_progress(views, now)
         prefix = f"{_KEY}/{self.verdicts}" if reused_store else _KEY
         key = f"{prefix}/node/{group_rank}"
         keys = [f"{prefix}/node/{g}" for g in range(group_world_size)]
@@ -196,11 +210,12 @@ class HangWatch:
                     store.delete_key(key)
                     return None
             else:
-                idle = node_stalled(views.values(), now, timeout, self.allowance_s)
+                idle = node_stalled(views.values(), now, timeout, self.allowance_s, end_s)
                 if idle is None:
                     # stacks and py-spy a little before the stall, off the verdict's path
                     lead = min(EARLY_LEAD_S, timeout / 5)
-                    soon = node_stalled(views.values(), now, timeout - lead, self.allowance_s)
+                    soon = node_stalled(views.values(), now, timeout - lead, self.allowance_s,
+                                        end_s - lead)
                     if soon is None:
                         if self._dumped_at is not None:  # progress (or a save) since: drop
                             self._drop_native()
@@ -216,7 +231,9 @@ class HangWatch:
                 self._published_steps = steps
                 if not store.check(keys):
                     return None
-            values = store.multi_get(keys)
+            values = read_present(store, keys)
+            if values is None:  # a peer withdrew since the check: no verdict (yet)
+                return None
             reports = [RankReport.from_json(item) for v in values for item in json.loads(v)]
             verdict = judge(reports)
             token = hashlib.sha1(
@@ -238,7 +255,11 @@ class HangWatch:
         self.last_verdict = verdict.line
         mine = set(self._ranks.values())
         culprit_here = bool(mine & set(verdict.culprits))
-        logger.error("hang: %s", verdict.line)
+        at_end = any(r.ended for r in reports)
+        if at_end:
+            self.last_verdict = "at the end of the run (a rank's program had ended): " + (
+                verdict.line)
+        logger.error("hang: %s", self.last_verdict)
         # native frames (py-spy, when installed) of this node's culprits, or of all its ranks
         # when none stands out, while the processes still exist
         named = {lr: pid for lr, pid in self._pids.items()
@@ -258,6 +279,10 @@ class HangWatch:
         path = self._write(verdict, reports, first, log_dir)
         if path:
             logger.error("hang: stacks in %s", path)
+        if at_end:
+            logger.error("hang: stopping the workers still running (group_rank=%s); the run "
+                         "ends with the workers' result, no restart", group_rank)
+            return HangAction.END
         if culprit_here or (not verdict.culprits and first):
             logger.error("hang: restarting the worker group (group_rank=%s) as after a failure",
                          group_rank)
@@ -266,10 +291,43 @@ class HangWatch:
                        group_rank)
         return HangAction.RESTART
 
+    def ended_ranks(self) -> set[int]:
+        """The local ranks whose program ended (their end mark is set)."""
+        return {lr for lr, v in self.slots.read_all().items() if v.end_ns}
+
+    def _warn_no_progress(self, views: dict[int, Any], now: int) -> None:
+        """One warning when the job showed no progress NO_PROGRESS_WARN_S after its start:
+        the check cannot judge it (it judges from the first progress on)."""
+        if any(v.steps > 0 for v in views.values()):
+            self._warned = True  # it can judge this job: nothing to say, ever
+            return
+        waited = (now - self._started_ns) / 1e9
+        if not self._started_ns or waited < NO_PROGRESS_WARN_S * self.scale:
+            return
+        self._warned = True
+        armed = any(v.pid for v in views.values())
+        logger.warning(
+            "hang: no rank has shown progress %.0f s after the job started, so --hang-timeout "
+            "cannot judge this job%s. Progress is a torch.optim optimizer step, a "
+            "torch.cuda.CUDAGraph.replay(), or a call to fastelastic.progress.step(): call "
+            "`import fastelastic.progress` and `fastelastic.progress.step()` once per step of "
+            "the training loop (and wrap long sections in `with "
+            "fastelastic.progress.suspend():`)", waited,
+            "" if armed else " (no worker loaded the marks: a worker started with python "
+            "-E, -I or -S, or a non-Python entrypoint, reports none)")
+
+    def _report_dir(self) -> str:
+        """Where the reports go with no log dir: a directory of their own, kept after the
+        agent ends (the slots' directory is removed then)."""
+        if self._kept_dir is None:
+            self._kept_dir = tempfile.mkdtemp(prefix="fastelastic-hang-")
+            logger.warning("hang: no log dir: the hang reports go to %s (kept)", self._kept_dir)
+        return self._kept_dir
+
     def _write(self, verdict: Verdict, reports: list[RankReport], first: bool,
                log_dir: str | None) -> str | None:
         """This node's ranks' full stacks (and, from the claimer, the report) in the logs."""
-        base = log_dir or self.slots.dir
+        base = log_dir or self._report_dir()
         out = os.path.join(base, f"hang_{self.verdicts}")
         try:
             os.makedirs(out, exist_ok=True)
@@ -290,3 +348,22 @@ class HangWatch:
             logger.warning("hang: could not write the stacks to %s: %s", out, e)
             return None
         return out
+
+
+_ABSENT = "\0fastelastic:absent"  # compare_set's answer for a key that does not exist
+
+
+def read_present(store: Any, keys: list[str]) -> list[bytes] | None:
+    """The values of ``keys``, None as soon as one does not exist; never waits for a key.
+
+    ``compare_set(k, A, A)`` changes nothing (a present key's value is not ``A``; an absent
+    key is not created when the expected value is not empty) and answers at once, where
+    ``multi_get`` would wait a whole store timeout for a summary its peer just withdrew.
+    """
+    out = []
+    for k in keys:
+        v = store.compare_set(k, _ABSENT, _ABSENT)
+        if v == _ABSENT.encode() or v == _ABSENT:
+            return None
+        out.append(v)
+    return out

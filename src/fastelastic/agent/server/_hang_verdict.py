@@ -20,18 +20,26 @@ _COLLECTIVE_PATHS = (f"torch{os.sep}distributed{os.sep}",)
 
 
 def node_stalled(
-    slots: Iterable[SlotView], now_ns: int, timeout_s: float, allowance_s: float
+    slots: Iterable[SlotView], now_ns: int, timeout_s: float, allowance_s: float,
+    end_s: float | None = None,
 ) -> float | None:
     """Seconds since this node's last progress when it counts as stalled, else None.
 
     Stalled: some rank made progress (an optimizer step or ``progress.step()``), no rank made
     any for ``timeout_s``, and no rank is in a save, load or evaluation begun less than
     ``allowance_s`` ago (the end of one counts as progress: its own length is no stall).
+    Once a rank's program ended (the end of the run: atexit handlers, non-daemon threads,
+    teardown follow) the node is judged by ``end_s`` (``allowance_s`` when None) from its
+    newest progress or end instead.
     """
     views = list(slots)
     if not views or not any(v.steps > 0 for v in views):
         return None
     last = max(v.last_ns for v in views)
+    ends = [v.end_ns for v in views if v.end_ns]
+    if ends:
+        last = max(last, *ends)
+        timeout_s = allowance_s if end_s is None else end_s
     age = (now_ns - last) / 1e9
     if age < timeout_s:
         return None
@@ -45,6 +53,33 @@ def node_stalled(
 
 AUTO_FLOOR_S = 30.0  # --hang-timeout auto: never sooner than this after the last progress
 AUTO_FACTOR = 5.0  # ... nor sooner than this many times the longest interval seen
+AUTO_FIRST_S = 600.0  # ... and before any interval was seen, not sooner than this
+END_FLOOR_S = 600.0  # the end of a run: not sooner than this (nor 2 x the timeout)
+END_FACTOR = 2.0
+NO_PROGRESS_WARN_S = 600.0  # no progress this long after the start: a warning, once
+FLOOR_SCALE_ENV = "FASTELASTIC_HANG_FLOOR_SCALE"  # scales the four above (tests run fast)
+
+
+def floor_scale(value: str | None) -> float:
+    """``FASTELASTIC_HANG_FLOOR_SCALE``: a factor > 0 for the floors above (1 when unset).
+
+    Raises:
+        ValueError: not a finite number > 0.
+    """
+    if value is None or value.strip() == "":
+        return 1.0
+    try:
+        scale = float(value)
+    except ValueError:
+        scale = float("nan")
+    if not 0 < scale < float("inf"):
+        raise ValueError(f"{FLOOR_SCALE_ENV}={value!r}: expected a number > 0 (1 is unscaled)")
+    return scale
+
+
+def end_bound_s(timeout_s: float, scale: float = 1.0) -> float:
+    """How long the end of a run may show no progress: 10 min, or 2 x the timeout."""
+    return max(END_FLOOR_S * scale, END_FACTOR * timeout_s)
 
 
 class Intervals:
@@ -57,8 +92,10 @@ class Intervals:
     counted a tick long: never shorter than the truth.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, scale: float = 1.0) -> None:
         self.longest_s = 0.0
+        self.seen = False  # an interval was counted (in any attempt of the job)
+        self.scale = scale
         self._last_ns = 0
         self._steps = 0
 
@@ -69,6 +106,7 @@ class Intervals:
             return
         if self._steps > 0 and steps > self._steps:
             self.longest_s = max(self.longest_s, (last_ns - self._last_ns) / 1e9)
+            self.seen = True
         self._last_ns, self._steps = last_ns, steps
 
     def reset_attempt(self) -> None:
@@ -77,8 +115,11 @@ class Intervals:
         self._steps = 0
 
     def timeout_s(self) -> float:
-        """``auto``'s timeout now: 30 s, or 5 x the longest interval if that is longer."""
-        return max(AUTO_FLOOR_S, AUTO_FACTOR * self.longest_s)
+        """``auto``'s timeout now: 30 s, or 5 x the longest interval if that is longer; 10
+        min before the first interval (a first step longer than 30 s is no hang)."""
+        if not self.seen:
+            return AUTO_FIRST_S * self.scale
+        return max(AUTO_FLOOR_S * self.scale, AUTO_FACTOR * self.longest_s)
 
 
 def main_stack(text: str, main_tid: int) -> list[tuple[str, int, str]]:
@@ -114,6 +155,7 @@ class RankReport:
     func: str = "?"
     where: str = "?"  # file:line
     collective: bool = False
+    ended: bool = False  # its program ended: the stall is at the end of the run
 
     @property
     def frame(self) -> str:
@@ -121,18 +163,19 @@ class RankReport:
 
     def to_json(self) -> list[Any]:
         return [self.rank, self.host, self.pid, self.steps, round(self.idle_s, 2), self.func,
-                self.where, int(self.collective)]
+                self.where, int(self.collective), int(self.ended)]
 
     @classmethod
     def from_json(cls, item: list[Any]) -> RankReport:
-        r, host, pid, steps, idle, func, where, coll = item
+        r, host, pid, steps, idle, func, where, coll = item[:8]
         return cls(int(r), str(host), int(pid), int(steps), float(idle), str(func), str(where),
-                   bool(coll))
+                   bool(coll), bool(item[8]) if len(item) > 8 else False)
 
 
 def rank_report(rank: int, host: str, view: SlotView, now_ns: int, stacks: str) -> RankReport:
     """The summary of one rank from its slot and its stack dump."""
-    rep = RankReport(rank, host, view.pid, view.steps, max(0.0, (now_ns - view.last_ns) / 1e9))
+    rep = RankReport(rank, host, view.pid, view.steps, max(0.0, (now_ns - view.last_ns) / 1e9),
+                     ended=bool(view.end_ns))
     frames = main_stack(stacks, view.main_tid)
     if frames:
         path, line, func = frames[0]

@@ -522,8 +522,33 @@ class LocalElasticAgent(SimpleElasticAgent):
             return result
         put_metric(f"workers.{spec.role}.hang_verdicts", 1)
         self._record("HANG", events.EventSource.AGENT, raw_error=self._hang.last_verdict)
+        if action is HangAction.END:
+            return self._end_hung_run(worker_group)
         self._hang_action = action
         return RunResult(state=WorkerState.UNHEALTHY)
+
+    def _end_hung_run(self, worker_group: WorkerGroup) -> RunResult:
+        """A verdict at the end of the run: stops the workers still running and returns the
+        workers' result. A rank stopped after its program ended (hung in its atexit handlers,
+        threads or teardown) finished its work: it counts as succeeded; one stopped before
+        its end is a failure, as are the ranks that exited non-zero."""
+        assert self._pcontext is not None and self._hang is not None
+        pc = self._pcontext
+        ended = self._hang.ended_ranks()
+        before = pc.exitcodes()
+        pc.close(signal.SIGTERM, self._shutdown_timeout)
+        stopped_ended = {lr for lr in pc.pids() if lr not in before and lr in ended}
+        result = pc.wait(0)
+        failures = {lr: f for lr, f in (result.failures if result else {}).items()
+                    if lr not in stopped_ended}
+        for lr in sorted(stopped_ended):
+            logger.warning("[%s] local_rank %s was stopped at the end of the run, after its "
+                           "program ended: counted as succeeded", worker_group.spec.role, lr)
+        if failures:
+            return RunResult(state=WorkerState.FAILED, failures={
+                worker_group.workers[lr].global_rank: f for lr, f in failures.items()})
+        return RunResult(state=WorkerState.SUCCEEDED, return_values={
+            w.global_rank: None for w in worker_group.workers})
 
     def _decide(self, wg: WorkerGroup, state: WorkerState, check_due: bool) -> AgentAction:
         action, self._hang_action = self._hang_action, None
