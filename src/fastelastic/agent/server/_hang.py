@@ -7,7 +7,7 @@ the ranks outside a collective, are taken a little before the stall (``EARLY_LEA
 verdict that follows at once (every node stalls in the same tick) never waits for them, and
 taken again only if the node made progress since. Then, on each tick, one
 ``check`` asks whether every node published. Once every node did, the job is hung: each agent
-reads the summaries (one ``multi_get``), names the same culprit from them (a pure function of
+reads the summaries (each without waiting), names the same culprit from them (a pure function of
 the same data), and one agent claims the verdict with one ``add`` on a key named after the
 hung processes: it writes the report. The culprit's node restarts using one of its restarts
 (as for a crash); the others restart as survivors do. A node that makes progress again
@@ -91,9 +91,9 @@ class HangWatch:
     """One agent's hang check (see the module docstring). Not thread-safe: the run loop's.
 
     ``timeout_s`` is SECONDS, or ``AUTO``: then no verdict comes sooner than 30 s after the
-    last progress, nor sooner than 5 x the longest interval between progress marks seen so
-    far in the job (``_hang_verdict.Intervals``; each node applies its own, and a verdict
-    needs every node, so the job's longest counts).
+    last progress (10 min before a first interval was seen), nor sooner than 5 x the longest
+    interval between progress marks seen so far in the job (``_hang_verdict.Intervals``; each
+    node applies its own, and a verdict needs every node, so the job's longest counts).
     """
 
     def __init__(self, timeout_s: float, allowance_s: float = SUSPEND_ALLOWANCE_S) -> None:
