@@ -148,11 +148,12 @@ def test_a_shell_wrappers_later_process_starts_clean(tmp_path: Path, slots) -> N
 @pytest.mark.torch
 def test_the_end_is_marked_before_atexit_handlers_and_threads(tmp_path: Path, slots,
                                                                 need_torch) -> None:
-    """The program's end is marked when its main code returns: a user's atexit handler and
-    a non-daemon thread run after it (before: only the last atexit handler marked it)."""
+    """The program's end is marked when its main code returns: a user's atexit handler, a
+    non-daemon thread and a thread pool's work run after it (before: only the last atexit
+    handler marked it)."""
     path = slots.prepare([0])[0]
     script = """
-        import atexit, threading, time
+        import atexit, concurrent.futures, threading, time
         from fastelastic.progress import _worker as w
         s = w._slot
         seen = {}
@@ -160,16 +161,19 @@ def test_the_end_is_marked_before_atexit_handlers_and_threads(tmp_path: Path, sl
             seen["atexit"] = s[w.F_END_NS]
             print(seen, flush=True)
         atexit.register(upload)
-        def sync():
+        def sync(name):
             time.sleep(0.3)
-            seen["thread"] = s[w.F_END_NS]
-        threading.Thread(target=sync).start()
+            seen[name] = s[w.F_END_NS]
+        threading.Thread(target=sync, args=("thread",)).start()
+        # a pool's exit hook (registered after the marks were armed) joins its threads
+        concurrent.futures.ThreadPoolExecutor(1).submit(sync, "pool")
         seen["main"] = s[w.F_END_NS]
     """
     r = _python(script, _booted_env(path), tmp_path)
     assert r.returncode == 0, r.stderr
     seen = eval(r.stdout.strip())  # noqa: S307 - our own repr
-    assert seen["main"] == 0 and seen["thread"] > 0 and seen["atexit"] == seen["thread"]
+    assert seen["main"] == 0 and seen["thread"] > 0
+    assert seen["atexit"] == seen["thread"] == seen["pool"]
     v = slots.read(0)
     assert v.end_ns == seen["atexit"] and v.dump_sig == 0 and v.suspend == 0
 

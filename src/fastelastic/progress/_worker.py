@@ -71,12 +71,11 @@ def install(path):
     _slot[F_MAIN_TID] = threading.get_ident()
     os.register_at_fork(after_in_child=_detach)
     atexit.register(_finishing)
-    register = getattr(threading, "_register_atexit", None)
-    if register is not None:  # runs when the program's main code returned, before Python
-        try:  # joins its non-daemon threads and runs the atexit handlers
-            register(_ended)
-        except RuntimeError:
-            pass
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None and not getattr(shutdown, "__fastelastic_marked__", False):
+        # what Python calls once the program's main code returned, first of all (before the
+        # exit hooks of concurrent.futures' pools, its non-daemon threads' join, atexit)
+        threading._shutdown = _ending_first(shutdown)
     # each watched module is hooked now if imported, else when it is: every start mode (a
     # zygote that preloaded torch, a script that imports DCP late) ends with both hooked
     pending = set()
@@ -112,6 +111,16 @@ def _ended():
     s = _slot
     if s is not None and not s[F_END_NS]:
         s[F_END_NS] = time.monotonic_ns()
+
+
+def _ending_first(shutdown):
+    @functools.wraps(shutdown)
+    def marked():
+        _ended()
+        return shutdown()
+
+    marked.__fastelastic_marked__ = True
+    return marked
 
 
 def _finishing():
