@@ -354,12 +354,18 @@ def _no_verdict(results, recs, world: int) -> None:
 
 @pytest.mark.torch
 @pytest.mark.slow
-@pytest.mark.parametrize("preload", [True, False], ids=["preload", "plain"])
+@pytest.mark.parametrize("preload", [
+    True,
+    pytest.param(False, marks=pytest.mark.skipif(
+        not FULL, reason="FASTELASTIC_FULL=1 only (a plain start was hooked before too; the "
+        "hooks of both start modes are tested in one interpreter by default)")),
+], ids=["preload", "plain"])
 def test_a_long_dcp_save_is_no_hang(tmp_path: Path, need_torch, preload: bool) -> None:
-    """A DDP loop whose DCP save takes longer than --hang-timeout (12 s at 5 s in the full
-    run, issue 35's target; 3 s at 1 s by default): no verdict, every rank finished at restart
-    count 0, exit 0."""
-    timeout, save_s = (5, 12) if FULL else (1, 3)
+    """A DDP loop whose DCP save takes longer than --hang-timeout (12 s at 5 s with
+    --max-restarts 3 in the full run, issue 35's target; 6 s at 3 s by default: the script's
+    late import of DCP, which is no save, must not pass for a hang on a busy machine): no
+    verdict, every rank finished at restart count 0, exit 0."""
+    timeout, save_s = (5, 12) if FULL else (3, 6)
     results = run_job(tmp_path, nproc=2, hang_timeout=timeout, preload=preload, worker=DCP,
                       max_restarts=3, save_at=3, save_s=save_s, steps=6, timeout=240)
     recs = records(tmp_path)

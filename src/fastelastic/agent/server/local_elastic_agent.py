@@ -529,9 +529,9 @@ class LocalElasticAgent(SimpleElasticAgent):
 
     def _end_hung_run(self, worker_group: WorkerGroup) -> RunResult:
         """A verdict at the end of the run: stops the workers still running and returns the
-        workers' result. A rank stopped after its program ended (hung in its atexit handlers,
-        threads or teardown) finished its work: it counts as succeeded; one stopped before
-        its end is a failure, as are the ranks that exited non-zero."""
+        workers' result, with no restart. A rank stopped after its program ended (hung in its
+        atexit handlers, threads or teardown) finished its work: it counts as succeeded; one
+        stopped before its end is a failure, as are the ranks that exited non-zero."""
         assert self._pcontext is not None and self._hang is not None
         pc = self._pcontext
         ended = self._hang.ended_ranks()
@@ -545,6 +545,7 @@ class LocalElasticAgent(SimpleElasticAgent):
             logger.warning("[%s] local_rank %s was stopped at the end of the run, after its "
                            "program ended: counted as succeeded", worker_group.spec.role, lr)
         if failures:
+            self._remaining_restarts = 0  # the run is over: its end hung, nothing to re-run
             return RunResult(state=WorkerState.FAILED, failures={
                 worker_group.workers[lr].global_rank: f for lr, f in failures.items()})
         return RunResult(state=WorkerState.SUCCEEDED, return_values={
