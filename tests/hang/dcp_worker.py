@@ -1,8 +1,10 @@
 """A healthy DDP loop (gloo, torch.optim.SGD) whose ranks save a DCP checkpoint that takes
 HANG_SAVE_S at step HANG_SAVE_AT (a storage writer slow to write, as a slow filesystem is).
 
-``torch.distributed.checkpoint`` is imported only at that step (a script that imports it
-late). Records go to $HANG_OUT/steps.jsonl as hang_worker.py's do.
+``torch.distributed.checkpoint`` is imported late: by the script, after the hang check's
+marks were armed (a zygote's worker has torch preloaded, not DCP), before the first step (its
+import on a busy machine takes seconds: a wait no rule calls progress). Records go to
+$HANG_OUT/steps.jsonl as hang_worker.py's do.
 """
 
 import json
@@ -28,9 +30,7 @@ def note(**kw):
                             "t": time.time(), **kw}) + "\n")
 
 
-def save(model):
-    import torch.distributed.checkpoint as dcp  # late, on purpose
-
+def save(model, dcp):
     class SlowWriter(dcp.FileSystemWriter):
         def write_data(self, plan, planner):
             if RANK == 0:
@@ -46,6 +46,8 @@ def save(model):
 def main():
     note(event="start")
     dist.init_process_group("gloo")
+    import torch.distributed.checkpoint as dcp  # late, on purpose
+
     torch.manual_seed(0)
     model = DistributedDataParallel(
         torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)))
@@ -54,7 +56,7 @@ def main():
     for step in range(STEPS):
         note(step=step)
         if step == SAVE_AT:
-            save(model)
+            save(model, dcp)
         model(x).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()

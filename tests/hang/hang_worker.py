@@ -141,6 +141,8 @@ def main():
         opt.zero_grad()
         time.sleep(STEP_S)
     note(event="done")
+    if END == "deadlock_before_end" and RANK == 1:
+        hung_in_deadlock()  # after the last step, before the program's end (a teardown in it)
     dist.destroy_process_group()
     if END and END_RANK in (-1, RANK):
         at_end()
