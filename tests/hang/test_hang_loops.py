@@ -175,7 +175,8 @@ def test_the_end_is_marked_before_atexit_handlers_and_threads(tmp_path: Path, sl
     assert seen["main"] == 0 and seen["thread"] > 0
     assert seen["atexit"] == seen["thread"] == seen["pool"]
     v = slots.read(0)
-    assert v.end_ns == seen["atexit"] and v.dump_sig == 0 and v.suspend == 0
+    # marked again by the last atexit handler: the teardown gets the end's bound of its own
+    assert v.end_ns > seen["atexit"] and v.dump_sig == 0 and v.suspend == 0
 
 
 # ----------------------------------------------------------------- the agent's side

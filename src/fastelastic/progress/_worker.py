@@ -124,12 +124,14 @@ def _ending_first(shutdown):
 
 
 def _finishing():
-    """The last atexit handler: faulthandler's handler is about to go, so the agent must not
-    send the dump signal (its default action would kill the process)."""
+    """The last atexit handler: the end is marked again (the exit's handlers, an upload, are
+    done: the interpreter's teardown gets the end-of-run bound of its own), and faulthandler's
+    handler is about to go, so the agent must not send the dump signal (its default action
+    would kill the process)."""
     s = _slot
     if s is None:
         return
-    _ended()
+    s[F_END_NS] = time.monotonic_ns()
     s[F_DUMP_SIG] = 0
 
 
