@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 from fastelastic.errors import RendezvousConnectionError, RendezvousError
 from fastelastic.rendezvous import _requests as rq
+from fastelastic.rendezvous import _schema as sc
 from fastelastic.rendezvous._round import Config, Machine, Seat
 from fastelastic.rendezvous._schema import Membership
 
@@ -188,7 +189,8 @@ class Sim:
         addr = f"10.0.0.{node.id}"
         while True:
             seat = yield from m.join(node.node_rank, addr, 1000 + node.id, b"%s:%d" % (
-                addr.encode(), 29500 + node.id))
+                addr.encode(), 29500 + node.id), sc.node_id(f"h{node.id}", 1000 + node.id,
+                                                            node.id))
             node.seats.append((self.clock.t, seat))
             node.paths.append([p.name for p in m.path])
             node.join_requests.append(sum(v for k, v in node.requests.items()
