@@ -62,6 +62,7 @@ class Node:
     restarts: int = 0
     error: BaseException | None = None
     lost_seen: list[list[tuple[int, str]]] = field(default_factory=list)
+    addr: str | None = None  # its --local-addr (None: 10.0.0.<id>; "": none, as a pod)
     requests: Counter[str] = field(default_factory=Counter)
     join_requests: list[int] = field(default_factory=list)  # store requests of each join
 
@@ -186,7 +187,7 @@ class Sim:
 
     def _agent(self, node: Node) -> Generator[rq.Op | Sleep, Any, None]:
         m = node.m
-        addr = f"10.0.0.{node.id}"
+        addr = f"10.0.0.{node.id}" if node.addr is None else node.addr
         while True:
             seat = yield from m.join(node.node_rank, addr, 1000 + node.id, b"%s:%d" % (
                 addr.encode(), 29500 + node.id), sc.node_id(f"h{node.id}", 1000 + node.id,

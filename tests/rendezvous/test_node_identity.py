@@ -156,3 +156,16 @@ def test_two_launchers_in_one_pid_with_no_address_move_as_two_nodes(nodes):
         for h in hs:
             h._close_owned(linger=False)
         s1.shutdown_server()
+
+
+def test_a_lost_pod_is_reported_by_its_identity_when_it_has_no_address():
+    from simstore import Sim
+
+    sim = Sim(2, 3)
+    nodes = [sim.start(0) for _ in range(3)]
+    nodes[1].addr = ""  # a pod: no --local-addr
+    sim.kill(50, nodes[1])
+    sim.run(60)
+    rank = [s for _, s in nodes[1].seats][0].rank
+    assert nodes[0].lost_seen[0] == [(rank, "node h1:1001:0000000000000001 (pid 1001) dead: "
+                                            "its connection closed")], nodes[0].lost_seen
