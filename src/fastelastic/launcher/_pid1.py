@@ -34,6 +34,8 @@ def become_init_if_pid1() -> None:
     # Blocked before the fork: a signal that comes in between is pending, not lost, and is
     # taken by sigwaitinfo below (a blocked SIGCHLD with its default action stays pending).
     old = signal.pthread_sigmask(signal.SIG_BLOCK, watched)
+    sys.stdout.flush()  # nothing buffered is written twice (by both processes)
+    sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
