@@ -419,11 +419,14 @@ def console_main(args: list[str] | None = None) -> NoReturn:
     """The ``fastrun`` command: parse, check, launch, report, and exit.
 
     Exit status: 0 on success, 1 when the job failed (after the failure report), 2 on bad
-    flags (one line on stderr), 128+N when stopped by signal N.
+    flags (one line on stderr), 128+N when stopped by signal N. As PID 1 (a container's entry
+    point) it reaps orphans and forwards signals to the launcher (:mod:`.launcher._pid1`).
     """
+    from fastelastic.launcher._pid1 import become_init_if_pid1
     from fastelastic.launcher.report import run_and_report
     from fastelastic.utils.logging import configure_cli_logging
 
+    become_init_if_pid1()  # a pod's PID 1: the launcher runs in a child, PID 1 reaps orphans
     configure_cli_logging()
     try:
         parser: ArgumentParser = get_args_parser()

@@ -3,11 +3,14 @@
 Appends one JSON line ``{"node", "t", "world", "wid", "rank", "restart"}`` to
 ``$RECOVERY_OUT/steps.jsonl`` after each step (``wid``: the world's store address, one per
 round), every 0.25 s, for ``$NODE_RUN_S`` seconds (default 600). A step logged means every rank
-of that world took part in it: a world whose steps are logged is training.
+of that world took part in it: a world whose steps are logged is training. With ``$ORPHANS``
+set it first leaves that many orphans (``sh -c 'sleep 0.2 &'``), as a daemonising helper does:
+re-parented to PID 1 of its PID namespace (the launcher, in a pod), which must reap them.
 """
 
 import json
 import os
+import subprocess
 import time
 
 import torch
@@ -15,6 +18,8 @@ import torch.distributed as dist
 
 
 def main() -> None:
+    for _ in range(int(os.environ.get("ORPHANS", "0"))):
+        subprocess.run(["sh", "-c", "sleep 0.2 & exit 0"], check=True, timeout=10)
     dist.init_process_group("gloo")
     x = torch.ones(1)
     path = os.path.join(os.environ["RECOVERY_OUT"], "steps.jsonl")

@@ -16,6 +16,9 @@ its freeze freezes it. The server sees a connection close at once when the link 
 
 A world "trains" at a time when every one of its members is in its training loop, not frozen
 (its workers step only together): :meth:`MultiSim.overlaps` lists two worlds training at once.
+Nodes are named as pods and hosts name them: each draws an empty address or its own, pid 1 or
+its own, a shared hostname or its own (``MultiSim.identity``); only the nonce of its identity
+(``_schema.node_id``) is its own for sure.
 A world is named (store, round); a store that came back empty after its host restarted
 (:meth:`MultiSim.restart`) is named anew, ``store + ncand`` per restart.
 """
@@ -73,6 +76,9 @@ class MNode(Node):
     closed: bool = False  # its connection closed by the node itself (``_hops.drop_world``)
     plan: hops.Plan | None = None  # what its failover operations know (``MultiSim.start``)
     hosts: int = -1  # the candidate whose store it hosts (node i hosts candidate i at first)
+    addr: str = ""  # its --local-addr ("" as in a pod)
+    pid: int = 0
+    ident: str = ""  # its identity (``_schema.node_id``): the only name that is its own
 
 
 class MultiSim(Sim):
@@ -83,6 +89,8 @@ class MultiSim(Sim):
         super().__init__(min_nodes, max_nodes, can_move=True, **cfg)
         self.flaky_fences = flaky_fences  # see _marks
         self.rnd = random.Random(seed)
+        self.ids = random.Random(seed * 104_729 + 11)  # identities: a stream of their own
+        self.by_ident: dict[str, int] = {}
         self.stores: list[dict[str, bytes]] = [{} for _ in range(ncand)]
         self.data = self.stores[0]
         self.store_state = ["up"] * ncand  # up, dead, frozen
@@ -245,14 +253,26 @@ class MultiSim(Sim):
 
         node = MNode(len(self.nodes), Machine(self.cfg, self.clock), node_rank)
         node.hosts = node.id if node.id < len(self.stores) else -1
+        node.addr, node.pid, node.ident = self.identity(node.id)
+        self.by_ident[node.ident] = node.id
         node.plan = hops.Plan(
             [str(i) for i in range(len(self.stores))], self.keys, START_PATIENCE,
-            self.cfg.run_id, f"10.0.0.{node.id}|{1000 + node.id}", start_wait=self.cfg.join,
+            self.cfg.run_id, node.ident, start_wait=self.cfg.join,
             join_s=self.cfg.join, clock=self.clock,
             say=lambda fmt, *a: node.log.append(f"{self.clock.t:.1f} " + fmt % a))
         self.nodes.append(node)
         self.at(t, lambda: self._launch(node))
         return node
+
+    def identity(self, i: int) -> tuple[str, int, str]:
+        """Node ``i``'s address, pid and identity: pods share the empty address, pid 1 and
+        maybe a hostname; hosts' pids collide; a replacement may reuse everything but the
+        nonce. Each is drawn, so schedules mix colliding and distinct names."""
+        r = self.ids
+        addr = r.choice(["", f"10.0.0.{i}"])
+        pid = r.choice([1, 1000 + i % 3])
+        host = r.choice(["pod", f"h{i}"])
+        return addr, pid, sc.node_id(host, pid, r.getrandbits(64))
 
     def restart(self, t: float, i: int) -> MNode:
         """The host of candidate ``i`` restarted (its agent and store were killed): a new
@@ -396,13 +416,14 @@ class MultiSim(Sim):
     def _join(self, node: MNode) -> Generator[Any, Any, Any]:
         """``_moves.Moves._next_rendezvous_anywhere``: the join, and what ``_hops.after``
         does when it fails."""
-        m, addr = node.m, f"10.0.0.{node.id}"
+        m, addr = node.m, node.addr
         moves = len(self.stores) - 1
         until = self.clock.t + self.cfg.join
         for _ in range(MAX_HOPS):
             try:
                 seat = yield from self._op(node, m.join(
-                    node.node_rank, addr, 1000 + node.id, b"%s:%d" % (addr.encode(), 29500)))
+                    node.node_rank, addr, node.pid, b"%s:%d" % (addr.encode(), 29500),
+                    node.ident))
                 node.live = node.live.member()
                 return seat
             except RendezvousConnectionError as e:
@@ -541,14 +562,14 @@ class MultiSim(Sim):
             return []
         r = max(done)
         world = int(d[f"{self.keys.base}{r}/res"][1:].split(b"\n")[0])
-        members = [sc.who_parts(d.get(f"{self.keys.base}{r}/who/{i}", b"")) for i in range(world)]
-        ids = [int(addr.rsplit(".", 1)[1]) for _, addr, _ in members if addr]
+        members = [d.get(f"{self.keys.base}{r}/who/{i}", b"") for i in range(world)]
+        ids = [self.by_ident[sc.who_node(raw)] for raw in members if raw]
         dead = [i for i in ids if not self.nodes[i].alive]
         if 2 * (world - len(dead)) > world:
             return []
-        marks = b"".join(o.get(self.keys.moving, b"") for j, o in enumerate(self.stores)
-                         if j != store)
-        return [i for i in dead if b"|10.0.0.%d|%d;" % (i, 1000 + i) in marks]
+        marked = {who for j, o in enumerate(self.stores) if j != store
+                  for _, who in sc.marks(o.get(self.keys.moving, b""))}
+        return [i for i in dead if self.nodes[i].ident in marked]
 
     def last_world(self) -> tuple[tuple[int, int], int, int] | None:
         """The world that trained last (whose members all trained together latest): (key, its

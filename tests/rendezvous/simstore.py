@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 from fastelastic.errors import RendezvousConnectionError, RendezvousError
 from fastelastic.rendezvous import _requests as rq
+from fastelastic.rendezvous import _schema as sc
 from fastelastic.rendezvous._round import Config, Machine, Seat
 from fastelastic.rendezvous._schema import Membership
 
@@ -61,6 +62,7 @@ class Node:
     restarts: int = 0
     error: BaseException | None = None
     lost_seen: list[list[tuple[int, str]]] = field(default_factory=list)
+    addr: str | None = None  # its --local-addr (None: 10.0.0.<id>; "": none, as a pod)
     requests: Counter[str] = field(default_factory=Counter)
     join_requests: list[int] = field(default_factory=list)  # store requests of each join
 
@@ -185,10 +187,11 @@ class Sim:
 
     def _agent(self, node: Node) -> Generator[rq.Op | Sleep, Any, None]:
         m = node.m
-        addr = f"10.0.0.{node.id}"
+        addr = f"10.0.0.{node.id}" if node.addr is None else node.addr
         while True:
             seat = yield from m.join(node.node_rank, addr, 1000 + node.id, b"%s:%d" % (
-                addr.encode(), 29500 + node.id))
+                addr.encode(), 29500 + node.id), sc.node_id(f"h{node.id}", 1000 + node.id,
+                                                            node.id))
             node.seats.append((self.clock.t, seat))
             node.paths.append([p.name for p in m.path])
             node.join_requests.append(sum(v for k, v in node.requests.items()

@@ -668,7 +668,7 @@ def test_two_threads_that_lose_the_store_at_once_move_the_rendezvous_once(caplog
         assert (h._live.index, h._live.proposed) == (1, 1)
         # the move is proposed (a mark), not committed: no round formed there yet
         assert [s.add(f"fe.rdzv.{RUN}/epoch", 0) for s in stores[1:]] == [0, 0]
-        assert stores[1].get(f"fe.rdzv.{RUN}/moving") == b"1||%d;" % os.getpid()  # one mark
+        assert stores[1].get(f"fe.rdzv.{RUN}/moving") == b"1|%s;" % h._node.encode()  # one mark
         assert not stores[2].check([f"fe.rdzv.{RUN}/moving"])
         assert sum("moved to" in r.getMessage() for r in caplog.records) == 1
     finally:

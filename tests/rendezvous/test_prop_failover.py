@@ -369,10 +369,21 @@ def test_members_back_on_an_older_store_are_not_counted_away() -> None:
     to s1), then s1's host killed: the survivors move back to s0, where an older world of
     theirs completed; by their records they are new nodes there, so that world's rule saw a
     majority of it "alive elsewhere" (themselves) and nothing trained again. Failed before
-    (the late node in no world after 300 s); a member whose address and pid are in the
-    round's records counts as here now (``_majority.objection``)."""
+    (the late node in no world after 300 s); a member whose identity is in the round's
+    records counts as here now (``_majority.objection``)."""
     s = Schedule(-3, 4, 2, 1.0, [(50.0, "term", 2, -1, 0.0), (53.0, "freeze", 0, -1, 61.0),
                                  (66.0, "kill", 1, -1, 0.0)], 70.0)
+    assert check(s) == "", str(s)
+
+
+@pytest.mark.parametrize("seed", [531581612, 531581419, 531581408])
+def test_pods_that_share_an_address_and_pid_train_one_world(seed: int) -> None:
+    """Issue 36: nodes drawn as pods (empty address, pid 1, a shared hostname; see
+    ``MultiSim.identity``). Named by ``<addr>|<pid>`` they trained two worlds (seed 531581612:
+    n0 frozen 30 s while n1 and n2 moved; thawed, its own record bore n1's name, ``|1``, so
+    its world's rule counted n1 as here, one away, and n0 formed a world of 1 beside theirs).
+    Named by their identities (``_schema.node_id``), one world."""
+    s = schedule(seed)
     assert check(s) == "", str(s)
 
 

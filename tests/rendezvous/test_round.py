@@ -13,6 +13,8 @@ import pytest
 from simstore import Sim
 
 from fastelastic.errors import RendezvousError
+from fastelastic.rendezvous import _requests as rq
+from fastelastic.rendezvous import _schema as sc
 from fastelastic.rendezvous._phases import FINAL, TRANSITIONS, Event, Phase, transition
 
 # ---------------------------------------------------------------------- the transition table
@@ -397,6 +399,29 @@ def test_the_epoch_rises_only_with_a_round():
     epoch_writes = [(t, keys) for t, _, keys in sim.writes if "fe.rdzv.sim/epoch" in keys]
     assert len(epoch_writes) == 1, epoch_writes
     assert any("/0/who/" in k for k in epoch_writes[0][1])
+    assert sim.data["fe.rdzv.sim/epoch"] == b"3"
+
+
+def test_the_epoch_stands_when_the_round_that_raised_it_is_abandoned_before_its_outcome():
+    """The epoch rises after the majority rule passed and before the compare_set that decides
+    the round. A joiner lost in between (its disconnect action abandons the round first) leaves
+    the epoch raised with no world: the store is live (a majority of the moved world is there,
+    as the rule found), and the next round passes the rule again before it forms."""
+    sim = Sim(1, 4, can_move=True)
+    for i in range(3):
+        sim.start(0, node_rank=i, moved_from=4, proposed=3)
+    apply, raced = sim._apply, []
+
+    def abandon_first(node, op):  # a joiner's connection closes just before the outcome
+        if isinstance(op, rq.CompareSet) and op.key.endswith("/0/res") and not raced:
+            raced.append(sim.data.get("fe.rdzv.sim/epoch"))
+            sim.data[op.key] = sc.ABANDONED
+        return apply(node, op)
+    sim._apply = abandon_first  # type: ignore[method-assign]
+    sim.run(60)
+    assert raced == [b"3"]  # raised before the outcome was decided
+    assert sc.parse_outcome(sim.data["fe.rdzv.sim/0/res"]).kind is sc.Kind.ABANDONED
+    assert sim.rounds()[0][:2] == (1, 3), sim.rounds()  # the next round: the same 3 movers
     assert sim.data["fe.rdzv.sim/epoch"] == b"3"
 
 

@@ -518,3 +518,83 @@ def test_sets_still_arrive_while_a_reader_is_paused(server):
     r.close()
     owner.close()
 
+
+
+def _dropped(store: TCPStore, within: float = 5.0) -> bool:
+    """True once a request on ``store`` fails because the server closed its connection."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            store.check(["probe"])
+        except StoreConnectionError:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+@pytest.mark.timeout(120)
+def test_disconnect_actions_are_capped_per_connection(server):
+    """At the defaults: a buggy client that registers disconnect actions without end (one per
+    rendezvous round it ever joined, say) is closed at the 65,537th; one that registers 6 MiB
+    ones, at the third (16 MiB a connection). The server stays up and serves the others at
+    their latency; the closed clients' actions ran, as for any close."""
+    srv = server()
+    good = GoodClient(srv.port)
+    before = srv.status_kib("VmRSS")
+    many = TCPStore("127.0.0.1", srv.port, timeout=10, wait_for_workers=False)
+    n = 65_536
+    many.append_on_disconnect_many([f"many/{i % 16}" for i in range(n)], [b"x"] * n)
+    assert not many.check(["many/0"])  # every one acknowledged: at the cap, still served
+    many.append_on_disconnect("many/0", b"y")   # the one over the cap
+    assert _dropped(many), "a connection over max_actions was still served"
+    big = TCPStore("127.0.0.1", srv.port, timeout=10, wait_for_workers=False)
+    for i in range(2):
+        big.append_on_disconnect(f"big/{i}", b"b" * (6 * MIB))
+    assert not big.check(["big/0"])
+    big.append_on_disconnect("big/2", b"b" * (6 * MIB))
+    assert _dropped(big), "a connection over max_action_bytes was still served"
+    time.sleep(1.0)  # the good client measures on (not synchronisation)
+    _check_bounds(srv, before, good, "disconnect actions")
+    log = srv.log()
+    assert log.count("disconnect actions over the per-connection cap") == 2, log
+    check = TCPStore("127.0.0.1", srv.port, timeout=5, wait_for_workers=False)
+    assert check.get("many/0") == b"x" * (n // 16)  # its actions ran, not the refused one
+    assert [len(check.get(f"big/{i}")) for i in range(2)] == [6 * MIB] * 2
+    assert not check.check(["big/2"])
+    check.append_on_disconnect("others/still", b"ok")   # others still register theirs
+    check.close()
+    assert TCPStore("127.0.0.1", srv.port, timeout=5,
+                    wait_for_workers=False).get("others/still") == b"ok"
+    many.close()
+    big.close()
+
+
+def test_disconnect_actions_count_in_the_buffer_budget():
+    """A connection's actions are in its buffers: ``buffered`` holds them until it closes,
+    and over ``buffer_budget`` the largest holder is closed (its actions run) like any other."""
+    master = TCPStore("127.0.0.1", 0, is_master=True, timeout=5, wait_for_workers=False,
+                      server_limits={"max_value": MIB, "max_reply": 2 * MIB,
+                                     "buffer_budget": 8 * MIB, "max_action_bytes": 6 * MIB})
+    try:
+        idle = master.server.buffered
+        a = TCPStore("127.0.0.1", master.port, timeout=5, wait_for_workers=False)
+        for i in range(3):
+            a.append_on_disconnect(f"a/{i}", b"a" * (MIB - 100))
+        assert not a.check(["a/0"])
+        assert master.server.buffered - idle >= 3 * (MIB - 100), master.server.buffered
+        b = TCPStore("127.0.0.1", master.port, timeout=5, wait_for_workers=False)
+        for i in range(5):  # 3 + 5 MiB: over the 8 MiB budget; b holds the most
+            b.append_on_disconnect(f"b/{i}", b"b" * (MIB - 100))
+        assert _dropped(b), "the largest holder over the budget was not closed"
+        assert master.server.shed == 1
+        assert len(master.get("b/4")) == MIB - 100   # its actions ran
+        assert not a.check(["a/0"])                   # the other one kept its connection
+        a.close()
+        deadline = time.monotonic() + 5
+        while master.server.buffered > idle and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert master.server.buffered <= idle, (master.server.buffered, idle)
+        with pytest.raises(ValueError, match="max_actions"):
+            TCPStore("127.0.0.1", 0, is_master=True, server_limits={"max_actions": 0})
+    finally:
+        master.shutdown_server()

@@ -189,7 +189,7 @@ def test_every_cost_is_o1_per_connection_up_to_19000():
 def test_an_idle_connection_costs_the_server_at_most_160_bytes_of_state():
     """A connection's fixed state (buffers are allocated only while used) bounds the server's
     RSS per held connection at 96K ranks; the optional parts (a partial request, disconnect
-    actions, streamed values, the token challenge) live behind pointers. 144 bytes today."""
+    actions, streamed values, the token challenge) live behind pointers. 152 bytes today."""
     from fastelastic._native import kvcore
 
     assert 64 <= kvcore.CONN_BYTES <= 160, kvcore.CONN_BYTES

@@ -45,7 +45,7 @@ cdef cppclass WaitKey:
     size_t pos              # where its Waiter sits in _waiters[key] (NO_POS: gone already)
 
 
-cdef cppclass Conn:          # 144 bytes: what an idle connection costs the server
+cdef cppclass Conn:          # 152 bytes: what an idle connection costs the server
     int fd
     uint32_t events         # the epoll mask armed now
     ConnState state         # changed only by KVServer._set_state
@@ -64,6 +64,7 @@ cdef cppclass Conn:          # 144 bytes: what an idle connection costs the serv
     uint64_t wait_gen       # bumped on every wait and cancel; stale Waiter entries carry an old one
     vector[WaitKey] wait_keys
     vector[pair[string, string]] *on_close   # disconnect actions (EXT_ON_DISCONNECT_APPEND)
+    size_t on_close_bytes   # their key and value bytes, ACTION_OVERHEAD each: in ``counted``
 
 
 # Small C++ helpers: Cython cannot spell ``it->second.size()`` directly.
@@ -93,6 +94,8 @@ cdef class KVCore:
     cdef size_t _max_value
     cdef uint64_t _max_keys
     cdef size_t _max_reply
+    cdef uint64_t _max_actions         # disconnect actions per connection
+    cdef size_t _max_action_bytes      # their bytes per connection (Conn.on_close_bytes)
     cdef fe_budget _budget       # max_unsent, buffer_budget and what all buffers hold
     cdef int64_t _handshake_ns
     cdef deque[Pending] _handshakes   # in accept order, so in deadline order

@@ -101,8 +101,10 @@ cdef class KVCore:
         c.state = state
 
     cdef void _account(self, Conn *c) noexcept nogil:
-        """Re-counts c's buffers (heap bytes of its replies and of its partial request)."""
-        self._budget.recount(c.counted, c.out.heap() + (c.inb.heap() if c.inb != NULL else 0))
+        """Re-counts c's buffers (heap bytes of its replies, of its partial request and of its
+        disconnect actions)."""
+        self._budget.recount(c.counted, c.out.heap() + (c.inb.heap() if c.inb != NULL else 0)
+                             + c.on_close_bytes)
 
     cdef bint _recount(self, Conn *c) noexcept nogil:
         """Re-counts c's buffers and keeps all of them under the budget; False if that closed c."""

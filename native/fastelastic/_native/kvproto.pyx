@@ -10,8 +10,9 @@ Invariants:
   not executed, its registrations are dropped and its ``on_close`` actions run.
 - Memory is bounded: a connection is not read while its unsent replies exceed ``max_unsent``; no
   reply is built above ``max_reply``; before its handshake a connection buffers at most 4 bytes;
-  and when every connection's buffers together exceed ``buffer_budget`` the largest holder is
-  disconnected (one log line names it).
+  a connection holds at most ``max_actions`` disconnect actions of ``max_action_bytes`` (the
+  one over either closes it), counted in its buffers; and when every connection's buffers
+  together exceed ``buffer_budget`` the largest holder is disconnected (one log line names it).
 """
 
 cimport cython
@@ -155,7 +156,9 @@ cdef class KVProtocol(KVCore):
     def __init__(self, *, size_t max_key=DEFAULT_MAX_KEY, size_t max_value=DEFAULT_MAX_VALUE,
                  uint64_t max_keys=DEFAULT_MAX_KEYS, size_t max_reply=DEFAULT_MAX_REPLY,
                  size_t max_unsent=DEFAULT_MAX_UNSENT, size_t buffer_budget=DEFAULT_BUFFER_BUDGET,
-                 int64_t handshake_ms=DEFAULT_HANDSHAKE_MS, bytes token=b""):
+                 int64_t handshake_ms=DEFAULT_HANDSHAKE_MS, bytes token=b"",
+                 uint64_t max_actions=DEFAULT_MAX_ACTIONS,
+                 size_t max_action_bytes=DEFAULT_MAX_ACTION_BYTES):
         if max_reply < max_value + 64:
             raise ValueError(f"max_reply ({max_reply}) must exceed max_value ({max_value}): "
                              "a GET of the largest value must fit")
@@ -164,6 +167,11 @@ cdef class KVProtocol(KVCore):
                              f"({max_reply})")
         if handshake_ms <= 0:
             raise ValueError(f"handshake_ms must be positive, got {handshake_ms}")
+        if max_actions < 1 or max_action_bytes < ACTION_OVERHEAD:
+            raise ValueError(f"max_actions ({max_actions}) must be at least 1 and "
+                             f"max_action_bytes ({max_action_bytes}) at least {ACTION_OVERHEAD}")
+        self._max_actions = max_actions
+        self._max_action_bytes = max_action_bytes
         self._max_key = max_key
         self._max_value = max_value
         self._max_keys = max_keys
@@ -276,7 +284,7 @@ cdef class KVProtocol(KVCore):
                 c.out.truncate(before, self._kv)  # no half reply: the client sees the close
                 self._close_conn(c, "out of memory writing a reply")
                 return -1
-            if c.out.heap() > 0 or c.counted:
+            if c.out.heap() > 0 or c.counted or c.on_close_bytes:
                 if not self._recount(c):
                     return -1
             if self._budget.should_pause(c.out):
@@ -713,18 +721,28 @@ cdef class KVProtocol(KVCore):
         return 0
 
     cdef int _cmd_on_disconnect(self, Conn *c, uint8_t cmd, const char *q) noexcept nogil:
-        """EXT_ON_DISCONNECT_APPEND."""
+        """EXT_ON_DISCONNECT_APPEND. A connection holds at most ``max_actions`` of them and
+        ``max_action_bytes`` (counted in its buffers against the budget): the one over either
+        closes it (it breaks the protocol), which runs those it holds."""
         cdef uint64_t ln, ln2
+        cdef size_t cost
         cdef pair[string, string] action
         ln = load_u64(q)
+        ln2 = load_u64(q + 8 + ln)
+        cost = <size_t>(ln + ln2) + ACTION_OVERHEAD   # each <= max_key, max_value: no wrap
+        if c.on_close != NULL and (c.on_close.size() >= self._max_actions
+                                   or c.on_close_bytes + cost > self._max_action_bytes):
+            self._close_conn(c, "disconnect actions over the per-connection cap "
+                             "(max_actions, max_action_bytes)")
+            return -1
         action.first.assign(q + 8, ln)
         q += 8 + ln
-        ln2 = load_u64(q)
         action.second.assign(q + 8, ln2)
         if c.on_close == NULL:
             c.on_close = new vector[pair[string, string]]()
             self._arm_keepalive(c)
         c.on_close.push_back(action)
+        c.on_close_bytes += cost
         put_u8(c.out.bytes, 0)
         return 0
 

@@ -88,6 +88,10 @@ cdef class KVServer(KVProtocol):
             (HMAC-SHA256 over a per-connection challenge) before any request is served.
         spin_us: how long the loop polls for the next request before it sleeps, in
             microseconds (0: sleep at once); see ``spin.pxd``.
+        max_actions: most disconnect actions (EXT_ON_DISCONNECT_APPEND) one connection may
+            hold; the one over it closes that connection (its actions run), with a log line.
+        max_action_bytes: most bytes of them per connection (keys, values and 64 per
+            action), counted in its buffers against ``buffer_budget``; over it, the same.
     """
 
     def __cinit__(self):
@@ -101,14 +105,16 @@ cdef class KVServer(KVProtocol):
                  int64_t spin_us=0, size_t max_reply=DEFAULT_MAX_REPLY,
                  size_t max_unsent=DEFAULT_MAX_UNSENT, size_t buffer_budget=DEFAULT_BUFFER_BUDGET,
                  int64_t handshake_ms=DEFAULT_HANDSHAKE_MS, bytes token=b"",
-                 int keepalive_s=0):
+                 int keepalive_s=0, uint64_t max_actions=DEFAULT_MAX_ACTIONS,
+                 size_t max_action_bytes=DEFAULT_MAX_ACTION_BYTES):
         cdef epoll_event ev
         cdef int fd, one = 1
         cdef uint64_t i = 0
         cdef vector[int] owned
         KVProtocol.__init__(self, max_key=max_key, max_value=max_value, max_keys=max_keys,
                             max_reply=max_reply, max_unsent=max_unsent,
-                            buffer_budget=buffer_budget, handshake_ms=handshake_ms, token=token)
+                            buffer_budget=buffer_budget, handshake_ms=handshake_ms, token=token,
+                            max_actions=max_actions, max_action_bytes=max_action_bytes)
         if keepalive_s < 0:
             raise ValueError(f"keepalive_s must be 0 (off) or more, got {keepalive_s}")
         self._owner_pid = getpid()

@@ -18,6 +18,9 @@ cdef enum:
     DEFAULT_MAX_KEYS = 131072                   # keys in one multi-key request
     DEFAULT_MAX_UNSENT = 1024 * 1024            # unsent reply bytes above which reading stops
     DEFAULT_HANDSHAKE_MS = 1000                 # VALIDATE (and the token proof) within this
+    DEFAULT_MAX_ACTIONS = 65536                 # disconnect actions one connection may hold
+    DEFAULT_MAX_ACTION_BYTES = 16 * 1024 * 1024  # and their bytes (ACTION_OVERHEAD each)
+    ACTION_OVERHEAD = 64                        # counted per action: its pair of strings
 
 cdef extern from *:
     """

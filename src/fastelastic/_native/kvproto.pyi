@@ -18,6 +18,8 @@ class KVProtocol(KVCore):
         buffer_budget: int = 268435456,
         handshake_ms: int = 1000,
         token: bytes = b"",
+        max_actions: int = 65536,
+        max_action_bytes: int = 16777216,
     ) -> None: ...
     def execute_socketless(
         self, frames: bytes, *, handshaken: bool = True

@@ -54,7 +54,12 @@ class LaunchConfig:
         log_line_prefix_template: prefix for worker log lines (``${role_name}``,
             ``${rank}``, ``${local_rank}``).
         metrics_cfg: passed to ``fastelastic.metrics.initialize_metrics``.
-        local_addr: this node's address for the rendezvous (default: its FQDN).
+        local_addr: the address other nodes and workers reach this node at: rank 0's
+            ``MASTER_ADDR``, and the workers' stores this node hosts (default: its FQDN,
+            looked up when first needed). The fast rendezvous (backends ``c10d`` and
+            ``etcd``) does not tell nodes apart by it: each launcher has its own identity
+            (hostname, pid and a random nonce). torch's dynamic rendezvous (``c10d-v2``,
+            ``etcd-v2``) names a node by it and its pid, as torch does.
         event_log_handler: name of a registered ``fastelastic.events`` handler.
         numa_options: NUMA binding (``--numa-binding``): a mode name or a ``NumaOptions``
             (fastelastic's or torch's, read by its attributes); see :mod:`fastelastic.numa`.

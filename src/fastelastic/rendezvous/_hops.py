@@ -178,7 +178,7 @@ class Plan:
     keys: Keys
     read_s: float  # a start waits this long for the first candidate (the read timeout)
     run_id: str = ""
-    me: str = ""  # ``<addr>|<pid>`` as this node's ``who`` entries name it (its marks)
+    me: str = ""  # this node's identity (``_schema.node_id``), as its records name it
     start_wait: float = 0.0  # a start waits this long (the join timeout) for a committed epoch
     join_s: float = 600.0  # the join timeout (a node with no world follows within it)
     clock: Callable[[], float] = time.monotonic
@@ -528,7 +528,7 @@ Proof = Generator[Marks, "bytes | str | None", str]
 
 def prove_gone(names: list[str], index: int, idents: list[str], world: bytes,
                proof: bytes = b"") -> Proof:
-    """Whether the members ``idents`` (``<addr>|<pid>``) of ``world``, whose connections
+    """Whether the members ``idents`` (their identities) of ``world``, whose connections
     closed on candidate ``index``, are proven to be nowhere else (the candidates are
     ``names``): "" when every other candidate refuses the connection, or answers and, after
     this prover's fences of them (:func:`encode_fence`, one append), holds no mark of them

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from fastelastic.errors import StoreError
 
 from ._requests import Add, Append, Check, MultiGet, MultiSet, Proto
-from ._schema import SEAL, RoundKeys, parse_gone, who_parts
+from ._schema import SEAL, RoundKeys, parse_gone, who_node, who_parts
 
 # a child of fast_rendezvous's logger: logging configs written for that name keep working
 log = logging.getLogger("fastelastic.rendezvous.fast_rendezvous.liveness")
@@ -154,7 +154,9 @@ def lost_members(w: Watch, cfg: Any, spare_ready: bool, clock: Callable[[], floa
             text = (f"silent: connected but no keep-alive for "
                     f"{cfg.spare_window if spare_ready else cfg.window:g}s (frozen "
                     f"or hung{'; a spare is ready' if spare_ready else ''})")
-        who = "this node" if rank == w.rank else f"node {addr or '?'} (pid {pid or '?'})"
+        # no address (a pod's default): its identity names it (hostname, pid, nonce)
+        name = addr or who_node(bytes(rec)) or "?"
+        who = "this node" if rank == w.rank else f"node {name} (pid {pid or '?'})"
         out.append((rank, f"{who} {text}"))
     return out
 

@@ -41,7 +41,7 @@ way out.
 cannot say ``moved`` there, and the server closes its connection by keep-alive, maybe before
 its mark reaches a successor; a proof that only read the successor in between took it for gone
 while it carried ``W`` there, so both sides counted it. So the prover first appends a fence,
-``x<W's id>/<proof>|<addr>|<pid>``, to each other answering candidate's ``moving`` list, then
+``x<W's id>/<proof>|<node>``, to each other answering candidate's ``moving`` list, then
 reads the list; a mover appends its mark, then reads the list. The server's appends are atomic,
 so both read one order: a mark made while no fence stands blocks the proof (it moved in time); a
 mark made while one stands tells its mover that ``W`` declared it gone: it drops ``W`` there and
@@ -143,19 +143,19 @@ def objection(records: list[bytes], last: tuple[int, int] | None, can_move: bool
     if len(out) < need(world):
         return ""
     # A member that came back by another store (it moved away and back: a new node here by
-    # its record) is in this round, not elsewhere: its address and pid are in the records.
-    here = {tuple(raw.split(b"|")[1:3]) for raw in records}
-    who = [sc.who_parts(bytes(v)) for v in (yield MultiGet([lk.who(i) for i in out]))]
-    tickets = {i: ticket for i, (ticket, _, _) in zip(out, who, strict=True)}
-    out = [i for i, (_, addr, pid) in zip(out, who, strict=True)
-           if (addr.encode(), pid.encode()) not in here]
+    # its record) is in this round, not elsewhere: its identity is in the records. Only the
+    # identity (unique per launcher, sc.node_id) says so: pods share address and pid.
+    here = {sc.record_node(raw) for raw in records}
+    raw_who = [bytes(v) for v in (yield MultiGet([lk.who(i) for i in out]))]
+    tickets = {i: sc.who_parts(raw)[0] for i, raw in zip(out, raw_who, strict=True)}
+    nodes = {i: sc.who_node(raw) for i, raw in zip(out, raw_who, strict=True)}
+    out = [i for i in out if nodes[i] not in here]
     if len(out) < need(world):
         return ""
     closed = proof_candidates(out, raw_gone, tickets)
     blocked = ""
     if len(out) - len(closed) < need(world):  # the proof can decide it: ask the others
-        who = [sc.who_parts(bytes(v)) for v in (yield MultiGet([lk.who(i) for i in closed]))]
-        idents = [f"{addr}|{pid}" for _, addr, pid in who]
+        idents = [nodes[i] for i in closed]
         blocked = yield from _back_here(idents, keys)
         if not blocked:  # fenced in the world's name: its movers read the same fence
             wid = sc.parse_outcome(bytes((yield Get(lk.outcome, None)))).wid
@@ -177,11 +177,7 @@ def _back_here(idents: list[str], keys: sc.Keys) -> Proto[str]:
         return ""
     marks = bytes((yield Get(keys.moving, None)))
     epoch = int((yield Add(keys.epoch, 0)))
-    here = set()
-    for mark in marks.split(b";"):
-        proposed, _, ident = mark.partition(b"|")
-        if proposed.isdigit() and int(proposed) > epoch:
-            here.add(ident.decode("utf-8", "replace"))
+    here = {ident for proposed, ident in sc.marks(marks) if proposed > epoch}
     back = [x for x in idents if x in here]
     return f"{back} moved back here, their move not committed" if back else ""
 

@@ -139,7 +139,7 @@ class StopBeats:
 
 @dataclass(frozen=True, slots=True)
 class GoneElsewhere:
-    """Whether the other candidates prove these nodes (``<addr>|<pid>``) gone from
+    """Whether the other candidates prove these nodes (their identities) gone from
     ``world`` (its id), fencing them there first (see :mod:`._majority`). Reply: "" when
     proven, else why not (str)."""
 

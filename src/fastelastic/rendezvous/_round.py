@@ -134,14 +134,15 @@ class Machine(MemberOps):
             P.SEAL: self._seal, P.PUBLISH: self._publish, P.AWAIT: self._await,
             P.SEAT: self._seat,
         }
-        self._identity = (-1, "", 0, b"")
+        self._identity = (-1, "", 0, b"", "")
 
     def moved(self, proposed: int = 0,
               member: Membership | None = None) -> None:
         """The rendezvous moved to a successor store (its host was lost): rounds start over
         there. This node's world comes along: the first round there needs a majority of it
         (:mod:`._majority`) and is sealed once all of it but the lost host is back. That round
-        commits ``proposed`` as the store's epoch (in the record: any publisher commits it).
+        commits ``proposed`` as the store's epoch (in the record: any publisher commits it),
+        once it passed the rule and before its outcome is decided (``_publish``).
         ``member``: its membership on the lost store, when not the last round it
         joined through this machine (a node the tests start as a mover)."""
         if member is not None:
@@ -181,8 +182,11 @@ class Machine(MemberOps):
 
     # ------------------------------------------------------------------ joining
 
-    def join(self, node_rank: int, addr: str, pid: int, wstore: bytes) -> Proto[Seat]:
-        """Joins the next round this node can be a member of; its :class:`Seat`.
+    def join(self, node_rank: int, addr: str, pid: int, wstore: bytes,
+             node: str) -> Proto[Seat]:
+        """Joins the next round this node can be a member of; its :class:`Seat`. ``node``:
+        this node's identity (:func:`._schema.node_id`, as its marks name it), which the
+        majority rules count by; ``addr`` and ``pid`` only inform.
 
         Raises:
             RendezvousClosedError / RendezvousGracefulExitError: closed (the latter for a
@@ -195,7 +199,7 @@ class Machine(MemberOps):
         self.prev_watch, self.watch = self.watch, None
         if self.carried:  # moved: keep the rank it had
             node_rank = self._identity[0]
-        self._identity = (node_rank, addr, pid, wstore)
+        self._identity = (node_rank, addr, pid, wstore, node)
         # No ``closed`` check (a round trip): ``set_closed`` marks C in every round a node can
         # join next, so a node joining a closed rendezvous learns it from the round's outcome.
         if self.member is not None:
@@ -262,13 +266,13 @@ class Machine(MemberOps):
         k, t, cfg = a.k, a.ticket, self.cfg
         if cfg.hooks:  # our death abandons the round while it forms, and says we are gone
             yield OnDisconnect([k.outcome, k.gone], [sc.ABANDONED, sc.ticket_closed(t)])
-        node_rank, addr, pid, wstore = self._identity
+        node_rank, addr, pid, wstore, node = self._identity
         member_of, pref = (-1, node_rank) if self.member is None else (
             self.member.round, self.member.rank)
         # The record; a placeholder for our seat, which the publisher overwrites before it
         # decides res; and the keep-alive counter, bumped from the ticket on.
         rec = sc.encode_record(pref, addr, pid, wstore, self.quorum, member_of, self.proposed,
-                               self.world_id)
+                               self.world_id, node)
         yield MultiSet([k.record(t), k.seat(t), k.beat(t)], [rec, b"-1", b"0"])
         yield Beat(k.beat(t))
         if t == cfg.max_nodes:
@@ -527,7 +531,10 @@ class Machine(MemberOps):
         epoch = max(map(sc.record_epoch, records), default=0)
         if epoch and a.last is not None:  # movers back on a store with history: commit too
             epoch = epoch if epoch > int((yield Add(self.keys.epoch, 0))) else 0
-        if epoch:  # the first round here passing the majority rule: the move commits with it
+        # The first round here passing the majority rule: the move commits with its members,
+        # before the compare_set of its outcome. Abandoned in between, the epoch stands with no
+        # world: it forms no round (each passes the rule), and the rule found a majority here.
+        if epoch:
             keys.append(self.keys.epoch)
             vals.append(b"%d" % epoch)
         for rank, ticket in enumerate(by_rank):
@@ -539,7 +546,7 @@ class Machine(MemberOps):
                                                   for i in range(1, _watched(world) + 1)]))
         yield MultiSet(keys, vals)
         gen = 1 + max(last_gen, *(sc.world_gen(sc.record_world(raw)) for raw in records))
-        wid = sc.world_id(gen, self._identity[1:3], k.p, self.clock())
+        wid = sc.world_id(gen, self._identity[4], k.p, self.clock())
         blob = sc.encode_outcome(world, sc.record_wstore(record_of[by_rank[0]]), identity, wid)
         if bytes((yield CompareSet(k.outcome, "", blob))) == blob:
             yield Set(self.keys.open, b"%d" % (k.r + 1))

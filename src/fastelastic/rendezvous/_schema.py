@@ -8,15 +8,19 @@ Run-wide:
 * ``closed``: exists once the rendezvous is closed.
 * ``epoch``: how many times the rendezvous moved to a successor store (``--rdzv-endpoint``
   with several candidates): the live store is the reachable one with the highest epoch. It is
-  a commit, not an intention: it rises only in the ``multi_set`` that publishes the first round
-  on the successor that passes the majority rule (the epoch the movers proposed, from their
-  records), so a node that moved alone (a cut link) never makes a store look live.
-* ``moving``: the provisional marks of the nodes that moved here, ``<epoch it proposes>|<addr>|
-  <pid>;`` each; no node follows them. Where a world formed, a member whose connection closed
-  and whom no other candidate has a mark of is proven gone (``_majority``). The prover appends
-  a fence ``x<world id>/<proof>|<addr>|<pid>;`` there first: a mark while it stands is too late
+  a commit, not an intention: it rises only once the first round on the successor passed the
+  majority rule (the epoch the movers proposed, from their records), in the ``multi_set`` that
+  writes that round's ``who`` entries and seats, before the ``compare_set`` of its outcome;
+  so a node that moved alone (a cut link) never makes a store look live. A round abandoned
+  between the two leaves it raised with no world: the rule found a majority there, and every
+  round still passes the rule.
+* ``moving``: the provisional marks of the nodes that moved here, ``<epoch it proposes>|<node>;``
+  each (``<node>``: the node's identity, :func:`node_id`); no node follows them. Where a world
+  formed, a member whose connection closed and whom no other candidate has a mark of is proven
+  gone (``_majority``). The prover appends
+  a fence ``x<world id>/<proof>|<node>;`` there first: a mark while it stands is too late
   to count, and its mover drops that world (:func:`marked_before_fence`, :func:`fenced`). A
-  proof that fails after fencing withdraws its fences (``y<world id>/<proof>|<addr>|<pid>;``,
+  proof that fails after fencing withdraws its fences (``y<world id>/<proof>|<node>;``,
   ``<proof>`` naming that proof's fences alone), so a failed proof costs no mover its world.
 * ``behind``: on a standby store whose host restarted after the rendezvous moved away, the
   committed epoch its new agent found elsewhere: while it is above the store's own ``epoch``
@@ -30,11 +34,13 @@ Round ``r``:
   coordinator seals the round with ``add(t, SEAL)``: the value it gets back minus ``SEAL`` is
   the final count, and every later ticket is above ``SEAL``.
 * ``n/<ticket>`` (:py:meth:`RoundKeys.record`): the node's record,
-  ``pref|addr|pid|wstore|quorum|from|epoch|world`` (preferred rank, address, pid, its workers'
-  store address, the fewest members it accepts: a majority of its last world after a move,
-  else 0; the round of this store it was a member of, -1 for none; the epoch it proposes after
-  a move, else 0; the id of the world it is a member of or carries, ``<gen>.<nonce>``, empty
-  for none: see :func:`world_gen`). Fields past the 5th are read tolerantly (absent: none).
+  ``pref|addr|pid|wstore|quorum|from|epoch|world|node`` (preferred rank, address, pid, its
+  workers' store address, the fewest members it accepts: a majority of its last world after a
+  move, else 0; the round of this store it was a member of, -1 for none; the epoch it proposes
+  after a move, else 0; the id of the world it is a member of or carries, ``<gen>.<nonce>``,
+  empty for none: see :func:`world_gen`; the node's identity, :func:`node_id`). Fields past the
+  5th are read tolerantly (absent: none). Address and pid only inform: pods share both
+  (``""`` and 1), so the rules name a node by its identity alone.
 * ``rank/<ticket>`` (:py:meth:`RoundKeys.seat`): the node's seat, ``<rank>|<tickets of the
   peers it watches>``; ``-1`` until the publisher writes it (and for a node not admitted).
 * ``who/<rank>`` (:py:meth:`RoundKeys.who`): ``<ticket>|<record>`` of each member, by rank.
@@ -128,10 +134,30 @@ class RoundKeys:
 # ---------------------------------------------------------------------- values
 
 
+def node_id(host: str, pid: int, nonce: int) -> str:
+    """A node's identity in every record, ``who`` entry, mark and fence:
+    ``<host>:<pid>:<nonce>`` (``nonce`` 64 random bits, drawn once per launcher). The nonce
+    alone makes it unique per launcher incarnation: pods share pid 1 and often the address,
+    and pids collide across hosts; host and pid are there for the operator. Characters the
+    wire formats use (``|;/``) and any other outside ``[A-Za-z0-9._-]`` become ``_``."""
+    safe = "".join(c if c.isascii() and (c.isalnum() or c in "._-") else "_" for c in host)
+    return f"{safe[:64] or '?'}:{pid}:{nonce & (1 << 64) - 1:016x}"
+
+
 def encode_record(pref: int, addr: str, pid: int, wstore: bytes, quorum: int = 0,
-                  member_of: int = -1, epoch: int = 0, world: bytes = b"") -> bytes:
-    return b"%d|%s|%d|%s|%d|%d|%d|%s" % (pref, addr.encode(), pid, wstore, quorum, member_of,
-                                         epoch, world)
+                  member_of: int = -1, epoch: int = 0, world: bytes = b"",
+                  node: str = "") -> bytes:
+    return b"%d|%s|%d|%s|%d|%d|%d|%s|%s" % (pref, addr.encode(), pid, wstore, quorum,
+                                            member_of, epoch, world, node.encode())
+
+
+def record_node(raw: bytes) -> str:
+    """The identity of the node whose record this is (:func:`node_id`); for a record written
+    without one, ``<addr>|<pid>``, as such a writer named itself in its marks."""
+    parts = raw.split(b"|")
+    if len(parts) > 8 and parts[8]:
+        return parts[8].decode("utf-8", "replace")
+    return b"|".join(parts[1:3]).decode("utf-8", "replace")
 
 
 def record_world(raw: bytes) -> bytes:
@@ -206,6 +232,11 @@ def who_parts(raw: bytes) -> tuple[str, str, str]:
     """A member's ``who`` entry: (ticket, address, pid), as text ("" when absent)."""
     ticket, _, addr, pid = (raw.decode("utf-8", "replace").split("|") + ["", "", ""])[:4]
     return ticket, addr, pid
+
+
+def who_node(raw: bytes) -> str:
+    """A member's ``who`` entry (``<ticket>|<record>``): its identity (:func:`record_node`)."""
+    return record_node(raw.partition(b"|")[2])
 
 
 @dataclass
@@ -365,13 +396,18 @@ def encode_withdrawal(wid: bytes, ident: str, proof: bytes) -> bytes:
 
 
 def _entries(raw: bytes) -> list[tuple[bytes, str]]:
-    """``moving``'s entries in append order: (first field, ``<addr>|<pid>``)."""
+    """``moving``'s entries in append order: (first field, the node's identity)."""
     out = []
     for entry in raw.split(b";"):
         head, sep, ident = entry.partition(b"|")
         if sep:
             out.append((head, ident.decode("utf-8", "replace")))
     return out
+
+
+def marks(raw: bytes) -> list[tuple[int, str]]:
+    """``moving``'s marks in append order: (the epoch proposed, the mover's identity)."""
+    return [(int(head), who) for head, who in _entries(raw) if head.isdigit()]
 
 
 def proof_entries(raw: bytes) -> bytes:

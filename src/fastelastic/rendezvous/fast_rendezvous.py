@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -30,6 +32,7 @@ from fastelastic.events import NodeState, construct_and_record_rdzv_event
 
 from . import _hops as hops
 from . import _requests as rq
+from . import _schema as sc
 from . import _store_ops as ops
 from ._failover import Candidates, parse_candidates
 from ._hops import Live
@@ -60,6 +63,13 @@ DEFAULT_KEEP_ALIVE_INTERVAL = 1.0  # seconds
 DEFAULT_KEEP_ALIVE_MAX_ATTEMPT = 5  # detection window: interval * attempts = 5 s (torch: 15 s)
 
 
+def new_node_id() -> str:
+    """A new identity for this launcher (:func:`._schema.node_id`): its hostname, pid and 64
+    random bits. ``gethostname`` is a syscall; an FQDN would be a DNS lookup, which costs a
+    timeout wherever the resolver does not answer."""
+    return sc.node_id(socket.gethostname(), os.getpid(), secrets.randbits(64))
+
+
 class FastRendezvousHandler(Moves, RoundStores, RendezvousHandler):
     """Rendezvous handler running the ticket protocol of :mod:`._round` on a store.
 
@@ -71,7 +81,9 @@ class FastRendezvousHandler(Moves, RoundStores, RendezvousHandler):
         min_nodes: Minimum number of nodes.
         max_nodes: Maximum number of nodes.
         timeout: Join, last-call, close and heartbeat timeouts.
-        local_addr: This node's address (informational).
+        local_addr: This node's address: ``MASTER_ADDR`` when it is rank 0 and workers'
+            stores it hosts (default: its FQDN, looked up when first needed). It names no node:
+            the rendezvous tells nodes apart by ``node_id``.
         node_rank: Preferred rank of this node (-1 for none).
         keep_alive_interval: Seconds between keep-alive counter bumps (default 1).
         keep_alive_max_attempt: Missed keep-alives after which a silent node is dropped
@@ -83,6 +95,9 @@ class FastRendezvousHandler(Moves, RoundStores, RendezvousHandler):
             last one is back or lost.
         candidates: The rendezvous store's candidate endpoints (:mod:`._failover`), when
             there are several: a lost store host is then survived by moving to the next.
+        node_id: This node's identity in the rendezvous (:func:`new_node_id`; default: the
+            candidates' ``plan.me`` if set, else a new one). Unique per launcher: the majority
+            rules count members by it.
 
     Raises:
         ValueError: Bad run id or node counts.
@@ -104,6 +119,7 @@ class FastRendezvousHandler(Moves, RoundStores, RendezvousHandler):
         server: Any = None,
         reform_last_call: bool = False,
         candidates: Any = None,
+        node_id: str | None = None,
     ) -> None:
         if not run_id:
             raise ValueError("The run id must be a non-empty string.")
@@ -145,7 +161,10 @@ class FastRendezvousHandler(Moves, RoundStores, RendezvousHandler):
         self._side: Any = None
         self._wstore = WorkerStoreHost(self._local_addr)
         self._candidates = candidates
+        self._node = node_id or (candidates.plan.me if candidates is not None else "") or \
+            new_node_id()
         if candidates is not None:
+            candidates.plan.me = self._node  # its marks and fences name it as its records do
             candidates.plan.join_s = self._timeout.join.total_seconds()
         self._live = Live()  # where the rendezvous is (with candidates)
         self._move_lock = threading.RLock()  # one move at a time (see _move)
@@ -295,7 +314,7 @@ class FastRendezvousHandler(Moves, RoundStores, RendezvousHandler):
 
     def _next_rendezvous(self) -> RendezvousInfo:
         wstore = self._wstore.address() if self.use_agent_store else b""
-        join = self._m.join(self._node_rank, self._local_addr, os.getpid(), wstore)
+        join = self._m.join(self._node_rank, self._local_addr, os.getpid(), wstore, self._node)
         if self._candidates is None:
             seat = self._run(join, self._store)
         else:  # a host that does not answer within the window is lost (see _store_ops)
@@ -559,7 +578,7 @@ def create_fast_handler(params: RendezvousParameters) -> FastRendezvousHandler:
     if "," in (params.endpoint or ""):
         candidates = Candidates(params.run_id, endpoints, params.get_as_bool("is_host"),
                                 read_timeout, token_from(params))
-        candidates.plan.me = f"{params.local_addr or ''}|{os.getpid()}"  # as its who entries say
+        candidates.plan.me = new_node_id()  # before the connect: a start's move marks
         candidates.plan.start_wait = timeout.join.total_seconds()
         client, index, epoch, proposed = candidates.connect()
         server = candidates.standby

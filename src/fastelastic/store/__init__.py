@@ -109,7 +109,8 @@ class TCPStore(KVClient, Store):
         use_libuv: accepted for torch compatibility; our server is always the native one.
         server_limits: (master only) the hosted server's bounds, as keyword arguments of
             :class:`~fastelastic._native.kvserver.KVServer` (``max_reply``, ``max_unsent``,
-            ``buffer_budget``, ``handshake_ms``, ``max_key``, ``max_value``, ``max_keys``).
+            ``buffer_budget``, ``handshake_ms``, ``max_key``, ``max_value``, ``max_keys``,
+            ``max_actions``, ``max_action_bytes``).
         token: a shared secret (see :mod:`fastelastic.store.auth`). A master given one hosts a
             server that serves only clients proving it; a client proves it when the server
             asks. None: a client uses ``FASTELASTIC_STORE_TOKEN_FILE`` if set; a master hosts

@@ -40,6 +40,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--buffer-budget", type=int, default=256 << 20,
                         help="bytes all connections' buffers may hold together; above it the "
                              "connection holding the most is closed")
+    parser.add_argument("--max-actions", type=int, default=65536,
+                        help="most disconnect actions one client connection may hold; the one "
+                             "over it closes that connection (its actions run)")
+    parser.add_argument("--max-action-bytes", type=int, default=16 << 20,
+                        help="most bytes of disconnect actions per connection (keys, values, "
+                             "64 per action), counted in its buffers; over it, the same")
     parser.add_argument("--handshake-ms", type=int, default=None,
                         help="close connections that have not completed the handshake this long "
                              f"after connecting, milliseconds (default: ${HANDSHAKE_ENV} or "
@@ -63,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
                              max_value=args.max_value, max_keys=args.max_keys, spin_us=spin,
                              max_reply=args.max_reply, max_unsent=args.max_unsent,
                              buffer_budget=args.buffer_budget,
+                             max_actions=args.max_actions,
+                             max_action_bytes=args.max_action_bytes,
                              handshake_ms=(handshake_ms() if args.handshake_ms is None
                                            else args.handshake_ms),
                              token=token or b"")

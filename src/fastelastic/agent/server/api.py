@@ -64,7 +64,8 @@ class WorkerSpec:
             cannot wait for worker exits); the local agent wakes at once when a worker exits.
         master_port: fixed port of the c10d store on rank 0 (else a free one).
         master_addr: fixed address of the c10d store on rank 0 (else agent 0's host).
-        local_addr: this node's address, used by the rendezvous.
+        local_addr: this node's address, passed to the rendezvous (see
+            ``fastelastic.launcher.LaunchConfig.local_addr``).
         event_log_handler: name of the events handler (see ``fastelastic.events``).
         numa_options: NUMA binding options, passed through to ``start_processes``.
         duplicate_stdout_filters: lines of stdout matching any of these are also copied to
