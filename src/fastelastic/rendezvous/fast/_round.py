@@ -27,7 +27,6 @@ from fastelastic.errors import (
     RendezvousTimeoutError,
 )
 
-from . import _majority
 from . import _schema as sc
 from ._liveness import Beats, Deciders, Watch
 from ._members import MemberOps
@@ -49,6 +48,7 @@ from ._requests import (
     Wait,
 )
 from ._schema import Kind, Membership, Seat
+from .failover import _majority
 
 __all__ = ["Config", "Event", "Machine", "Phase", "Seat", "transition"]
 
