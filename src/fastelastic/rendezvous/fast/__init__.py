@@ -22,6 +22,7 @@ The round machine, transport-free (no I/O; an injected clock):
 - ``_liveness``: keep-alive counters, and the rule that calls a member silent.
 - ``_schema``: every key, what it holds, and its codec; a byte format is parsed here alone.
 - ``_requests``: the closed set of typed requests the machine yields; imports nothing.
+- ``_config``: :class:`Config`, what a node's machine is configured with (a leaf).
 
 The failover between ``--rdzv-endpoint`` candidates is in :mod:`.failover`.
 
