@@ -153,13 +153,14 @@ def scenarios() -> Iterator[tuple[str, Callable[[], str]]]:
         fn = getattr(prop, name)
         if name.startswith("test_random_schedules"):
             continue  # time-boxed, from a seed of the clock: SEEDS stand for it
-        def play_test(fn: Any = fn) -> str:
-            try:
-                fn()
-            except AssertionError as e:
-                return f"failed: {str(e).splitlines()[0] if str(e) else ''}"
-            return "passed"
-        yield f"failover/{name}", play_test
+        for suffix, kwargs in _parameters(fn):
+            def play_test(fn: Any = fn, kwargs: dict[str, Any] = kwargs) -> str:
+                try:
+                    fn(**kwargs)
+                except AssertionError as e:
+                    return f"failed: {str(e).splitlines()[0] if str(e) else ''}"
+                return "passed"
+            yield f"failover/{name}{suffix}", play_test
     for seed in SEEDS:
         def play_seed(seed: int = seed) -> str:
             try:
@@ -167,6 +168,22 @@ def scenarios() -> Iterator[tuple[str, Callable[[], str]]]:
             except Exception as e:  # a crash of the sim or the machine is a trace too
                 return f"crashed: {type(e).__name__}: {e}"
         yield f"seed/{seed}", play_seed
+
+
+def _parameters(fn: Any) -> list[tuple[str, dict[str, Any]]]:
+    """The calls pytest makes of test ``fn``: ("[<values>]", its arguments) for each row of its
+    ``parametrize`` marks (crossed, as pytest does), or ("", {}) for a plain test."""
+    calls: list[tuple[str, dict[str, Any]]] = [("", {})]
+    for mark in getattr(fn, "pytestmark", []):
+        if mark.name != "parametrize":
+            continue
+        names = [n.strip() for n in mark.args[0].split(",")] if isinstance(
+            mark.args[0], str) else list(mark.args[0])
+        rows = [row if len(names) > 1 else (row,) for row in mark.args[1]]
+        calls = [(f"{sfx}[{'-'.join(map(str, row))}]", {**kw, **dict(zip(names, row,
+                                                                        strict=True))})
+                 for sfx, kw in calls for row in rows]
+    return calls
 
 
 def trace(run: Callable[[], str]) -> list[str]:
