@@ -91,7 +91,7 @@ def _node_main(impl: str, port: int, run_id: str, total: int, local: int, first:
     stores: list = []
     handlers: list = []
     if impl == "fastelastic":
-        from fastelastic.rendezvous.fast_rendezvous import FastRendezvousHandler
+        from fastelastic.rendezvous.fast.fast_rendezvous import FastRendezvousHandler
         from fastelastic.rendezvous.timeouts import RendezvousTimeout
         from fastelastic.store import TCPStore
 
@@ -440,7 +440,7 @@ import sys, time
 from datetime import timedelta
 impl, port, run_id = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 if impl == "fastelastic":
-    from fastelastic.rendezvous.fast_rendezvous import FastRendezvousHandler
+    from fastelastic.rendezvous.fast.fast_rendezvous import FastRendezvousHandler
     from fastelastic.rendezvous.timeouts import RendezvousTimeout
     from fastelastic.store import TCPStore
     s = TCPStore("127.0.0.1", port, timeout=timedelta(seconds=120))
@@ -472,7 +472,7 @@ def _detect_round(impl: str, host, run_id: str) -> float:
     threads_done = []
     handlers = []
     if impl == "fastelastic":
-        from fastelastic.rendezvous.fast_rendezvous import FastRendezvousHandler
+        from fastelastic.rendezvous.fast.fast_rendezvous import FastRendezvousHandler
         from fastelastic.rendezvous.timeouts import RendezvousTimeout
         from fastelastic.store import TCPStore
 

@@ -115,7 +115,7 @@ def test_etcd_leader_sigkilled_while_training_restarts_nothing(tmp_path):
 def _tickets(c, endpoints: str, run_id: str = "t", round_: int = 0) -> int:
     """Tickets taken in ``round_``, read from etcd by a client run inside host 0."""
     host, _, port = endpoints.split(",")[0].rpartition(":")
-    code = ("import etcd3gw; from fastelastic.rendezvous.etcd_kv import EtcdKV; "
+    code = ("import etcd3gw; from fastelastic.rendezvous.etcd_impl.etcd_kv import EtcdKV; "
             f"kv = EtcdKV([etcd3gw.client(host={host!r}, port={port})], '/fastelastic/'); "
             f"print(kv.add('fe.rdzv.{run_id}/{round_}/t', 0))")
     p = c.spawn(0, [sys.executable, "-c", code], env={**os.environ,

@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 
 from fastelastic.errors import RendezvousMemberLostError
-from fastelastic.rendezvous.fast_rendezvous import FastRendezvousHandler
+from fastelastic.rendezvous.fast.fast_rendezvous import FastRendezvousHandler
 from fastelastic.rendezvous.timeouts import RendezvousTimeout
 from fastelastic.store import TCPStore
 

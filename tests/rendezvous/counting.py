@@ -31,7 +31,7 @@ class CountingStore:
 
 def run_counted(port: int, run_id: str, n: int, join: float = 60.0) -> list[int]:
     """Runs ``n`` fast-rendezvous nodes as threads (min = max = n); returns messages per node."""
-    from fastelastic.rendezvous.fast_rendezvous import FastRendezvousHandler
+    from fastelastic.rendezvous.fast.fast_rendezvous import FastRendezvousHandler
     from fastelastic.rendezvous.timeouts import RendezvousTimeout
     from fastelastic.store import TCPStore
 

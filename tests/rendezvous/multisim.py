@@ -34,11 +34,11 @@ from typing import Any
 from simstore import Node, Sim, Sleep
 
 from fastelastic.errors import RendezvousConnectionError
-from fastelastic.rendezvous import _hops as hops
-from fastelastic.rendezvous import _requests as rq
-from fastelastic.rendezvous import _schema as sc
-from fastelastic.rendezvous._failover import PROBE_S
-from fastelastic.rendezvous._hops import Live
+from fastelastic.rendezvous.fast import _requests as rq
+from fastelastic.rendezvous.fast import _schema as sc
+from fastelastic.rendezvous.fast.failover import _hops as hops
+from fastelastic.rendezvous.fast.failover._failover import PROBE_S
+from fastelastic.rendezvous.fast.failover._hops import Live
 
 DOWN = object()  # the reply of a request that failed as a connection error
 MAX_HOPS = 16
@@ -249,7 +249,7 @@ class MultiSim(Sim):
 
     def start(self, t: float = 0.0, node_rank: int = -1, moved_from: int = 0,
               proposed: int = 0) -> Node:
-        from fastelastic.rendezvous._round import Machine
+        from fastelastic.rendezvous.fast._round import Machine
 
         node = MNode(len(self.nodes), Machine(self.cfg, self.clock), node_rank)
         node.hosts = node.id if node.id < len(self.stores) else -1

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from fastelastic.errors import RendezvousConnectionError, RendezvousError
-from fastelastic.rendezvous import _requests as rq
-from fastelastic.rendezvous import _schema as sc
-from fastelastic.rendezvous._round import Config, Machine, Seat
-from fastelastic.rendezvous._schema import Membership
+from fastelastic.rendezvous.fast import _requests as rq
+from fastelastic.rendezvous.fast import _schema as sc
+from fastelastic.rendezvous.fast._round import Config, Machine, Seat
+from fastelastic.rendezvous.fast._schema import Membership
 
 MAX_STEPS = 2_000_000
 LOCAL = ("beat", "stop_beats", "sleep", "moved_elsewhere", "gone_elsewhere")  # not the store

@@ -188,7 +188,8 @@ def test_each_rendezvous_module_logs_under_a_child_of_fast_rendezvous_logger():
 
     parent = "fastelastic.rendezvous.fast_rendezvous"
     names = set()
-    for mod in ("_failover", "_liveness", "_round", "_store_hosting", "_worker_store"):
+    for mod in ("fast.failover._failover", "fast._liveness", "fast._round", "fast._store_hosting",
+                "fast._worker_store"):
         log = importlib.import_module(f"fastelastic.rendezvous.{mod}").log
         assert log.name.startswith(parent + "."), log.name
         assert log.parent is logging.getLogger(parent) and log.propagate

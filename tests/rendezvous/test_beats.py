@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from fastelastic.rendezvous._liveness import Beats
+from fastelastic.rendezvous.fast._liveness import Beats
 
 
 def _simulate(interval, window, poll, freeze_at, jitter=0.0, end=60.0, phase=0.037):

@@ -11,8 +11,8 @@ from datetime import timedelta
 import pytest
 
 from fastelastic.errors import RendezvousConnectionError
-from fastelastic.rendezvous import _failover
-from fastelastic.rendezvous._failover import Candidates
+from fastelastic.rendezvous.fast.failover import _failover
+from fastelastic.rendezvous.fast.failover._failover import Candidates
 from fastelastic.store import TCPStore
 
 RUN = "job"

@@ -15,7 +15,7 @@ if ETCD is None:
                 allow_module_level=True)
 etcd3gw = pytest.importorskip("etcd3gw", reason="!!! etcd3gw not installed: etcd tests cannot run")
 
-from fastelastic.rendezvous.etcd_kv import EtcdKV  # noqa: E402
+from fastelastic.rendezvous.etcd_impl.etcd_kv import EtcdKV  # noqa: E402
 
 
 def _kv(members, prefix="/t/", **kw) -> EtcdKV:

@@ -50,7 +50,7 @@ def test_unreachable_etcd_fails_within_the_rendezvous_timeouts(backend, conf, ca
 
 @pytest.mark.slow
 def test_retrying_request_says_so_every_few_seconds_and_stops_at_its_bound(caplog):
-    from fastelastic.rendezvous.etcd_kv import EtcdKV
+    from fastelastic.rendezvous.etcd_impl.etcd_kv import EtcdKV
 
     with closed_port() as port:
         kv = EtcdKV([etcd3gw.client(host="127.0.0.1", port=port, timeout=5)], "/t/",

@@ -18,9 +18,9 @@ from loopback import store as _store
 
 from fastelastic.errors import RendezvousTimeoutError
 from fastelastic.rendezvous import RendezvousParameters
-from fastelastic.rendezvous import _schema as sc
-from fastelastic.rendezvous._failover import Candidates, Fenced, Live
-from fastelastic.rendezvous.fast_rendezvous import create_fast_handler
+from fastelastic.rendezvous.fast import _schema as sc
+from fastelastic.rendezvous.fast.failover._failover import Candidates, Fenced, Live
+from fastelastic.rendezvous.fast.fast_rendezvous import create_fast_handler
 
 RUN = "fence"
 K = f"fe.rdzv.{RUN}/"

@@ -14,8 +14,8 @@ from loopback import store as _store
 
 from fastelastic.errors import RendezvousConnectionError, RendezvousTimeoutError
 from fastelastic.rendezvous import RendezvousParameters
-from fastelastic.rendezvous._failover import Candidates, GoBack, Live, Regroup
-from fastelastic.rendezvous.fast_rendezvous import create_fast_handler
+from fastelastic.rendezvous.fast.failover._failover import Candidates, GoBack, Live, Regroup
+from fastelastic.rendezvous.fast.fast_rendezvous import create_fast_handler
 
 RUN = "rules"
 K = f"fe.rdzv.{RUN}/"

@@ -23,7 +23,7 @@ from fastelastic.errors import (
     StoreConnectionError,
 )
 from fastelastic.rendezvous import RendezvousParameters, get_rendezvous_handler
-from fastelastic.rendezvous.fast_rendezvous import FastRendezvousHandler, assign_ranks
+from fastelastic.rendezvous.fast.fast_rendezvous import FastRendezvousHandler, assign_ranks
 from fastelastic.rendezvous.timeouts import RendezvousTimeout
 from fastelastic.store import TCPStore
 
@@ -175,7 +175,7 @@ _CHILD = textwrap.dedent("""
     import sys
     from datetime import timedelta
     from fastelastic.store import TCPStore
-    from fastelastic.rendezvous.fast_rendezvous import FastRendezvousHandler
+    from fastelastic.rendezvous.fast.fast_rendezvous import FastRendezvousHandler
     from fastelastic.rendezvous.timeouts import RendezvousTimeout
     store = TCPStore("127.0.0.1", int(sys.argv[1]), timeout=timedelta(seconds=30))
     h = FastRendezvousHandler("job", store, "c10d", 2, 4,
@@ -250,7 +250,7 @@ def test_the_workers_store_listens_only_on_the_workers_address(server, local_add
 
 
 def _beating(h_id: int) -> bool:
-    from fastelastic.rendezvous._liveness import BEATER
+    from fastelastic.rendezvous.fast._liveness import BEATER
 
     with BEATER._cond:
         return h_id in BEATER._due
@@ -641,7 +641,7 @@ def test_two_threads_that_lose_the_store_at_once_move_the_rendezvous_once(caplog
     failed on the lost store move the rendezvous once (to the next candidate, proposing epoch
     1), not once each (the second, seeing the first one's new store as its own, moved on
     again: epoch 2 on the third candidate)."""
-    from fastelastic.rendezvous.fast_rendezvous import create_fast_handler
+    from fastelastic.rendezvous.fast.fast_rendezvous import create_fast_handler
 
     stores = [TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                        timeout=timedelta(seconds=30)) for _ in range(3)]
@@ -681,7 +681,7 @@ def test_a_node_that_gives_up_never_closes_a_store_it_formed_no_world_on():
     """A node that moved alone (its move not committed) and gives up (join timeout, signal)
     leaves that store open: the nodes started later are not told the job is closed. On the
     store where it was a member of a round, its shutdown closes the rendezvous as before."""
-    from fastelastic.rendezvous.fast_rendezvous import create_fast_handler
+    from fastelastic.rendezvous.fast.fast_rendezvous import create_fast_handler
 
     stores = [TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                        timeout=timedelta(seconds=30)) for _ in range(3)]
@@ -716,7 +716,7 @@ def test_the_proof_that_lost_members_are_nowhere_else():
     and says why. A mark after a proof's fence comes too late (its mover is fenced)."""
     import socket
 
-    from fastelastic.rendezvous._failover import Candidates
+    from fastelastic.rendezvous.fast.failover._failover import Candidates
 
     live, other = (TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                             timeout=timedelta(seconds=30)) for _ in range(2))

@@ -10,10 +10,11 @@ from typing import Any
 
 from loopback import store as _store
 
-from fastelastic.rendezvous import RendezvousParameters, _majority
-from fastelastic.rendezvous import _requests as rq
-from fastelastic.rendezvous import _schema as sc
-from fastelastic.rendezvous import fast_rendezvous as fr
+from fastelastic.rendezvous import RendezvousParameters
+from fastelastic.rendezvous.fast import _requests as rq
+from fastelastic.rendezvous.fast import _schema as sc
+from fastelastic.rendezvous.fast import fast_rendezvous as fr
+from fastelastic.rendezvous.fast.failover import _majority
 
 RUN = "ident"
 K = sc.Keys(RUN)

@@ -13,9 +13,9 @@ import pytest
 from simstore import Sim
 
 from fastelastic.errors import RendezvousError
-from fastelastic.rendezvous import _requests as rq
-from fastelastic.rendezvous import _schema as sc
-from fastelastic.rendezvous._phases import FINAL, TRANSITIONS, Event, Phase, transition
+from fastelastic.rendezvous.fast import _requests as rq
+from fastelastic.rendezvous.fast import _schema as sc
+from fastelastic.rendezvous.fast._phases import FINAL, TRANSITIONS, Event, Phase, transition
 
 # ---------------------------------------------------------------------- the transition table
 
@@ -369,7 +369,7 @@ def test_when_preferred_ranks_reorder_the_seats_every_node_reads_its_own():
 
 
 def test_gone_quit_or_done_wins_over_a_reason_that_says_the_node_may_be_elsewhere():
-    from fastelastic.rendezvous._schema import parse_gone
+    from fastelastic.rendezvous.fast._schema import parse_gone
 
     raw = b"2:left;2:quit;3:closed;3:left;4:silent;4:done;5:quit;5:closed;6:done;6:quit;"
     assert parse_gone(raw) == {2: "quit", 3: "closed", 4: "done", 5: "quit", 6: "done"}
@@ -378,7 +378,7 @@ def test_gone_quit_or_done_wins_over_a_reason_that_says_the_node_may_be_elsewher
 def test_a_close_after_any_reason_but_moved_makes_a_proof_candidate():
     """What the proof that lost members are gone starts from (``_majority.proof_candidates``):
     a connection that closed here, first reason or not, and no word of a move."""
-    from fastelastic.rendezvous._schema import closed_unmoved
+    from fastelastic.rendezvous.fast._schema import closed_unmoved
 
     raw = (b"1:closed;2:left;2:closed;3:left;3:moved;3:closed;4:moved;4:closed;5:silent;"
            b"5:closed;6:left;7:quit;7:closed;x:closed;8:closedx;")
@@ -450,7 +450,7 @@ def test_the_simulated_stores_reject_a_request_that_is_not_a_typed_op():
 
 
 def test_outcome_kinds_are_an_enum_and_their_bytes_on_the_wire_are_those_of_before():
-    from fastelastic.rendezvous import _schema as sc
+    from fastelastic.rendezvous.fast import _schema as sc
 
     # the bytes the strings "M"/"C"/"D" wrote (a store written by an older node reads the same)
     assert sc.encode_outcome(3, b"10.0.0.1:29500", True) == b"M3\n10.0.0.1:29500\n=\n"
@@ -479,8 +479,8 @@ def test_a_successor_counts_only_carriers_of_the_newest_world():
     first round on a successor needs a majority of the newest one (highest generation);
     carriers of an older world count as new nodes. Before, two carriers of different worlds
     (one of a world of 3, one of its successor, a world of 2) made "2, the largest quorum"."""
-    from fastelastic.rendezvous import _schema as sc
-    from fastelastic.rendezvous._majority import moved_short
+    from fastelastic.rendezvous.fast import _schema as sc
+    from fastelastic.rendezvous.fast.failover._majority import moved_short
 
     def rec(quorum: int, wid: bytes) -> bytes:
         return sc.encode_record(-1, "10.0.0.1", 1, b"", quorum, -1, 1, wid)

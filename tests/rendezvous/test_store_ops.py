@@ -14,7 +14,7 @@ from datetime import timedelta
 import pytest
 
 from fastelastic.errors import StoreConnectionError
-from fastelastic.rendezvous import _store_ops as ops
+from fastelastic.rendezvous.fast import _store_ops as ops
 from fastelastic.store import TCPStore
 
 
@@ -75,7 +75,7 @@ def test_a_frozen_store_host_is_lost_within_the_reply_deadline(tmp_path):
 
 
 def test_every_typed_request_runs_on_a_real_store(server, client):
-    from fastelastic.rendezvous import _requests as rq
+    from fastelastic.rendezvous.fast import _requests as rq
 
     assert ops.apply(client, rq.Add("n", 2)) == 2
     assert ops.apply(client, rq.Add("n", 0)) == 2
@@ -103,7 +103,7 @@ def test_every_typed_request_runs_on_a_real_store(server, client):
 
 @pytest.mark.parametrize("op", [("add", "k", 1), "get", None])
 def test_a_request_that_is_not_a_typed_op_is_a_type_error_naming_it(client, op):
-    from fastelastic.rendezvous import _requests as rq
+    from fastelastic.rendezvous.fast import _requests as rq
 
     with pytest.raises(TypeError, match=r"not a rendezvous store request: .*" + type(op).__name__):
         ops.apply(client, op)

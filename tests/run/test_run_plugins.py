@@ -133,7 +133,7 @@ def test_registry_loads_a_plugin_backend_on_demand(plugin, tmp_path):
 
 
 def test_built_in_names_win_and_a_broken_plugin_is_a_warning(plugin, caplog):
-    from fastelastic.rendezvous.fast_rendezvous import FastRendezvousHandler
+    from fastelastic.rendezvous.fast.fast_rendezvous import FastRendezvousHandler
 
     handler = get_rendezvous_handler(_params("c10d", free_port()))
     assert type(handler) is FastRendezvousHandler

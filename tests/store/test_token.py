@@ -135,7 +135,7 @@ def test_the_token_never_crosses_the_wire():
 
 
 def test_rendezvous_store_hosting_uses_the_token(token_file):
-    from fastelastic.rendezvous._store_hosting import host_store
+    from fastelastic.rendezvous.fast._store_hosting import host_store
 
     token = read_token(token_file)
     port = socket.create_server(("127.0.0.1", 0))

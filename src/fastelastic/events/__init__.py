@@ -13,7 +13,6 @@ import inspect
 import logging
 import os
 import socket
-import threading
 import traceback
 
 from fastelastic.events.api import (
@@ -24,6 +23,7 @@ from fastelastic.events.api import (
     RdzvEvent,
 )
 from fastelastic.events.handlers import (
+    _get_or_create_logger,
     get_logging_handler,
     register_handler,
     unregister_handler,
@@ -42,38 +42,6 @@ __all__ = [
     "register_handler",
     "unregister_handler",
 ]
-
-_events_loggers: dict[str, logging.Logger] = {}
-_loggers_lock = threading.Lock()
-
-
-def _get_or_create_logger(destination: str = "null") -> logging.Logger:
-    """Returns the non-propagating logger that feeds the handler named ``destination``."""
-    with _loggers_lock:
-        logger = _events_loggers.get(destination)
-        if logger is None:
-            handler = get_logging_handler(destination)
-            logger = logging.getLogger(f"torchelastic-events-{destination}")
-            logger.setLevel(os.environ.get("LOGLEVEL", "INFO"))
-            logger.propagate = False  # each event is handled once, not again by the root
-            logger.addHandler(handler)
-            _events_loggers[destination] = logger
-        return logger
-
-
-def _rebind_logger(name: str, old: logging.Handler | None, new: logging.Handler | None) -> None:
-    """Swaps the handler of an already-built destination logger (after register/unregister)."""
-    with _loggers_lock:
-        logger = _events_loggers.get(name)
-        if logger is None:
-            return
-        if old is not None:
-            logger.removeHandler(old)
-        if new is None:
-            del _events_loggers[name]
-        else:
-            logger.addHandler(new)
-
 
 def record(event: Event, destination: str = "null") -> None:
     """Records ``event`` (as its JSON form) to the handler named ``destination``.

@@ -18,10 +18,10 @@ from fastelastic.errors import (
 )
 from fastelastic.store._torch import maybe_torch_store
 
-from ._store_hosting import host_store, token_from
 from .api import RendezvousParameters
 from .dynamic_rendezvous import RendezvousBackend, Token
-from .fast_rendezvous import DEFAULT_PORT
+from .fast._store_hosting import host_store, token_from
+from .fast.fast_rendezvous import DEFAULT_PORT
 from .utils import parse_rendezvous_endpoint
 
 __all__ = ["C10dRendezvousBackend", "create_backend"]

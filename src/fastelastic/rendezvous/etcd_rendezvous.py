@@ -18,9 +18,9 @@ from typing import Any
 from fastelastic.errors import RendezvousConnectionError, StoreError
 
 from .api import RendezvousParameters, RendezvousStoreInfo
-from .etcd_kv import EtcdKV
-from .etcd_liveness import RoundLiveness
-from .fast_rendezvous import FastRendezvousHandler, _prefix_store
+from .etcd_impl.etcd_kv import EtcdKV
+from .etcd_impl.etcd_liveness import RoundLiveness
+from .fast.fast_rendezvous import FastRendezvousHandler, _prefix_store
 from .timeouts import timeout_from_params
 from .utils import parse_rendezvous_endpoint
 

@@ -15,7 +15,7 @@ from fastelastic.errors import (
 
 from .api import RendezvousParameters
 from .dynamic_rendezvous import RendezvousBackend, Token
-from .etcd_kv import EtcdKV, _prefix_end
+from .etcd_impl.etcd_kv import EtcdKV, _prefix_end
 
 __all__ = ["EtcdRendezvousBackend", "create_backend"]
 

@@ -23,7 +23,7 @@ def _create_c10d_handler(params: RendezvousParameters) -> RendezvousHandler:
     if str(params.get("store_type", "tcp")).strip().lower() == "file":
         # torch's dynamic rendezvous over a FileStore (no store server to host)
         return _create_c10d_v2_handler(params)
-    from .fast_rendezvous import create_fast_handler
+    from .fast.fast_rendezvous import create_fast_handler
 
     return create_fast_handler(params)
 

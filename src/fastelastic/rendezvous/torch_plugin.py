@@ -22,7 +22,7 @@ def _make_handler_class() -> type:
     from fastelastic.errors import RendezvousError
 
     from .api import RendezvousParameters
-    from .fast_rendezvous import FastRendezvousHandler, create_fast_handler
+    from .fast.fast_rendezvous import FastRendezvousHandler, create_fast_handler
 
     class FastElasticTorchHandler(torch_api.RendezvousHandler):
         """torch-typed facade over :class:`FastRendezvousHandler`.

@@ -20,7 +20,8 @@ from fastelastic.errors import (
 from fastelastic.events import EventSource
 
 if TYPE_CHECKING:
-    from fastelastic.agent.server.api import WorkerGroup, WorkerSpec, WorkerState
+    from fastelastic.agent.server._states import WorkerState
+    from fastelastic.agent.server._workers import WorkerGroup, WorkerSpec
 
 logger = logging.getLogger("fastelastic.agent.server.api")  # the agent's log, as before
 

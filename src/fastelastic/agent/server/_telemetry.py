@@ -16,7 +16,7 @@ from fastelastic.events import Event, EventSource, get_logging_handler, record
 from fastelastic.metrics import put_metric
 
 if TYPE_CHECKING:
-    from fastelastic.agent.server.api import RunResult, Worker, WorkerGroup
+    from fastelastic.agent.server._workers import RunResult, Worker, WorkerGroup
 
 
 @functools.lru_cache(maxsize=1)

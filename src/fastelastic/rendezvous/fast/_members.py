@@ -19,7 +19,7 @@ from ._requests import Add, Append, MultiSet, Proto, Set
 from ._schema import Membership
 
 if TYPE_CHECKING:
-    from ._round import Config
+    from ._config import Config
 
 
 class MemberOps:

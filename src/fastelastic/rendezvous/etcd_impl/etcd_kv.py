@@ -42,7 +42,7 @@ from .etcd_stream import CONNECT_S, Unanswered, WatchStream, member_url
 
 __all__ = ["EtcdKV"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("fastelastic.rendezvous.etcd_kv")  # its name before the move
 
 _MARK = "/.dc/"
 _OP = "/.op/"

@@ -30,29 +30,29 @@ from fastelastic.errors import (
 )
 from fastelastic.events import NodeState, construct_and_record_rdzv_event
 
-from . import _hops as hops
-from . import _requests as rq
-from . import _schema as sc
-from . import _store_ops as ops
-from ._failover import Candidates, parse_candidates
-from ._hops import Live
-from ._liveness import BEATER
-from ._moves import Moves
-from ._round import Config, Machine
-from ._schema import Membership, assign_ranks
-from ._store_hosting import host_store, token_from
-from ._worker_store import RoundStores, WorkerStoreHost
-from .api import (
+from ..api import (
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
 )
-from .timeouts import RendezvousTimeout, store_times_from_params, timeout_from_params
-from .utils import parse_rendezvous_endpoint
+from ..timeouts import RendezvousTimeout, store_times_from_params, timeout_from_params
+from ..utils import parse_rendezvous_endpoint
+from . import _requests as rq
+from . import _schema as sc
+from . import _store_ops as ops
+from ._liveness import BEATER
+from ._round import Config, Machine
+from ._schema import Membership, assign_ranks
+from ._store_hosting import host_store, token_from
+from ._worker_store import RoundStores, WorkerStoreHost
+from .failover import _hops as hops
+from .failover._failover import Candidates, parse_candidates
+from .failover._hops import Live
+from .failover._moves import Moves
 
 __all__ = ["FastRendezvousHandler", "assign_ranks", "create_fast_handler"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("fastelastic.rendezvous.fast_rendezvous")  # the name users configure
 
 T = TypeVar("T")
 DEFAULT_PORT = 29400

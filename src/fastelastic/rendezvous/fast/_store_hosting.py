@@ -10,7 +10,7 @@ from typing import Any
 
 from fastelastic.errors import RendezvousConnectionError, StoreError
 
-from .utils import _matches_machine_hostname
+from ..utils import _matches_machine_hostname
 
 # a child of fast_rendezvous's logger: logging configs written for that name keep working
 log = logging.getLogger("fastelastic.rendezvous.fast_rendezvous.store_hosting")

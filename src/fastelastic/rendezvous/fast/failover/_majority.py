@@ -60,8 +60,8 @@ beats) still costs at most that vote: with fewer carriers, no world forms that c
 
 from __future__ import annotations
 
-from . import _schema as sc
-from ._requests import Add, Check, Get, GoneElsewhere, MultiGet, Proto
+from .. import _schema as sc
+from .._requests import Add, Check, Get, GoneElsewhere, MultiGet, Proto
 
 GONE_FOR_GOOD = sc.FOR_GOOD  # ``gone`` reasons of members that are nowhere else
 

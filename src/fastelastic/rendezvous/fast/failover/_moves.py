@@ -18,10 +18,10 @@ from ._hops import Live
 if TYPE_CHECKING:
     import threading
 
+    from ...api import RendezvousInfo
+    from ...timeouts import RendezvousTimeout
+    from .._round import Machine
     from ._failover import Candidates
-    from ._round import Machine
-    from .api import RendezvousInfo
-    from .timeouts import RendezvousTimeout
 
 _MAX_HOPS = 64  # moves and returns of one next_rendezvous
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastelastic.errors import StoreError
 
-from .api import RendezvousStoreInfo
+from ..api import RendezvousStoreInfo
 
 __all__ = ["RoundStores", "WorkerStoreHost", "is_ip"]
 

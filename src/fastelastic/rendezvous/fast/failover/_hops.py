@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from fastelastic.errors import RendezvousConnectionError, RendezvousTimeoutError
 
-from ._requests import Append, Get, Op, Proto, Set, StopBeats
-from ._schema import (
+from .._requests import Append, Get, Op, Proto, Set, StopBeats
+from .._schema import (
     Keys,
     encode_fence,
     encode_mark,
@@ -45,7 +45,7 @@ from ._schema import (
 )
 
 if TYPE_CHECKING:
-    from ._round import Machine
+    from .._round import Machine
 
 # a child of fast_rendezvous's logger: logging configs written for that name keep working
 log = logging.getLogger("fastelastic.rendezvous.fast_rendezvous.failover")

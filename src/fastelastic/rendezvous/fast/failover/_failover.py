@@ -26,9 +26,11 @@ from typing import Any, Protocol, TypeVar
 
 from fastelastic.errors import RendezvousConnectionError, StoreError
 
+from ...utils import _matches_machine_hostname, parse_rendezvous_endpoint
+from .. import _requests as rq
+from .. import _store_ops as ops
+from .._schema import Keys, proof_entries
 from . import _hops as hops
-from . import _requests as rq
-from . import _store_ops as ops
 from ._hops import (  # noqa: F401 (the failover's names, as callers and tests know them)
     NO_WORLD_RULE,
     Adopt,
@@ -45,8 +47,6 @@ from ._hops import (  # noqa: F401 (the failover's names, as callers and tests k
     mark_moving,
     prove_gone,
 )
-from ._schema import Keys, proof_entries
-from .utils import _matches_machine_hostname, parse_rendezvous_endpoint
 
 T = TypeVar("T")
 # a child of fast_rendezvous's logger: logging configs written for that name keep working

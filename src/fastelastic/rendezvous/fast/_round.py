@@ -27,8 +27,8 @@ from fastelastic.errors import (
     RendezvousTimeoutError,
 )
 
-from . import _majority
 from . import _schema as sc
+from ._config import Config
 from ._liveness import Beats, Deciders, Watch
 from ._members import MemberOps
 from ._phases import FINAL, E, Event, P, Phase, transition
@@ -49,6 +49,7 @@ from ._requests import (
     Wait,
 )
 from ._schema import Kind, Membership, Seat
+from .failover import _majority
 
 __all__ = ["Config", "Event", "Machine", "Phase", "Seat", "transition"]
 
@@ -59,32 +60,6 @@ SLICE = 1.0  # seconds: how often a blocked decider re-checks whether the round 
 MAX_WALK = 10_000  # bound on rounds walked forward/back
 MAX_WATCHED = 8  # peers whose keep-alive counters a member reads per membership check
 MAX_SPARE_WAITS = 1_000_000  # join timeouts a spare waits behind a running round (years)
-
-
-@dataclass(frozen=True)
-class Config:
-    """What a node's machine needs to know (timeouts in seconds)."""
-
-    run_id: str
-    min_nodes: int
-    max_nodes: int
-    join: float = 600.0
-    last_call: float = 30.0
-    ka_interval: float = 1.0
-    ka_max: int = 5
-    reform_last_call: bool = False
-    hooks: bool = True  # the store runs disconnect actions (fastelastic's server, etcd leases)
-    can_move: bool = False  # other candidates may host the rendezvous (see _majority.away)
-
-    @property
-    def window(self) -> float:
-        """Keep-alive counters standing still this long mean the node is lost."""
-        return self.ka_interval * self.ka_max
-
-    @property
-    def spare_window(self) -> float:
-        """The shorter window used while a spare is ready to take a silent member's seat."""
-        return max(2 * self.ka_interval, self.window / 2)
 
 
 @dataclass
