@@ -489,7 +489,7 @@ class SimpleElasticAgent(_AgentPeers, _AgentTelemetry, ElasticAgent):
                 wg.state = WorkerState.FAILED
                 self._set_state(AgentState.FAILED)
                 self._publish_failure()
-                return run_result
+                return self._failed_result(wg, run_result)
             if action is AgentAction.ABORT:
                 raise RuntimeError(f"[{role}] Worker group in {state.name} state")
             if action is AgentAction.RETRY:
@@ -504,6 +504,28 @@ class SimpleElasticAgent(_AgentPeers, _AgentTelemetry, ElasticAgent):
             self._restart_workers(wg)  # RESTART (a peer lost or waiting) or RETRY
             if interval is not None:
                 next_check = time.monotonic() + interval
+
+    def _failed_result(self, wg: WorkerGroup, run_result: RunResult) -> RunResult:
+        """The run's result when the group failed for good: FAILED, and never without a
+        failure. A group the monitor found UNHEALTHY (a hang verdict, a D-state worker) exited
+        no worker by itself: the agent stopped them, and ``_stopped_failures`` names them."""
+        failures = run_result.failures or self._stopped_failures(wg, run_result.state)
+        return RunResult(state=WorkerState.FAILED, return_values=run_result.return_values,
+                         failures=failures)
+
+    def _stopped_failures(self, wg: WorkerGroup, state: WorkerState) -> dict[int, Any]:
+        """The failures of a group stopped as ``state`` with no restart left, by global rank.
+
+        This agent knows no culprit: every local worker, its exit status unknown.
+        ``LocalElasticAgent`` names the culprits and says why they were stopped.
+        """
+        from fastelastic.multiprocessing.errors import EXITCODE_UNKNOWN, ProcessFailure
+
+        why = f"the worker group was {state.name} with no restart left: the agent stopped it"
+        return {w.global_rank: ProcessFailure(w.local_rank, int(w.id or -1), EXITCODE_UNKNOWN,
+                                              "", unknown_exit="stopped by the agent",
+                                              stopped_for=why)
+                for w in wg.workers}
 
     def _decide(self, wg: WorkerGroup, state: WorkerState, check_due: bool) -> AgentAction:
         """``decide``, asking the rendezvous what it asks for (at most once each)."""
