@@ -245,6 +245,7 @@ class SimpleElasticAgent(_AgentPeers, _AgentTelemetry, ElasticAgent):
         self._total_execution_time = 0
         self._in_exit_barrier = False
         self._agent_state = AgentState.INIT
+        self._store_gone = False  # the store's host finished and its store went with it
 
     def _set_state(self, state: AgentState) -> None:
         """The one place the run loop's state changes (``_runloop.TRANSITIONS``).
@@ -480,15 +481,17 @@ class SimpleElasticAgent(_AgentPeers, _AgentTelemetry, ElasticAgent):
             if action is AgentAction.SUCCEED:
                 logger.info("[%s] worker group successfully finished", role)
                 self._set_state(AgentState.EXIT_BARRIER)
-                self._mark_done(spec)
-                self._exit_barrier()
+                if not self._store_gone:  # else nobody is left to tell or wait for
+                    self._mark_done(spec)
+                    self._exit_barrier()
                 self._set_state(AgentState.SUCCEEDED)
                 return run_result
             if action is AgentAction.FAIL:
                 self._stop_workers(wg)
                 wg.state = WorkerState.FAILED
                 self._set_state(AgentState.FAILED)
-                self._publish_failure()
+                if not self._store_gone:
+                    self._publish_failure()
                 return self._failed_result(wg, run_result)
             if action is AgentAction.ABORT:
                 raise RuntimeError(f"[{role}] Worker group in {state.name} state")
@@ -532,9 +535,16 @@ class SimpleElasticAgent(_AgentPeers, _AgentTelemetry, ElasticAgent):
         waiting: int | None = None
         lost: int | None = None
         for _ in range(3):  # waiting nodes, lost members, then a verdict
+            if self._store_gone:  # no round can form again: no check, no restart
+                return decide(state, 0, False, None, 0)
             action = decide(state, self._remaining_restarts, check_due, waiting, lost)
             if action is AgentAction.ASK_WAITING:
-                waiting = wg.spec.rdzv_handler.num_nodes_waiting()
+                try:
+                    waiting = wg.spec.rdzv_handler.num_nodes_waiting()
+                except (StoreError, RendezvousError, OSError) as e:
+                    if not self._host_finished(wg, e):
+                        raise
+                    continue
                 if waiting > 0:
                     logger.info(
                         "[%s] Detected %s new nodes from group_rank=%s; will restart worker group",
@@ -543,10 +553,14 @@ class SimpleElasticAgent(_AgentPeers, _AgentTelemetry, ElasticAgent):
                         wg.group_rank,
                     )
             elif action is AgentAction.ASK_LOST:
-                if state == WorkerState.HEALTHY:
-                    lost = int(self._report_lost_members(wg))
-                else:  # a peer lost with the workers: restart without using a retry
-                    lost = int(self._report_lost_members_after_failure(wg, state))
+                try:
+                    if state == WorkerState.HEALTHY:
+                        lost = int(self._report_lost_members(wg))
+                    else:  # a peer lost with the workers: restart without using a retry
+                        lost = int(self._report_lost_members_after_failure(wg, state))
+                except (StoreError, RendezvousError, OSError) as e:
+                    if not self._host_finished(wg, e):
+                        raise
             else:
                 return action
         raise AssertionError(f"decide kept asking: {action.name} after waiting={waiting} "
