@@ -546,8 +546,9 @@ class LocalElasticAgent(SimpleElasticAgent):
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         self._enter_step(AgentState.RUNNING)
         result = self._check_workers(worker_group)
-        if self._hang is None or result.state == WorkerState.SUCCEEDED or self._store_gone:
-            return result  # (no store: no verdict can be shared)
+        if self._hang is None or result.state == WorkerState.SUCCEEDED or self._store_gone or (
+                getattr(worker_group.spec.rdzv_handler, "store_host_finished", False)):
+            return result  # a node finished (or the store is gone): no verdict can come
         if result.state != WorkerState.HEALTHY and not self._hang.pending:
             return result
         # a node that reported a stall finishes the verdict even once its workers failed: a
