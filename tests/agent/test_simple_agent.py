@@ -398,3 +398,32 @@ def test_protected_steps_out_of_order_are_recorded_not_refused(store_server):
     # the run loop's own decisions are still checked
     with pytest.raises(AssertionError, match="RENDEZVOUS -> SUCCEEDED"):
         agent._set_state(AgentState.SUCCEEDED)
+
+
+class UnhealthyAgent(PopenAgent):
+    """Its monitor calls the running group UNHEALTHY (as a hang or D-state check does)."""
+
+    def _monitor_workers(self, wg):
+        return RunResult(WorkerState.UNHEALTHY)
+
+
+@pytest.mark.usefixtures("no_identical_env")
+def test_unhealthy_with_no_restart_left_is_a_failure_with_failures(store_server):
+    """The run loop's last failure from an UNHEALTHY group returns FAILED, never without a
+    failure: the launcher raises ChildFailedError (fastrun exits 1) from it."""
+    from fastelastic.errors import ChildFailedError
+    from fastelastic.multiprocessing.errors import EXITCODE_UNKNOWN
+
+    rdzv = StoreRendezvous(store_server, 0, 1)
+    agent = UnhealthyAgent(make_spec(rdzv, "import time; time.sleep(30)", max_restarts=0),
+                           exit_barrier_timeout=5)
+    result = agent.run()
+    assert result.is_failed() and result.state == WorkerState.FAILED
+    assert sorted(result.failures) == [0, 1]
+    f = result.failures[1]
+    assert f.local_rank == 1 and f.exitcode == EXITCODE_UNKNOWN
+    assert f.stopped_for == ("the worker group was UNHEALTHY with no restart left: the agent "
+                             "stopped it")
+    assert f.stopped_for in f.message
+    assert ChildFailedError("job", result.failures).get_first_failure()[0] in (0, 1)
+    assert agent.procs == {}  # stopped

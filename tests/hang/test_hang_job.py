@@ -151,3 +151,70 @@ def test_native_frames_with_py_spy(tmp_path: Path, need_torch) -> None:
     # only the culprit's native frames are taken (its peers wait in all_reduce)
     peer = next(tmp_path.glob("logs0/*/hang_1/rank0.stacks.txt")).read_text()
     assert "py-spy" not in peer
+
+
+def _report_of(text: str) -> str:
+    """fastrun's failure report (the block between its rules), or ''."""
+    start = text.find("fastrun: ")
+    while start >= 0 and " FAILED" not in text[start:text.find("\n", start)]:
+        start = text.find("fastrun: ", start + 1)
+    return text[start:] if start >= 0 else ""
+
+
+def test_hang_with_no_restart_left_fails_the_run_with_the_report(tmp_path: Path,
+                                                                 need_torch) -> None:
+    """A deadlocked rank at fastrun's default --max-restarts (0): the run fails like a crash,
+    exit status 1, and the report names the rank, what it hung in and where its stacks are."""
+    results = run_job(tmp_path, nproc=2, hang_timeout=2, how="deadlock", hang_rank=1,
+                      hang_step=5, steps=10, max_restarts=0)
+    out = results[0].stdout
+    assert results[0].returncode == 1, out[-4000:]
+    assert len(_verdict_lines(out)) == 1, out[-4000:]
+    assert "hang: no restart left" in out and "restarting the worker group" not in out
+    report = _report_of(out)
+    assert "root cause : rank 1 (local_rank 1)" in report, out[-4000:]
+    assert "hung (--hang-timeout): no progress for " in report
+    assert "in hung_in_deadlock (hang_worker.py:" in report
+    stacks = next(line for line in report.splitlines() if line.startswith("stacks     : "))
+    path = Path(stacks.split(" : ", 1)[1])
+    assert path.name == "rank1.stacks.txt" and "hung_in_deadlock" in path.read_text()
+    assert "also failed" not in report  # rank 0 waited in all_reduce: not a culprit
+    assert {r["restart"] for r in records(tmp_path)} == {0}
+    assert not any(r.get("event") == "done" for r in records(tmp_path))
+
+
+def test_two_nodes_hang_with_no_restart_left_ends_as_a_crash_does(tmp_path: Path,
+                                                                  need_torch) -> None:
+    """Two nodes, --max-restarts 0, rank 3 hangs: the culprit's node exits 1 with the report;
+    the other exits non-zero as it does when a peer's worker crashes (the same job, rank 3
+    exiting 1 instead): no node exits 0."""
+    hang = tmp_path / "hang"
+    crash = tmp_path / "crash"
+    hang.mkdir()
+    crash.mkdir()
+    runs = {
+        "hang": run_job(hang, nproc=2, nnodes=2, hang_timeout=3, how="sleep", hang_rank=3,
+                        hang_step=5, steps=12, max_restarts=0),
+        "crash": run_job(crash, nproc=2, nnodes=2, hang_timeout=3, how="crash", hang_rank=3,
+                         hang_step=5, steps=12, max_restarts=0),
+    }
+    closed = "is closed. [fastrun: the job ended on another node"
+    for how, results in runs.items():
+        outs = [r.stdout for r in results]
+        assert [r.returncode for r in results] == [1, 1], (how, [o[-3000:] for o in outs])
+        culprit = [o for o in outs if "root cause : rank 3 (local_rank 1)" in _report_of(o)]
+        assert len(culprit) == 1, (how, [o[-3000:] for o in outs])
+        other = outs[1 - outs.index(culprit[0])]
+        # a peer lost before this node's own failure was handled: it re-joins and finds the
+        # job closed (or, the culprit's node hosting the store, gone); or its workers' failure
+        # (gloo: the peer's connection closed) was first
+        assert "fastrun: error: " in other or "FAILED" in _report_of(other), (how, other[-3000:])
+        assert "Traceback (most recent call last):" not in other.splitlines()  # fastrun's
+    report = _report_of(next(r.stdout for r in runs["hang"]
+                             if "root cause : rank 3" in _report_of(r.stdout)))
+    assert "hung (--hang-timeout): no progress for " in report
+    assert "in hung_in_sleep (hang_worker.py:" in report
+    hang_other = [r.stdout for r in runs["hang"] if "root cause : rank 3" not in r.stdout]
+    # it restarted for the verdict, as a survivor does, and re-joined a closed rendezvous
+    assert "hang: restarting the worker group" in hang_other[0], hang_other[0][-3000:]
+    assert closed in hang_other[0] or "fastrun: error: " in hang_other[0]

@@ -754,3 +754,49 @@ def test_the_handler_rejects_a_request_that_is_not_a_typed_op(server):
 
     with pytest.raises(TypeError, match=r"not a rendezvous store request: \('check'"):
         h._run(legacy(), h._store)
+
+
+@pytest.mark.parametrize("finished", [True, False], ids=["host-finished", "host-lost"])
+def test_a_finished_store_host_is_told_from_a_lost_one(nodes, finished):
+    """The store's host (one endpoint) writes 'host' with its 'done': a member that read it
+    before the store went says ``store_host_finished`` and sends no keep-alive after the loss;
+    a host gone without it (lost) is not taken for a finished one."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    params = [RendezvousParameters("c10d", f"127.0.0.1:{port}", f"fin{finished}", 2, 2,
+                                   local_addr="127.0.0.1", last_call_timeout=0, join_timeout=20,
+                                   is_host=host)
+              for host in (True, False)]
+    host, member = (get_rendezvous_handler(p) for p in params)
+    assert host._server is not None and member._server is None
+    try:
+        nodes.start(0, lambda i: host.next_rendezvous())
+        nodes.start(1, lambda i: member.next_rendezvous())
+        nodes.join(20)
+        assert not nodes.errors
+        assert member.lost_members() == [] and not member.store_host_finished
+        if finished:
+            host.mark_done()
+        assert member.lost_members() == []  # a finished host is no lost member
+        assert member.store_host_finished is finished
+        assert not host.store_host_finished  # it never read its own mark
+        host._server.shutdown_server()  # the store goes with its host
+        with pytest.raises(RendezvousConnectionError):
+            member.num_nodes_waiting()
+        assert member.store_host_finished is finished
+        assert _beating(id(member)) is not finished  # nobody is left to hear them
+    finally:
+        for h in (host, member):
+            h._stop_heartbeats()
+            h._close_side()
+            h._wstore.close()
+            h._store.close()
+
+
+def test_host_entry_in_gone_changes_no_reason():
+    from fastelastic.rendezvous._schema import host_finished, parse_gone
+
+    raw = b"1:closed;0:done;0:host;t3:closed;0:closed;"
+    assert parse_gone(raw) == {1: "closed", 0: "done"}
+    assert host_finished(raw) and not host_finished(b"0:done;1:closed;t2:closed;")

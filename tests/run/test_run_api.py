@@ -156,3 +156,27 @@ def test_the_report_says_an_unknown_exit_status_is_unknown(tmp_path):
     rep = format_failure_report(ChildFailedError("train.py", failures), None, host="h")
     assert "exit code 256" not in rep
     assert rep.count("exit status unknown") == 2, rep
+
+
+def test_the_report_of_a_worker_the_agent_stopped_says_why_and_where_its_stacks_are(tmp_path):
+    """A rank stopped for a hang (or D-state) with no restart left: the report says what it
+    hung in and where its stacks are, not a traceback it never wrote."""
+    import signal as _signal
+
+    from fastelastic.launcher.report import format_failure_report
+    from fastelastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    why = "hung (--hang-timeout): no progress for 5.0 s, in hung_in_sleep (train.py:60)"
+    stacks = tmp_path / "hang_1" / "rank3.stacks.txt"
+    failures = {
+        3: ProcessFailure(1, 77, -_signal.SIGTERM, "", stopped_for=why, stacks_file=str(stacks)),
+        2: ProcessFailure(0, 76, -_signal.SIGKILL, "", stopped_for="stuck in D-state"),
+    }
+    failures[2].timestamp += 10  # rank 3 is the first failure: the root cause
+    rep = format_failure_report(ChildFailedError("train.py", failures), None, host="h")
+    assert "root cause : rank 3 (local_rank 1) on host h" in rep
+    assert (f"failure    : {why} (pid 77); stopped by the agent: killed by SIGTERM") in rep
+    assert f"stacks     : {stacks}" in rep
+    assert "traceback" not in rep
+    assert "also failed: rank 2 (local_rank 0) stuck in D-state" in rep
+    assert why in failures[3].message

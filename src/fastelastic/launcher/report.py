@@ -131,13 +131,20 @@ def format_failure_report(exc: Any, run_log_dir: str | None = None, host: str | 
         f"fastrun: {exc.name} FAILED",
         "-" * width,
         f"root cause : rank {rank} (local_rank {root.local_rank}) on host {host}",
-        f"failure    : {how} (pid {root.pid})",
     ]
-    stack, origin = worker_traceback(root, run_log_dir)
+    stopped_for = getattr(root, "stopped_for", None)
+    if stopped_for:  # it never exited by itself: why the agent stopped it, where its stacks are
+        lines.append(f"failure    : {stopped_for} (pid {root.pid}); stopped by the agent: {how}")
+        stacks = getattr(root, "stacks_file", None)
+        lines.append(f"stacks     : {stacks or 'none taken'}")
+        stack, origin = None, ""
+    else:
+        lines.append(f"failure    : {how} (pid {root.pid})")
+        stack, origin = worker_traceback(root, run_log_dir)
     if stack:
         lines.append(f"traceback  : ({origin})")
         lines.extend("  " + ln for ln in stack.splitlines())
-    else:
+    elif origin:
         lines.append(f"traceback  : {origin}")
     rank_dir = _rank_log_dir(root, run_log_dir)
     if rank_dir or run_log_dir:
@@ -145,7 +152,8 @@ def format_failure_report(exc: Any, run_log_dir: str | None = None, host: str | 
     others = sorted(r for r in exc.failures if r != rank)
     for r in others:
         f = exc.failures[r]
-        lines.append(f"also failed: rank {r} (local_rank {f.local_rank}) {_how(f.exitcode)}")
+        what = getattr(f, "stopped_for", None) or _how(f.exitcode)
+        lines.append(f"also failed: rank {r} (local_rank {f.local_rank}) {what}")
     lines.append("=" * width)
     return "\n".join(lines)
 
@@ -160,8 +168,13 @@ def _chain(e: BaseException) -> list[BaseException]:
 
 
 def _store_error_line(e: BaseException) -> str | None:
-    """A one-line explanation for address-in-use and unreachable-store errors, else None."""
-    from fastelastic.errors import RendezvousConnectionError, StoreConnectionError
+    """A one-line explanation for address-in-use, unreachable-store and closed-rendezvous
+    errors, else None."""
+    from fastelastic.errors import (
+        RendezvousClosedError,
+        RendezvousConnectionError,
+        StoreConnectionError,
+    )
 
     for err in _chain(e):
         text = " ".join(str(err).split())
@@ -174,6 +187,12 @@ def _store_error_line(e: BaseException) -> str | None:
             )
     for err in _chain(e):
         text = " ".join(str(err).split())
+        if isinstance(err, RendezvousClosedError):
+            return (
+                f"{text} [fastrun: the job ended on another node while this one was joining "
+                "a round: a node whose workers failed with no restart left closes it (its "
+                "report says why)]"
+            )
         if isinstance(err, (StoreConnectionError, ConnectionRefusedError,
                             RendezvousConnectionError)):
             return (

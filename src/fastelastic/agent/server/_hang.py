@@ -116,6 +116,9 @@ class HangWatch:
         self._collective: dict[int, bool] = {}  # by local rank, from those stacks
         self._published_steps = 0
         self.last_verdict = ""  # the line of the last verdict (for its event)
+        # this node's ranks the last verdict blamed: {local_rank: (what it hung in, the path
+        # of its stacks or None)}; the failures of a run that ends on that verdict
+        self.blamed: dict[int, tuple[str, str | None]] = {}
         self._host = socket.gethostname()
 
     def prepare(self, envs: dict[int, dict[str, str]]) -> None:
@@ -125,6 +128,7 @@ class HangWatch:
         self._published = False
         self._drop_native()
         self.intervals.reset_attempt()
+        self.blamed = {}
 
     def started(self, pids: dict[int, int], ranks: dict[int, int]) -> None:
         """The attempt's workers: ``{local_rank: pid}`` and ``{local_rank: global_rank}``."""
@@ -178,11 +182,13 @@ class HangWatch:
         self._dumped_at = steps
 
     def check(self, store: Any, group_rank: int, group_world_size: int,
-              log_dir: str | None, reused_store: bool = False) -> HangAction | None:
+              log_dir: str | None, reused_store: bool = False,
+              restarts_left: int = 1) -> HangAction | None:
         """One look (every monitor tick while the group is healthy); an action on a verdict.
 
         ``reused_store``: the rendezvous gives every round the same store (``static``): the
         keys are then also named after the verdicts seen so far (every node saw them all).
+        ``restarts_left``: this node's, for what its log says the verdict leads to.
         """
         if not self._pids:
             return None
@@ -247,10 +253,10 @@ class HangWatch:
         except (StoreError, RendezvousError, OSError, ValueError) as e:
             logger.warning("hang check: the store did not answer (%s); checking again", e)
             return None
-        return self._act(verdict, reports, first, group_rank, log_dir)
+        return self._act(verdict, reports, first, group_rank, log_dir, restarts_left)
 
     def _act(self, verdict: Verdict, reports: list[RankReport], first: bool, group_rank: int,
-             log_dir: str | None) -> HangAction:
+             log_dir: str | None, restarts_left: int = 1) -> HangAction:
         self.verdicts += 1
         self.last_verdict = verdict.line
         mine = set(self._ranks.values())
@@ -279,11 +285,17 @@ class HangWatch:
         path = self._write(verdict, reports, first, log_dir)
         if path:
             logger.error("hang: stacks in %s", path)
+        blamed = culprit_here or (not verdict.culprits and first)
+        self.blamed = self._blame(verdict, reports, path) if blamed else {}
         if at_end:
             logger.error("hang: stopping the workers still running (group_rank=%s); the run "
                          "ends with the workers' result, no restart", group_rank)
             return HangAction.END
-        if culprit_here or (not verdict.culprits and first):
+        if blamed and restarts_left <= 0:
+            logger.error("hang: no restart left: the run of this node (group_rank=%s) fails",
+                         group_rank)
+            return HangAction.RETRY
+        if blamed:
             logger.error("hang: restarting the worker group (group_rank=%s) as after a failure",
                          group_rank)
             return HangAction.RETRY
@@ -323,6 +335,24 @@ class HangWatch:
             self._kept_dir = tempfile.mkdtemp(prefix="fastelastic-hang-")
             logger.warning("hang: no log dir: the hang reports go to %s (kept)", self._kept_dir)
         return self._kept_dir
+
+    def _blame(self, verdict: Verdict, reports: list[RankReport],
+               path: str | None) -> dict[int, tuple[str, str | None]]:
+        """What each blamed rank of this node hung in, and where its stacks are: the culprits
+        the verdict named, or, when no rank stands out, every rank of the claiming node."""
+        by_rank = {r.rank: r for r in reports}
+        out: dict[int, tuple[str, str | None]] = {}
+        for lr, rank in sorted(self._ranks.items()):
+            if verdict.culprits and rank not in verdict.culprits:
+                continue
+            r = by_rank.get(rank)
+            what = (f"no progress for {r.idle_s:.1f} s, in {r.frame}" if r is not None
+                    else "no progress")
+            if not verdict.culprits:
+                what += " (no rank stood out: this node claimed the verdict)"
+            stacks = os.path.join(path, f"rank{rank}.stacks.txt") if path else None
+            out[lr] = (f"hung (--hang-timeout): {what}", stacks)
+        return out
 
     def _write(self, verdict: Verdict, reports: list[RankReport], first: bool,
                log_dir: str | None) -> str | None:

@@ -34,6 +34,7 @@ class _AgentPeers:
     _exit_barrier_timeout: float
     _in_exit_barrier: bool
     _agent_state: AgentState
+    _store_gone: bool
 
     if TYPE_CHECKING:  # SimpleElasticAgent's and _AgentTelemetry's
 
@@ -97,11 +98,30 @@ class _AgentPeers:
         except RendezvousGracefulExitError:
             raise
         except (StoreError, RendezvousError, OSError) as e:
+            if self._host_finished(wg, e):
+                return False
             logger.warning(
                 "[%s] worker group %s; could not check for lost nodes (%s): handling it as "
                 "this node's failure", wg.spec.role, state.name, e,
             )
             return False
+
+    def _host_finished(self, wg: WorkerGroup, e: BaseException) -> bool:
+        """After a membership check failed with ``e``: True when the store is gone because its
+        host finished its work (the rendezvous read its mark first: ``store_host_finished``).
+        Then nothing is left to re-form with: this node monitors its workers to their end
+        (``_store_gone``), and says so once. A lost host (no such mark) is False: as before.
+        """
+        if not isinstance(e, (StoreConnectionError, RendezvousConnectionError, ConnectionError)):
+            return False
+        if not getattr(wg.spec.rdzv_handler, "store_host_finished", False):
+            return False
+        self._store_gone = True
+        logger.warning(
+            "[%s] the rendezvous store's host finished its work and its store has gone (%s): "
+            "nothing is left to re-form with; this node (group_rank=%s) monitors its workers "
+            "and ends with their result", wg.spec.role, e, wg.group_rank)
+        return True
 
     def _publish_failure(self) -> None:
         """Tells agents waiting in the exit barrier that this node failed, so they stop waiting."""

@@ -85,6 +85,7 @@ class SimpleElasticAgent(_AgentPeers, _AgentTelemetry, ElasticAgent):
         self._total_execution_time = 0
         self._in_exit_barrier = False
         self._agent_state = AgentState.INIT
+        self._store_gone = False  # the store's host finished and its store went with it
 
     def _set_state(self, state: AgentState) -> None:
         """The one place the run loop's state changes (``_runloop.TRANSITIONS``).
@@ -320,16 +321,18 @@ class SimpleElasticAgent(_AgentPeers, _AgentTelemetry, ElasticAgent):
             if action is AgentAction.SUCCEED:
                 logger.info("[%s] worker group successfully finished", role)
                 self._set_state(AgentState.EXIT_BARRIER)
-                self._mark_done(spec)
-                self._exit_barrier()
+                if not self._store_gone:  # else nobody is left to tell or wait for
+                    self._mark_done(spec)
+                    self._exit_barrier()
                 self._set_state(AgentState.SUCCEEDED)
                 return run_result
             if action is AgentAction.FAIL:
                 self._stop_workers(wg)
                 wg.state = WorkerState.FAILED
                 self._set_state(AgentState.FAILED)
-                self._publish_failure()
-                return run_result
+                if not self._store_gone:
+                    self._publish_failure()
+                return self._failed_result(wg, run_result)
             if action is AgentAction.ABORT:
                 raise RuntimeError(f"[{role}] Worker group in {state.name} state")
             if action is AgentAction.RETRY:
@@ -345,14 +348,43 @@ class SimpleElasticAgent(_AgentPeers, _AgentTelemetry, ElasticAgent):
             if interval is not None:
                 next_check = time.monotonic() + interval
 
+    def _failed_result(self, wg: WorkerGroup, run_result: RunResult) -> RunResult:
+        """The run's result when the group failed for good: FAILED, and never without a
+        failure. A group the monitor found UNHEALTHY (a hang verdict, a D-state worker) exited
+        no worker by itself: the agent stopped them, and ``_stopped_failures`` names them."""
+        failures = run_result.failures or self._stopped_failures(wg, run_result.state)
+        return RunResult(state=WorkerState.FAILED, return_values=run_result.return_values,
+                         failures=failures)
+
+    def _stopped_failures(self, wg: WorkerGroup, state: WorkerState) -> dict[int, Any]:
+        """The failures of a group stopped as ``state`` with no restart left, by global rank.
+
+        This agent knows no culprit: every local worker, its exit status unknown.
+        ``LocalElasticAgent`` names the culprits and says why they were stopped.
+        """
+        from fastelastic.multiprocessing.errors import EXITCODE_UNKNOWN, ProcessFailure
+
+        why = f"the worker group was {state.name} with no restart left: the agent stopped it"
+        return {w.global_rank: ProcessFailure(w.local_rank, int(w.id or -1), EXITCODE_UNKNOWN,
+                                              "", unknown_exit="stopped by the agent",
+                                              stopped_for=why)
+                for w in wg.workers}
+
     def _decide(self, wg: WorkerGroup, state: WorkerState, check_due: bool) -> AgentAction:
         """``decide``, asking the rendezvous what it asks for (at most once each)."""
         waiting: int | None = None
         lost: int | None = None
         for _ in range(3):  # waiting nodes, lost members, then a verdict
+            if self._store_gone:  # no round can form again: no check, no restart
+                return decide(state, 0, False, None, 0)
             action = decide(state, self._remaining_restarts, check_due, waiting, lost)
             if action is AgentAction.ASK_WAITING:
-                waiting = wg.spec.rdzv_handler.num_nodes_waiting()
+                try:
+                    waiting = wg.spec.rdzv_handler.num_nodes_waiting()
+                except (StoreError, RendezvousError, OSError) as e:
+                    if not self._host_finished(wg, e):
+                        raise
+                    continue
                 if waiting > 0:
                     logger.info(
                         "[%s] Detected %s new nodes from group_rank=%s; will restart worker group",
@@ -361,10 +393,14 @@ class SimpleElasticAgent(_AgentPeers, _AgentTelemetry, ElasticAgent):
                         wg.group_rank,
                     )
             elif action is AgentAction.ASK_LOST:
-                if state == WorkerState.HEALTHY:
-                    lost = int(self._report_lost_members(wg))
-                else:  # a peer lost with the workers: restart without using a retry
-                    lost = int(self._report_lost_members_after_failure(wg, state))
+                try:
+                    if state == WorkerState.HEALTHY:
+                        lost = int(self._report_lost_members(wg))
+                    else:  # a peer lost with the workers: restart without using a retry
+                        lost = int(self._report_lost_members_after_failure(wg, state))
+                except (StoreError, RendezvousError, OSError) as e:
+                    if not self._host_finished(wg, e):
+                        raise
             else:
                 return action
         raise AssertionError(f"decide kept asking: {action.name} after waiting={waiting} "

@@ -62,6 +62,16 @@ def _resolve_uninterruptible_state_timeout(explicit: float | None) -> float:
         return 0.0
 
 
+def _wchan(pid: int) -> str:
+    """``", in the kernel's NAME"``: where a process sleeps (``/proc/PID/wchan``), or ""."""
+    try:
+        with open(f"/proc/{pid}/wchan") as f:
+            name = f.read().strip()
+    except OSError:
+        return ""
+    return f", in the kernel's {name}" if name and name != "0" else ""
+
+
 def substitute_local_rank(args: tuple, local_rank: int) -> tuple:
     """Replaces ``${local_rank}`` in every string argument (torch's ``macros.substitute``)."""
     from fastelastic.utils.api import macros
@@ -124,6 +134,7 @@ class LocalElasticAgent(SimpleElasticAgent):
             uninterruptible_state_timeout
         )
         self._uninterruptible_state_first_seen: dict[int, float] = {}
+        self._stuck: dict[int, str] = {}  # local rank -> why it counts as wedged (D-state)
         self._exits_pending = True  # a full check is due (start, or an exit was reported)
         self._health_started = False
         self.numa_binding: str | None = None  # "MODE: RANK->CPUS ..." of the last start
@@ -408,6 +419,7 @@ class LocalElasticAgent(SimpleElasticAgent):
             self._hang.started(pids, {w.local_rank: w.global_rank for w in worker_group.workers})
         self._exits_pending = True
         self._uninterruptible_state_first_seen.clear()
+        self._stuck.clear()
         if self._worker_watchdog is not None and hasattr(self._worker_watchdog, "set_allowed_pids"):
             self._worker_watchdog.set_allowed_pids(list(pids.values()))
         return pids
@@ -485,12 +497,12 @@ class LocalElasticAgent(SimpleElasticAgent):
                 continue
             first = seen.setdefault(pid, now)
             if now - first >= timeout:
-                stuck.append((pid, now - first))
+                stuck.append((lr, pid, now - first))
         for pid in [p for p in seen if p not in pids.values()]:
             del seen[pid]
         if not stuck:
             return None
-        for pid, elapsed in stuck:
+        for lr, pid, elapsed in stuck:
             logger.error(
                 "[%s] worker pid=%s stuck in uninterruptible sleep (D-state) for %.1fs"
                 " (>= %.1fs); marking the group UNHEALTHY, no more restarts",
@@ -499,15 +511,44 @@ class LocalElasticAgent(SimpleElasticAgent):
                 elapsed,
                 timeout,
             )
+            self._stuck[lr] = (
+                f"stuck in uninterruptible sleep (D-state) for {elapsed:.1f} s{_wchan(pid)} "
+                f"(>= {TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT}={timeout:g}); no restart: "
+                "a wedged worker holds what a new one would need")
         self._remaining_restarts = 0  # a wedged worker holds a device a new one would need
         return RunResult(state=WorkerState.UNHEALTHY)
+
+    def _stopped_failures(self, wg: WorkerGroup, state: WorkerState) -> dict[int, Any]:
+        """The workers that made the run fail without exiting: those stuck in D-state, else
+        the ranks the hang verdict blamed, each with why and where its stacks are."""
+        from fastelastic.multiprocessing.errors import EXITCODE_UNKNOWN, ProcessFailure
+
+        blamed: dict[int, tuple[str, str | None]] = {
+            lr: (why, None) for lr, why in self._stuck.items()}
+        if not blamed and self._hang is not None:
+            blamed = dict(self._hang.blamed)
+        if not blamed:
+            return super()._stopped_failures(wg, state)
+        pc = self._pcontext
+        codes = pc.exitcodes() if pc is not None else {}
+        pids = pc.pids() if pc is not None else {}
+        out: dict[int, Any] = {}
+        for lr, (why, stacks) in sorted(blamed.items()):
+            code = codes.get(lr)
+            out[wg.workers[lr].global_rank] = ProcessFailure(
+                lr, int(pids.get(lr, wg.workers[lr].id or -1)),
+                EXITCODE_UNKNOWN if code is None else code, "",
+                unknown_exit="it outlived the agent's stop", stopped_for=why,
+                stacks_file=stacks)
+        return out
 
     @prof
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         self._enter_step(AgentState.RUNNING)
         result = self._check_workers(worker_group)
-        if self._hang is None or result.state == WorkerState.SUCCEEDED:
-            return result
+        if self._hang is None or result.state == WorkerState.SUCCEEDED or self._store_gone or (
+                getattr(worker_group.spec.rdzv_handler, "store_host_finished", False)):
+            return result  # a node finished (or the store is gone): no verdict can come
         if result.state != WorkerState.HEALTHY and not self._hang.pending:
             return result
         # a node that reported a stall finishes the verdict even once its workers failed: a
@@ -517,6 +558,7 @@ class LocalElasticAgent(SimpleElasticAgent):
             worker_group.store, worker_group.group_rank or 0, worker_group.group_world_size or 1,
             getattr(self._logs_specs, "_run_log_dir", None),
             reused_store=spec.rdzv_handler.get_backend() == "static",
+            restarts_left=self._remaining_restarts,
         )
         if action is None:
             return result

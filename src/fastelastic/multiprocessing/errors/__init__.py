@@ -59,6 +59,9 @@ class ProcessFailure:
         error_file: path of the worker's error file (need not exist).
         stderr_tail: the last lines the worker wrote to stderr, used when there is no file.
         unknown_exit: with ``EXITCODE_UNKNOWN``, why the status is unknown (in the message).
+        stopped_for: why the agent stopped a worker that had not exited (a hang verdict, a
+            D-state timeout, with no restart left); the message then says it first.
+        stacks_file: where the stacks of such a worker were written, when they were.
     """
 
     local_rank: int
@@ -67,6 +70,8 @@ class ProcessFailure:
     error_file: str
     stderr_tail: str | None = None
     unknown_exit: str | None = None
+    stopped_for: str | None = None
+    stacks_file: str | None = None
     error_file_data: JSON = field(init=False)
     message: Any = field(init=False)
     timestamp: int = field(init=False)
@@ -103,7 +108,7 @@ class ProcessFailure:
         return data if isinstance(data, dict) and "message" in data else None
 
     def _synthesize_message(self) -> str:
-        parts = []
+        parts = [self.stopped_for] if self.stopped_for else []
         if self.exitcode == EXITCODE_UNKNOWN:
             parts.append(
                 f"exit status of PID {self.pid} unknown: {self.unknown_exit or 'not reported'}"

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from fastelastic.errors import StoreError
 
 from ._requests import Add, Append, Check, MultiGet, MultiSet, Proto
-from ._schema import SEAL, RoundKeys, parse_gone, who_node, who_parts
+from ._schema import SEAL, RoundKeys, host_finished, parse_gone, who_node, who_parts
 
 # a child of fast_rendezvous's logger: logging configs written for that name keep working
 log = logging.getLogger("fastelastic.rendezvous.fast_rendezvous.liveness")
@@ -74,6 +74,7 @@ class Watch:
         self.keys = [k.gone] + [k.beat(t) for t in peer_tickets]
         self.beats = Beats(window, slack)  # keyed by rank
         self.reported: set[int] = set()
+        self.host_done = False  # the store's host finished (read in ``gone``)
 
 
 class Deciders:
@@ -121,6 +122,7 @@ def lost_members(w: Watch, cfg: Any, spare_ready: bool, clock: Callable[[], floa
     vals = [bytes(v) for v in (yield MultiGet(w.keys))]
     now = clock()
     gone = parse_gone(vals[0])
+    w.host_done = w.host_done or host_finished(vals[0])
     silent = w.beats.observe(dict(zip(w.peers, vals[1:], strict=True)), now)
     if spare_ready:  # a spare can take a silent peer's seat: suspect it sooner
         silent.update((rank, now - since) for rank, (_, since) in w.beats.since.items()
@@ -238,8 +240,12 @@ class KeepAlive:
                 handler.beat(key, b"%d" % beat)
                 ok = True
             except (StoreError, OSError) as e:
-                log.warning("rendezvous %s: keep-alive %s failed: %s", handler.run_id, key, e)
                 ok = False
+                if getattr(handler, "store_host_finished", False):  # the job ended there
+                    self.remove(handler)
+                    del handler
+                    continue
+                log.warning("rendezvous %s: keep-alive %s failed: %s", handler.run_id, key, e)
             with self._cond:
                 entry = self._due.get(hid)
                 if entry is not None and entry[0] is ref:

@@ -77,10 +77,13 @@ class MemberOps:
             q, rank, _ = self.member
             yield Append(self.keys.round(q).gone, b"%d:moved;" % rank)
 
-    def mark_done(self) -> Proto[None]:
-        """Tells the others this node's workers finished: its later exit is no loss."""
+    def mark_done(self, hosting: bool = False) -> Proto[None]:
+        """Tells the others this node's workers finished: its later exit is no loss.
+        ``hosting``: it hosts the store, which ends with it (``host`` follows ``done``)."""
         if self.watch is not None:
-            yield Append(self.watch.k.gone, b"%d:done;" % self.watch.rank)
+            rank = self.watch.rank
+            yield Append(self.watch.k.gone,
+                         b"%d:done;%d:host;" % (rank, rank) if hosting else b"%d:done;" % rank)
 
     def set_closed(self) -> Proto[None]:
         """Sets ``closed`` and wakes every node waiting in a forming round or as a spare."""

@@ -61,7 +61,8 @@ Round ``r``:
   its later exit is no loss), ``left`` (it re-joins), ``quit`` (it leaves for good: preempted),
   ``silent`` (a peer saw its counter stand still for the detection window), ``moved`` (it
   moves to another candidate on purpose: said before it closes anything, so a ``closed``
-  without it is a death, see :func:`._majority.proof_candidates`).
+  without it is a death, see :func:`._majority.proof_candidates`), ``host`` (after its
+  ``done``: it hosts the store, which goes when it ends; :func:`host_finished`).
 * ``left/<rank>`` (:py:meth:`RoundKeys.left`): the member left the round (re-joined, left,
   died, or was found silent). The next round is sealed once every member has left.
 * ``broken`` (:py:attr:`RoundKeys.broken`): the round is over (a member left or was lost); ``C``
@@ -351,6 +352,13 @@ def parse_gone(raw: bytes) -> dict[int, str]:
         if r not in out or (reason in FOR_GOOD and out[r] not in FOR_GOOD):
             out[r] = reason
     return out
+
+
+def host_finished(raw: bytes) -> bool:
+    """True when ``gone`` says the store's host finished its work (its ``host`` entry,
+    written with its ``done``): the store going away after that is the job's end there, not
+    a lost host."""
+    return any(entry.partition(b":")[2] == b"host" for entry in raw.split(b";"))
 
 
 def ticket_closed(ticket: int) -> bytes:

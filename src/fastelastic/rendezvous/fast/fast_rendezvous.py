@@ -354,7 +354,7 @@ class FastRendezvousHandler(Moves, RoundStores, RendezvousHandler):
         if self._m.member is None:
             return 0
         if self._candidates is None:
-            return self._side_call(self._m.num_nodes_waiting())
+            return self._member_check(self._m.num_nodes_waiting())
         try:
             return self._watchful(self._m.num_nodes_waiting())
         except (RendezvousConnectionError, StoreTimeoutError):
@@ -396,7 +396,7 @@ class FastRendezvousHandler(Moves, RoundStores, RendezvousHandler):
         if self._m.watch is None:
             return []
         if self._candidates is None:
-            return self._side_call(self._m.lost_members())
+            return self._member_check(self._m.lost_members())
         store, lost = self._store, self._candidates.name(self._live.index)
         try:
             return self._watchful(self._m.lost_members())
@@ -410,13 +410,34 @@ class FastRendezvousHandler(Moves, RoundStores, RendezvousHandler):
                 f"the rendezvous moved to {where}" if self._m.carried or self._m.member else
                 f"this node was proven gone from its world first: it follows ({where})"))]
 
+    def _member_check(self, gen: rq.Proto[T]) -> T:
+        """A membership check on the one endpoint. Once the store's host finished, a store
+        that cannot be reached is the job's end there: no keep-alive is sent to it again."""
+        try:
+            return self._side_call(gen)
+        except RendezvousConnectionError:
+            if self.store_host_finished:
+                self._stop_heartbeats()
+            raise
+
+    @property
+    def store_host_finished(self) -> bool:
+        """True once this node read that the node hosting the rendezvous store finished its
+        work (its workers succeeded; :py:meth:`mark_done`): the store then goes when that
+        node ends, and losing it is no lost host (one endpoint only: with several candidates
+        the rendezvous moves on instead)."""
+        w = self._m.watch
+        return self._candidates is None and w is not None and w.host_done
+
     def mark_done(self) -> None:
         """Tells the other members that this node finished its work (its workers succeeded).
 
         Its connection closing or its keep-alives stopping later is then no loss: a node that
-        leaves the exit barrier early does not make the others restart their workers.
+        leaves the exit barrier early does not make the others restart their workers. The
+        store's host (one endpoint) also says so: its store ends with it.
         """
-        self._run(self._m.mark_done(), self._store)  # fire-and-forget: never waits
+        hosting = self._server is not None and self._candidates is None
+        self._run(self._m.mark_done(hosting), self._store)  # fire-and-forget: never waits
 
     def leave(self) -> None:
         """Tells the members of this node's round that it is leaving for good (preempted:
