@@ -112,6 +112,30 @@ def test_progress_before_the_verdict_withdraws(store, nodes, tmp_path) -> None:
     assert b.check(store, tmp_path) is None  # node 0's report is gone: no verdict
 
 
+def test_a_peer_that_never_sends_its_frames_delays_the_verdict_by_a_bound(
+        store, nodes, tmp_path, monkeypatch) -> None:
+    """Every node reported, then node 1's agent went silent before sending its frames: node 0
+    judges from the frames it has once ``FRAMES_WAIT_S`` passed, and reads no missing key."""
+    from fastelastic.agent.server import _hang
+
+    monkeypatch.setattr(_hang, "FRAMES_WAIT_S", 0.3)
+    a, b = nodes
+    for n in nodes:
+        n.step(0, 5, ago_s=2)
+        n.step(1, 5, ago_s=2)
+    a.views[1][w.F_STEPS] = 4  # rank 1 fell behind
+    assert b.check(store, tmp_path / "b") is None  # reported; then silent
+    t0 = time.monotonic()
+    assert a.check(store, tmp_path / "a") is None  # the verdict; node 1's frames awaited
+    got = None
+    while got is None and time.monotonic() - t0 < 5:
+        got = a.check(store, tmp_path / "a")
+        time.sleep(0.05)
+    assert got is HangAction.RETRY and 0.3 <= time.monotonic() - t0 < 5
+    text = (tmp_path / "a" / "hang_1" / "report.txt").read_text()
+    assert text.startswith("rank 1 (host ") and "fell behind: 4 steps" in text
+
+
 def test_a_save_in_progress_suspends(store, nodes, tmp_path) -> None:
     a, _ = nodes
     a.step(0, 5, ago_s=3)
