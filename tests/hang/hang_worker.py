@@ -60,6 +60,10 @@ def hung_in_native_call():
         libc.sleep(3600)
 
 
+def hung_in_native_call_once():
+    ctypes.PyDLL(None).sleep(3600)  # the GIL held; the script goes on if a signal ends it
+
+
 def hung_in_sleep():
     time.sleep(3600)
 
@@ -80,7 +84,8 @@ def crashed():
     os._exit(1)  # the comparison: a crash, restarted as usual
 
 
-HANGS = {"crash": crashed, "native": hung_in_native_call, "sleep": hung_in_sleep,
+HANGS = {"crash": crashed, "native": hung_in_native_call,
+         "native_once": hung_in_native_call_once, "sleep": hung_in_sleep,
          "deadlock": hung_in_deadlock, "loop": hung_in_python_loop}
 
 

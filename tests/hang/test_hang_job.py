@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+import re
 import shutil
 from pathlib import Path
 
@@ -81,6 +83,43 @@ def test_two_nodes_rank_3_hangs_holding_the_gil(tmp_path: Path, need_torch, monk
         assert took <= 5.0 + 1.5 * restart + 2.0, (took, restart)
     # the culprit's node used one restart; the survivor's none
     assert sorted({r["restart"] for r in recs}) == [0, 1], sorted({r["restart"] for r in recs})
+
+
+def test_a_rank_in_one_libc_sleep_is_left_alone_until_the_verdict(tmp_path: Path, need_torch,
+                                                                  monkeypatch) -> None:
+    """Rank 3 calls libc ``sleep(3600)`` once (``PyDLL``: the GIL held), then trains on if it
+    returns. Nothing may end that sleep before the verdict: no step by rank 3 between the
+    hang and the verdict, one verdict, and every rank training again <= 10 s after the hang
+    (2 nodes x 2 workers, ``--preload torch --hang-timeout 5``)."""
+    monkeypatch.setenv("LOGLEVEL", "INFO")  # the verdict's moment, from the agents' logs
+    results = run_job(tmp_path, nproc=2, nnodes=2, hang_timeout=5, preload="torch",
+                      how="native_once", hang_rank=3, hang_step=20, steps=30)
+    recs = records(tmp_path)
+    _check_finished(results, recs, 4)
+    hang = next(r for r in recs if r.get("event") == "hang")
+    day = datetime.datetime.fromtimestamp(hang["t"])
+    hung_at = []  # each node's "the job is hung" line, before it touches a rank
+    for r in results:
+        for line in r.stdout.splitlines():
+            m = re.match(r"^I\d{4} (\d\d):(\d\d):(\d\d\.\d+) .*hang: every node reported", line)
+            if m:
+                hung_at.append(day.replace(hour=int(m[1]), minute=int(m[2]), second=0,
+                                           microsecond=0).timestamp() + float(m[3]))
+    assert len(hung_at) == 2, [r.stdout[-3000:] for r in results]
+    verdict = min(hung_at)
+    assert verdict - hang["t"] >= 5.0, verdict - hang["t"]  # the whole timeout, no sooner
+    early = [r for r in recs if r["rank"] == 3 and r["restart"] == 0 and "step" in r
+             and hang["t"] < r["t"] < verdict]
+    assert not early, f"rank 3 stepped before the verdict: {early}"
+    lines = [x for r in results for x in _verdict_lines(r.stdout)]
+    assert len(lines) == 2, lines  # one verdict, logged by each node
+    assert all("rank 3 (host " in x and "hung_in_native_call_once" in x for x in lines), lines
+    assert len(list(tmp_path.glob("logs*/*/hang_1/report.txt"))) == 1
+    assert not list(tmp_path.glob("logs*/*/hang_2"))
+    took = recovery_s(recs, 4)
+    print(f"\nhang -> all 4 ranks training again: {took:.2f} s; phases: "
+          f"{phases(recs, [r.stdout for r in results])}")
+    assert took <= 10.0, took
 
 
 def test_healthy_job_slow_first_step_long_save_long_eval(tmp_path: Path, need_torch) -> None:

@@ -1,11 +1,15 @@
 """Two agents' hang checks against a real store, with slots written as workers write them:
 a verdict needs every node, one claim writes the report, the culprit's node retries and the
-other restarts, and progress before the verdict withdraws a node's report."""
+other restarts, progress before the verdict withdraws a node's report, and nothing touches a
+rank (signal or ptrace) before the verdict."""
 
 from __future__ import annotations
 
 import mmap
-import re
+import os
+import subprocess
+import sys
+import textwrap
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -80,9 +84,12 @@ def test_verdict_needs_every_node_and_names_the_laggard(store, nodes, tmp_path) 
     assert a.check(store, tmp_path / "a") is None
     assert b.check(store, tmp_path / "b") is None  # stalled, reported; node 0 has not
     assert b.watch.pending and not a.watch.pending
-    a.views[0][w.F_LAST_NS] -= int(2e9)  # now node 0 stalls too
-    assert a.check(store, tmp_path / "a") is HangAction.RESTART  # rank 3 is not node 0's
+    a.views[0][w.F_LAST_NS] -= int(2e9)  # now node 0 stalls too: the job is hung
+    assert a.check(store, tmp_path / "a") is None  # its frames sent; node 1's awaited
+    assert a.watch.pending
     assert b.check(store, tmp_path / "b") is HangAction.RETRY  # node 1 spends a restart
+    assert a.check(store, tmp_path / "a") is HangAction.RESTART  # rank 3 is not node 0's
+    assert not a.watch.pending and not b.watch.pending
     reports = list(tmp_path.glob("*/hang_1/report.txt"))
     assert len(reports) == 1  # one claim
     text = reports[0].read_text()
@@ -103,6 +110,30 @@ def test_progress_before_the_verdict_withdraws(store, nodes, tmp_path) -> None:
     assert not store.check(["fastelastic/hang/node/0"])  # its report withdrawn
     b.views[0][w.F_LAST_NS] -= int(2e9)
     assert b.check(store, tmp_path) is None  # node 0's report is gone: no verdict
+
+
+def test_a_peer_that_never_sends_its_frames_delays_the_verdict_by_a_bound(
+        store, nodes, tmp_path, monkeypatch) -> None:
+    """Every node reported, then node 1's agent went silent before sending its frames: node 0
+    judges from the frames it has once ``FRAMES_WAIT_S`` passed, and reads no missing key."""
+    from fastelastic.agent.server import _hang
+
+    monkeypatch.setattr(_hang, "FRAMES_WAIT_S", 0.3)
+    a, b = nodes
+    for n in nodes:
+        n.step(0, 5, ago_s=2)
+        n.step(1, 5, ago_s=2)
+    a.views[1][w.F_STEPS] = 4  # rank 1 fell behind
+    assert b.check(store, tmp_path / "b") is None  # reported; then silent
+    t0 = time.monotonic()
+    assert a.check(store, tmp_path / "a") is None  # the verdict; node 1's frames awaited
+    got = None
+    while got is None and time.monotonic() - t0 < 5:
+        got = a.check(store, tmp_path / "a")
+        time.sleep(0.05)
+    assert got is HangAction.RETRY and 0.3 <= time.monotonic() - t0 < 5
+    text = (tmp_path / "a" / "hang_1" / "report.txt").read_text()
+    assert text.startswith("rank 1 (host ") and "fell behind: 4 steps" in text
 
 
 def test_a_save_in_progress_suspends(store, nodes, tmp_path) -> None:
@@ -154,52 +185,16 @@ def test_watch_shows_steps_and_progress_age(nodes) -> None:
     assert v.bad_messages == 1
 
 
-def test_py_spy_runs_while_the_other_nodes_report_not_in_the_restart(
-        store, nodes, tmp_path, monkeypatch) -> None:
-    """py-spy (here a stand-in taking 1 s) begins when a node stalls: the verdict that comes
-    once the last node reported does not wait for it again (it was in the restart's path)."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    fake = bin_dir / "py-spy"
-    fake.write_text("#!/bin/sh\nsleep 1\necho \"native frames of $4\"\n"
-                    f"touch {tmp_path}/done.$4\n")
-    fake.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}:{__import__('os').environ['PATH']}")
-    monkeypatch.delenv("FASTELASTIC_HANG_PYSPY", raising=False)
-    a, b = nodes
-    for n in nodes:
-        n.step(0, 20, ago_s=2)
-        n.step(1, 20, ago_s=2)
-    b.views[1][w.F_STEPS] = 19  # rank 3 fell behind: the culprit
-    a.step(0, 1)  # node 0 still moving
-    t0 = time.monotonic()
-    assert b.check(store, tmp_path / "b") is None  # stalled and reported; py-spy begun
-    assert time.monotonic() - t0 < 0.9  # ... in the background
-    done = [tmp_path / f"done.{10_000 + r}" for r in (2, 3)]
-    deadline = time.monotonic() + 10
-    while not all(p.exists() for p in done) and time.monotonic() < deadline:
-        time.sleep(0.05)  # node 0 reports only after node 1's py-spy finished
-    assert all(p.exists() for p in done)
-    a.views[0][w.F_LAST_NS] -= int(2e9)
-    assert a.check(store, tmp_path / "a") is HangAction.RESTART
-    t0 = time.monotonic()
-    assert b.check(store, tmp_path / "b") is HangAction.RETRY
-    assert time.monotonic() - t0 < 0.5  # before: py-spy ran here, 1 s
-    text = (tmp_path / "b" / "hang_1" / "rank3.stacks.txt").read_text()
-    assert "--- py-spy dump --native ---\nnative frames of 10003" in text
-    assert "py-spy" not in (tmp_path / "b" / "hang_1" / "rank2.stacks.txt").read_text()
-    assert not list(Path(b.watch.slots.dir).glob("native.*"))  # the dumps' files are gone
-
-
 def _fake_py_spy(tmp_path: Path, monkeypatch, seconds: float) -> None:
-    """A py-spy stand-in on PATH that takes ``seconds`` and leaves ``done.<pid>`` behind."""
+    """A py-spy stand-in on PATH: ``begun.<pid>`` when it starts, ``seconds`` later its
+    output and ``done.<pid>``."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     fake = bin_dir / "py-spy"
-    fake.write_text(f"#!/bin/sh\nsleep {seconds}\necho \"native frames of $4\"\n"
-                    f"touch {tmp_path}/done.$4\n")
+    fake.write_text(f"#!/bin/sh\ntouch {tmp_path}/begun.$4\nsleep {seconds}\n"
+                    f"echo \"native frames of $4\"\ntouch {tmp_path}/done.$4\n")
     fake.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}:{__import__('os').environ['PATH']}")
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     monkeypatch.delenv("FASTELASTIC_HANG_PYSPY", raising=False)
 
 
@@ -210,51 +205,83 @@ def _wait_for(paths: list[Path], seconds: float = 10.0) -> bool:
     return all(p.exists() for p in paths)
 
 
-def test_stacks_and_py_spy_begin_before_the_stall_so_a_same_tick_verdict_never_waits(
+def test_py_spy_begins_at_the_verdict_and_the_culprit_gets_native_frames(
         store, nodes, tmp_path, monkeypatch) -> None:
-    """Every node stalls in the same tick (the usual case: peers block in the hung rank's
-    collective at once), so the verdict follows the last report at once. The stacks and
-    py-spy are taken a fifth of the timeout (1 s at most) before the stall, so that verdict
-    does not wait for them (before: py-spy began at the stall, and the restart waited for it,
-    here 1 s)."""
-    _fake_py_spy(tmp_path, monkeypatch, 1.0)
-    a, b = nodes  # timeout 1 s: the dumps begin at 0.8 s without progress
+    """py-spy (a stand-in taking 0.5 s) begins at the verdict with the stacks, for the ranks
+    outside a collective, and the culprit's dump has its output; before the verdict (one
+    node stalled and reported, the other not) it was not started."""
+    _fake_py_spy(tmp_path, monkeypatch, 0.5)
+    a, b = nodes
     for n in nodes:
-        n.step(0, 20, ago_s=0.85)
-        n.step(1, 20, ago_s=0.85)
+        n.step(0, 20, ago_s=2)
+        n.step(1, 20, ago_s=2)
     b.views[1][w.F_STEPS] = 19  # rank 3 fell behind: the culprit
-    for n in nodes:
-        assert n.check(store, tmp_path / f"n{n.group_rank}") is None  # not stalled yet
-    assert not store.check(["fastelastic/hang/node/0", "fastelastic/hang/node/1"])
-    assert _wait_for([tmp_path / f"done.{10_000 + r}" for r in range(4)])  # py-spy ran ahead
-    for n in nodes:
-        for lr in (0, 1):
-            n.views[lr][w.F_LAST_NS] -= int(0.3e9)  # now 1.15 s: stalled
-    assert a.check(store, tmp_path / "a") is None  # reported; b has not yet
-    t0 = time.monotonic()
+    a.step(0, 1)  # node 0 still moving
+    assert b.check(store, tmp_path / "b") is None and b.watch.pending  # reported
+    time.sleep(0.2)  # what a py-spy begun now would need to leave its mark
+    assert not list(tmp_path.glob("begun.*"))  # nothing touched a rank before the verdict
+    a.views[0][w.F_LAST_NS] -= int(2e9)
+    assert a.check(store, tmp_path / "a") is None  # the verdict: frames sent, py-spy begun
     assert b.check(store, tmp_path / "b") is HangAction.RETRY
-    assert time.monotonic() - t0 < 0.5  # before: py-spy began here and was waited for, 1 s
     assert a.check(store, tmp_path / "a") is HangAction.RESTART
     text = (tmp_path / "b" / "hang_1" / "rank3.stacks.txt").read_text()
     assert "--- py-spy dump --native ---\nnative frames of 10003" in text
-    report = (tmp_path / "b" / "hang_1" / "report.txt").read_text()
-    idle = float(re.search(r"rank 3 host \S+ pid 10003 steps 19 idle ([\d.]+)s", report)[1])
-    assert idle >= 1.15  # the stall's, not the early dump's (0.85 s)
+    assert "py-spy" not in (tmp_path / "b" / "hang_1" / "rank2.stacks.txt").read_text()
+    assert not list(Path(b.watch.slots.dir).glob("native.*"))  # the dumps' files are gone
 
 
-def test_progress_after_the_early_dump_drops_it_and_the_stall_dumps_again(
-        store, nodes, tmp_path, monkeypatch) -> None:
-    """The stacks taken ahead of a stall are dropped (py-spy ended, its files removed) when
-    the node makes progress before the stall, and taken afresh at the next stall."""
-    _fake_py_spy(tmp_path, monkeypatch, 5.0)
-    a, _ = nodes
-    a.step(0, 3, ago_s=0.9)
-    a.step(1, 3, ago_s=0.9)
-    assert a.check(store, tmp_path / "a") is None
-    assert a.watch._native is not None and a.watch._native.local_ranks  # begun ahead
-    native_dir = Path(a.watch.slots.dir)
-    assert list(native_dir.glob("native.*"))
-    a.step(0)  # progress: the early dumps are stale
-    assert a.check(store, tmp_path / "a") is None
-    assert a.watch._native is None and not list(native_dir.glob("native.*"))
-    assert not store.check(["fastelastic/hang/node/0"])
+RANK_SCRIPT = textwrap.dedent("""
+    import ctypes, sys, time
+    from fastelastic.progress import _worker as w
+    w.install(sys.argv[1])
+    w.step()  # the first progress arms the stack dump's signal
+    open(sys.argv[2] + ".ready", "w").close()
+    ctypes.PyDLL(None).sleep(3600)  # holds the GIL; a signal ends it early
+    open(sys.argv[2] + ".woke", "w").close()
+    time.sleep(3600)
+""")
+
+
+def test_no_signal_and_no_ptrace_before_the_verdict(store, nodes, tmp_path,
+                                                    monkeypatch) -> None:
+    """Node 0's ranks are real processes asleep in libc ``sleep(3600)`` (the GIL held) with
+    the stack dump armed. Stalled and reported, they are left alone while node 1 still
+    trains and even past a timeout more: nothing ends their sleep, no py-spy starts. At the
+    verdict their stacks are dumped (the signal ends the sleep then) and py-spy begins."""
+    _fake_py_spy(tmp_path, monkeypatch, 0.1)
+    a, b = nodes
+    env = {**os.environ, "PYTHONPATH": str(Path(w.__file__).resolve().parents[2])}
+    procs = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT,
+                               a.watch.slots.paths[lr], str(tmp_path / f"rank{lr}")], env=env)
+             for lr in (0, 1)]
+    try:
+        assert _wait_for([tmp_path / f"rank{lr}.ready" for lr in (0, 1)])
+        a.watch.started({lr: p.pid for lr, p in enumerate(procs)}, {0: 0, 1: 1})
+        assert all(a.watch.slots.read(lr).dump_sig for lr in (0, 1))  # armed: signalable
+        for lr in (0, 1):
+            a.views[lr][w.F_LAST_NS] -= int(2e9)  # node 0 stalled
+            b.step(lr, 5)  # node 1 trains on
+        deadline = time.monotonic() + 1.5  # past a whole timeout more, at the monitor's pace
+        while time.monotonic() < deadline:
+            assert a.check(store, tmp_path / "a") is None
+            b.step(0)
+            assert b.check(store, tmp_path / "b") is None
+            time.sleep(0.1)
+        assert a.watch.pending and not b.watch.pending
+        assert not list(tmp_path.glob("*.woke")), "a rank's sleep ended before the verdict"
+        assert not list(tmp_path.glob("begun.*")), "py-spy began before the verdict"
+        for lr in (0, 1):
+            assert Path(a.watch.slots.paths[lr] + ".stacks").read_bytes() == b""
+        for lr in (0, 1):
+            b.views[lr][w.F_LAST_NS] -= int(2e9)  # node 1 stalls too: the job is hung
+        assert b.check(store, tmp_path / "b") is None
+        assert a.check(store, tmp_path / "a") is HangAction.RETRY  # none stands out: claimer
+        assert b.check(store, tmp_path / "b") is HangAction.RESTART
+        assert _wait_for([tmp_path / f"rank{lr}.woke" for lr in (0, 1)])  # the signal, now
+        assert _wait_for([tmp_path / f"begun.{p.pid}" for p in procs])
+        stacks = (tmp_path / "a" / "hang_1" / "rank0.stacks.txt").read_text()
+        assert "File \"<string>\", line 7 in <module>" in stacks  # in the sleep, as dumped
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

@@ -9,15 +9,40 @@ file reads, model, UUID). :func:`build` writes what Linux and the nvidia driver 
   ``cache/index{0..3}/{type,level,shared_cpu_list}`` (L1d, L1i, L2 per core, L3 per group);
 * ``sys/bus/pci/devices/ADDR/{numa_node,device}``, ``sys/bus/pci/drivers/nvidia/ADDR``;
 * ``proc/driver/nvidia/gpus/ADDR/information``.
+
+NVML: ``NO_NVML`` is a library path that cannot load (so a fake tree decides, even on a host
+with a driver); :func:`fake_nvml` builds ``fake_nvml.c``, a stand-in ``libnvidia-ml.so.1``.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
+
 from fastelastic.numa import format_cpulist
+
+NO_NVML = "/nonexistent/libnvidia-ml.so.1"  # FASTELASTIC_NVML_LIBRARY that cannot load
+
+
+def fake_nvml(out_dir: Path) -> str:
+    """Builds the stand-in NVML library (``fake_nvml.c``) with ``cc``; its path."""
+    cc = shutil.which("cc")
+    if cc is None:
+        pytest.skip("!!! no C compiler (cc): the NVML path is untested")
+    lib = out_dir / "libnvidia-ml.so.1"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib),
+                    str(Path(__file__).with_name("fake_nvml.c"))], check=True)
+    return str(lib)
+
+
+def nvml_gpus(*gpus: tuple[str, str, str] | tuple[str, str, str, list[str]]) -> str:
+    """``$FAKE_NVML_GPUS`` for (busId, uuid, name[, MIG uuids]) of each GPU, in NVML's order."""
+    return ";".join(",".join([*g[:3], *(g[3] if len(g) > 3 else [])]) for g in gpus)
 
 
 @dataclass(frozen=True)

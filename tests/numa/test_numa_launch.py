@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from numa_testlib import Cpu, FakeGpu, Topo, build
+from numa_testlib import NO_NVML, Cpu, FakeGpu, Topo, build, fake_nvml, nvml_gpus
 
 from fastelastic.multiprocessing import DefaultLogsSpecs, start_processes
 
@@ -40,6 +40,7 @@ def _env(extra: dict[str, str]) -> dict[str, str]:
     env.pop("OMP_NUM_THREADS", None)
     env["PYTHONPATH"] = str(REPO / "src")
     env["LOGLEVEL"] = "INFO"  # the agent's line of each rank's CPUs
+    env["FASTELASTIC_NVML_LIBRARY"] = NO_NVML  # the fake tree decides, even beside a driver
     env.update(extra)
     return env
 
@@ -87,9 +88,34 @@ def test_each_worker_is_bound_to_its_gpus_node_on_every_start(tmp_path, preload)
 
 
 @needs_two
+def test_a_container_given_one_of_two_gpus_binds_by_nvml(tmp_path):
+    """The NVIDIA container runtime gave this container the host's second GPU only: sysfs
+    lists both, NVML (a stand-in library, by FASTELASTIC_NVML_LIBRARY) the second: the one
+    worker is bound near the second GPU (node 1). Without NVML the sysfs list puts it near
+    the first, and a warning says that this may be so."""
+    tree, a, b = _tree(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    lib = fake_nvml(tmp_path)
+    env = _env({**tree, "NUMA_TEST_OUT": str(out), "FASTELASTIC_NVML_LIBRARY": lib,
+                "FAKE_NVML_GPUS": nvml_gpus(("00000000:02:00.0", "GPU-2222", "NVIDIA H100"))})
+    args = ["--nproc-per-node", "1", "--numa-binding", "node", WORKER]
+    rc, err = _finish(_fastrun(args, env))
+    assert rc == 0, err[-3000:]
+    assert _records(out)[(0, 0)]["cpus"] == [b], err[-2000:]
+    assert "no NVML" not in err
+    for f in out.iterdir():
+        f.unlink()
+    rc, err = _finish(_fastrun(args, {**env, "FASTELASTIC_NVML_LIBRARY": NO_NVML}))
+    assert rc == 0, err[-3000:]
+    assert _records(out)[(0, 0)]["cpus"] == [a], err[-2000:]  # the host's first GPU's node
+    assert err.count("which shows every GPU of the host") == 1, err[-3000:]
+
+
+@needs_two
 def test_function_workers_are_bound_too(tmp_path, monkeypatch):
     tree, a, b = _tree(tmp_path)
-    for k, v in tree.items():
+    for k, v in {**tree, "FASTELASTIC_NVML_LIBRARY": NO_NVML}.items():
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     pc = start_processes("numa", os.sched_getaffinity, {0: (0,), 1: (0,)}, {0: {}, 1: {}},
@@ -145,7 +171,8 @@ def test_cpu_only_host_fails_in_one_line_like_torchrun(tmp_path):
     assert rc == 1
     assert err.strip().splitlines() == [
         "fastrun: error: --numa-binding node: cannot bind every local rank: no NVIDIA GPU found:"
-        f" no NVML (nvidia-ml-py), and nothing is bound to the nvidia driver in {empty}"
+        f" no NVML ({NO_NVML}: cannot open shared object file: No such file or directory),"
+        f" and nothing is bound to the nvidia driver in {empty}"
         "/bus/pci/drivers/nvidia/"]
     assert list(out.iterdir()) == []  # no worker ran
     rc, err = _finish(_fastrun(["--nproc-per-node", "1", "--numa-binding", "node", WORKER],
@@ -169,7 +196,8 @@ def test_cpu_only_host_with_preload_is_one_line_too(tmp_path):
     assert rc == 1
     assert err.strip().splitlines() == [
         "fastrun: error: --numa-binding node: cannot bind every local rank: no NVIDIA GPU found:"
-        f" no NVML (nvidia-ml-py), and nothing is bound to the nvidia driver in {empty}"
+        f" no NVML ({NO_NVML}: cannot open shared object file: No such file or directory),"
+        f" and nothing is bound to the nvidia driver in {empty}"
         "/bus/pci/drivers/nvidia/"]
 
 
@@ -197,7 +225,7 @@ def test_torchs_subprocess_handler_shape_binds_from_numa_options(tmp_path, monke
     from fastelastic.multiprocessing.subprocess_handler import get_subprocess_handler
 
     tree, _, b = _tree(tmp_path)
-    for k, v in tree.items():
+    for k, v in {**tree, "FASTELASTIC_NVML_LIBRARY": NO_NVML}.items():
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     out = tmp_path / "status"

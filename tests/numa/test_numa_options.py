@@ -6,7 +6,7 @@ import logging
 import types
 
 import pytest
-from numa_testlib import build, topologies
+from numa_testlib import NO_NVML, build, topologies
 
 from fastelastic.errors import NumaBindingError
 from fastelastic.launcher.api import LaunchConfig
@@ -63,7 +63,8 @@ def test_torchs_own_numa_options_object():
 def test_fallback_leaves_only_the_failing_ranks_unbound(tmp_path, caplog):
     topo = next(t for t in topologies() if t.name == "too-few-cores")  # 2 cores, 3 GPUs
     sysfs, procfs = build(tmp_path, topo)
-    env = {"FASTELASTIC_SYSFS_ROOT": sysfs, "FASTELASTIC_PROCFS_ROOT": procfs}
+    env = {"FASTELASTIC_SYSFS_ROOT": sysfs, "FASTELASTIC_PROCFS_ROOT": procfs,
+               "FASTELASTIC_NVML_LIBRARY": NO_NVML}
     with pytest.raises(NumaBindingError, match="physical core") as e:
         bind_local_ranks(NumaOptions("exclusive"), 3, env=env, allowed=range(4))
     assert "\n" not in str(e.value) and str(e.value).startswith("--numa-binding exclusive:")

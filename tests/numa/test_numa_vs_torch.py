@@ -14,7 +14,7 @@ import types
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from numa_testlib import FakeGpu, build, smt_host, topologies
+from numa_testlib import NO_NVML, FakeGpu, build, smt_host, topologies
 
 from fastelastic.errors import NumaBindingError
 from fastelastic.numa import MODES, NumaOptions, bind_local_ranks
@@ -71,7 +71,8 @@ def _compare(binding, monkeypatch, root, topos) -> tuple[list[str], int, int]:
         sysfs, procfs = build(root / topo.name, topo)
         allowed = topo.launcher_cpus()
         pcis = sorted(g.pci for g in topo.gpus)
-        env = {"FASTELASTIC_SYSFS_ROOT": sysfs, "FASTELASTIC_PROCFS_ROOT": procfs}
+        env = {"FASTELASTIC_SYSFS_ROOT": sysfs, "FASTELASTIC_PROCFS_ROOT": procfs,
+               "FASTELASTIC_NVML_LIBRARY": NO_NVML}
         with monkeypatch.context() as m:
             _patch(m, binding, sysfs, allowed, pcis)
             for mode in MODES:
@@ -110,7 +111,8 @@ def test_the_topologies_bind_as_documented(tmp_path):
     """A few sets spelled out, so a shared misreading of torch would still be caught."""
     topo = topologies()[0]  # 2 sockets x 16 cores, SMT; GPUs 0-3 on node 0, 4-7 on node 1
     sysfs, procfs = build(tmp_path, topo)
-    env = {"FASTELASTIC_SYSFS_ROOT": sysfs, "FASTELASTIC_PROCFS_ROOT": procfs}
+    env = {"FASTELASTIC_SYSFS_ROOT": sysfs, "FASTELASTIC_PROCFS_ROOT": procfs,
+               "FASTELASTIC_NVML_LIBRARY": NO_NVML}
     allowed = topo.launcher_cpus()
 
     def bind(mode):

@@ -1,11 +1,15 @@
-"""Owns GPU index -> PCI address without torch or CUDA: NVML when importable, else sysfs/procfs.
+"""Owns GPU index -> PCI address without torch or CUDA: NVML through ctypes, else sysfs/procfs.
 
 CUDA numbers the GPUs it sees (torch's ``cuda:i``, and torch binds local rank ``i`` to GPU
 ``i``) in this way, reproduced here:
 
-* the inventory: NVML (``nvidia-ml-py``'s ``pynvml``) when it imports and initialises, else the
-  PCI devices bound to the ``nvidia`` driver (``/sys/bus/pci/drivers/nvidia/``) with their
-  UUID and model from ``/proc/driver/nvidia/gpus/<address>/information``;
+* the inventory: NVML, the driver's own library (``libnvidia-ml.so.1``, present wherever the
+  driver is; ``FASTELASTIC_NVML_LIBRARY`` names another file) loaded with ctypes: in a
+  container it lists only the GPUs the container was given, as CUDA does. Only where NVML
+  cannot load or start, the PCI devices bound to the ``nvidia`` driver
+  (``/sys/bus/pci/drivers/nvidia/``) with their UUID and model from
+  ``/proc/driver/nvidia/gpus/<address>/information``, with a warning: that directory lists
+  every GPU of the host, more than a container under the NVIDIA container runtime sees;
 * the order: ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` is PCI order; the default (``FASTEST_FIRST``) is
   PCI order too when every GPU is the same model. With mixed models CUDA ranks them by its own
   speed estimate, which cannot be known without CUDA: that is a binding failure (one line
@@ -18,6 +22,8 @@ CUDA numbers the GPUs it sees (torch's ``cuda:i``, and torch binds local rank ``
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import os
 import re
 from collections.abc import Mapping
@@ -26,9 +32,14 @@ from typing import Any
 
 from fastelastic.errors import NumaBindingError
 
-__all__ = ["Gpu", "visible_gpu_addresses", "inventory"]
+__all__ = ["Gpu", "NVML_LIBRARY_ENV", "visible_gpu_addresses", "inventory"]
 
+logger = logging.getLogger("fastelastic.numa")
+
+NVML_LIBRARY_ENV = "FASTELASTIC_NVML_LIBRARY"  # another file than libnvidia-ml.so.1 (tests)
+NVML_LIBRARY = "libnvidia-ml.so.1"
 _PCI_RE = re.compile(r"^([0-9a-fA-F]{1,8}):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])$")
+_warned: set[str] = set()  # the sysfs warnings given in this process (one per cause)
 
 
 @dataclass(frozen=True)
@@ -49,51 +60,104 @@ def torch_pci(address: str) -> str:
     return f"{int(m[1], 16):04x}:{int(m[2], 16):02x}:{int(m[3], 16):02x}.0"
 
 
+class _PciInfo(ctypes.Structure):
+    """``nvmlPciInfo_t`` (``nvmlDeviceGetPciInfo_v3``)."""
+
+    _fields_ = [("busIdLegacy", ctypes.c_char * 16), ("domain", ctypes.c_uint),
+                ("bus", ctypes.c_uint), ("device", ctypes.c_uint),
+                ("pciDeviceId", ctypes.c_uint), ("pciSubSystemId", ctypes.c_uint),
+                ("busId", ctypes.c_char * 32)]
+
+
+_Handle = ctypes.c_void_p  # nvmlDevice_t
+_NVML_SUCCESS = 0
+_NVML_DEVICE_MIG_ENABLE = 1
+
+
+class _Nvml:
+    """The few NVML calls the inventory needs, on a library loaded with ctypes."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+
+    def call(self, names: tuple[str, ...], *args: Any) -> int:
+        """The first of ``names`` the library exports, called; its ``nvmlReturn_t``."""
+        for name in names:
+            fn = getattr(self.lib, name, None)
+            if fn is not None:
+                fn.restype = ctypes.c_int
+                return int(fn(*args))
+        raise NumaBindingError(f"NVML has none of {', '.join(names)}")
+
+    def check(self, names: tuple[str, ...], *args: Any) -> None:
+        rc = self.call(names, *args)
+        if rc != _NVML_SUCCESS:
+            raise NumaBindingError(f"NVML failed: {names[0]} returned {self.error(rc)}")
+
+    def error(self, rc: int) -> str:
+        fn = getattr(self.lib, "nvmlErrorString", None)
+        if fn is None:
+            return f"error {rc}"
+        fn.restype = ctypes.c_char_p
+        text = fn(ctypes.c_int(rc))
+        return f"{_text(text)} ({rc})" if text else f"error {rc}"
+
+    def text(self, names: tuple[str, ...], h: Any, size: int) -> str:
+        buf = ctypes.create_string_buffer(size)
+        self.check(names, h, buf, ctypes.c_uint(size))
+        return _text(buf.value)
+
+    def gpu(self, h: Any) -> Gpu:
+        pci = _PciInfo()
+        self.check(("nvmlDeviceGetPciInfo_v3", "nvmlDeviceGetPciInfo_v2"), h, ctypes.byref(pci))
+        migs: list[str] = []
+        current, pending = ctypes.c_uint(0), ctypes.c_uint(0)
+        if (self.call(("nvmlDeviceGetMigMode",), h, ctypes.byref(current), ctypes.byref(pending))
+                == _NVML_SUCCESS and current.value == _NVML_DEVICE_MIG_ENABLE):
+            count = ctypes.c_uint(0)
+            self.check(("nvmlDeviceGetMaxMigDeviceCount",), h, ctypes.byref(count))
+            for j in range(count.value):
+                mh = _Handle()
+                if self.call(("nvmlDeviceGetMigDeviceHandleByIndex",), h, ctypes.c_uint(j),
+                             ctypes.byref(mh)) != _NVML_SUCCESS:
+                    continue  # an empty MIG slot
+                migs.append(self.text(("nvmlDeviceGetUUID",), mh, 96))
+        return Gpu(pci=torch_pci(_text(pci.busId)), uuid=self.text(("nvmlDeviceGetUUID",), h, 96),
+                   model=self.text(("nvmlDeviceGetName",), h, 96), mig=tuple(migs))
+
+
 def _text(v: Any) -> str:
     return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
 
 
-def _nvml_inventory() -> tuple[list[Gpu], str] | None:
-    """The GPUs NVML sees, or None when ``pynvml`` is missing or NVML does not start."""
+def _nvml_inventory(library: str) -> tuple[list[Gpu], str] | str:
+    """The GPUs NVML sees, or why NVML cannot be used (the library does not load or NVML
+    does not start: no driver). Raises ``NumaBindingError`` when NVML fails once started."""
     try:
-        import pynvml  # type: ignore[import-not-found]
-    except ImportError:
-        return None
+        lib = ctypes.CDLL(library)
+    except OSError as e:  # dlopen's message names the file
+        return str(e)
+    nvml = _Nvml(lib)
     try:
-        pynvml.nvmlInit()
-    except Exception:  # noqa: BLE001 - no driver: sysfs decides
-        return None
+        rc = nvml.call(("nvmlInit_v2", "nvmlInit"))
+    except NumaBindingError as e:
+        return f"{library}: {e}"
+    if rc != _NVML_SUCCESS:
+        return f"{library}: nvmlInit_v2 returned {nvml.error(rc)}"
     try:
+        count = ctypes.c_uint(0)
+        nvml.check(("nvmlDeviceGetCount_v2", "nvmlDeviceGetCount"), ctypes.byref(count))
         gpus = []
-        for i in range(int(pynvml.nvmlDeviceGetCount())):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            migs: list[str] = []
-            try:
-                enabled = pynvml.nvmlDeviceGetMigMode(h)[0] == 1
-            except Exception:  # noqa: BLE001 - no MIG support on this GPU
-                enabled = False
-            if enabled:
-                for j in range(int(pynvml.nvmlDeviceGetMaxMigDeviceCount(h))):
-                    try:
-                        mh = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(h, j)
-                    except Exception:  # noqa: BLE001 - an empty MIG slot
-                        continue
-                    migs.append(_text(pynvml.nvmlDeviceGetUUID(mh)))
-            gpus.append(Gpu(
-                pci=torch_pci(_text(pynvml.nvmlDeviceGetPciInfo(h).busId)),
-                uuid=_text(pynvml.nvmlDeviceGetUUID(h)),
-                model=_text(pynvml.nvmlDeviceGetName(h)),
-                mig=tuple(migs),
-            ))
-        return gpus, "NVML"
-    except NumaBindingError:
-        raise
-    except Exception as e:  # noqa: BLE001 - one line, whatever NVML raised
-        raise NumaBindingError(f"NVML failed: {type(e).__name__}: {e}") from None
+        for i in range(count.value):
+            h = _Handle()
+            nvml.check(("nvmlDeviceGetHandleByIndex_v2", "nvmlDeviceGetHandleByIndex"),
+                       ctypes.c_uint(i), ctypes.byref(h))
+            gpus.append(nvml.gpu(h))
+        return gpus, f"NVML ({library})"
     finally:
         try:
-            pynvml.nvmlShutdown()
-        except Exception:  # noqa: BLE001
+            nvml.call(("nvmlShutdown",))
+        except NumaBindingError:
             pass
 
 
@@ -131,14 +195,27 @@ def _sysfs_inventory(sysfs_root: str, procfs_root: str) -> tuple[list[Gpu], str]
     return gpus, f"{driver}/"
 
 
-def inventory(sysfs_root: str = "/sys", procfs_root: str = "/proc") -> tuple[list[Gpu], str]:
-    """Every NVIDIA GPU of this host in PCI order, and where they were found.
+def inventory(sysfs_root: str = "/sys", procfs_root: str = "/proc",
+              nvml_library: str | None = None) -> tuple[list[Gpu], str]:
+    """Every NVIDIA GPU this process can use, in PCI order, and where they were found.
 
-    NVML when ``pynvml`` imports and initialises, else the nvidia driver's sysfs directory.
+    NVML (``nvml_library``, default ``libnvidia-ml.so.1``) when it loads and starts, else the
+    nvidia driver's sysfs directory, with a warning when that lists any GPU.
     """
-    found = _nvml_inventory()
-    if found is None:
-        found = _sysfs_inventory(sysfs_root, procfs_root)
+    library = nvml_library or NVML_LIBRARY
+    found = _nvml_inventory(library)
+    if isinstance(found, str):
+        gpus, source = _sysfs_inventory(sysfs_root, procfs_root)
+        if not gpus:
+            return [], f"no NVML ({found}), and nothing is bound to the nvidia driver in {source}"
+        if found not in _warned:
+            _warned.add(found)
+            logger.warning(
+                "NUMA binding: no NVML (%s); the GPUs are listed from %s, which shows every "
+                "GPU of the host: in a container given only some of them (the NVIDIA container "
+                "runtime) the local ranks may be bound near other GPUs than their own", found,
+                source)
+        found = gpus, source
     gpus, source = found
     return sorted(gpus, key=lambda g: g.pci), source
 
@@ -175,7 +252,7 @@ def _visible(gpus: list[Gpu], env: Mapping[str, str], nvml: bool) -> list[Gpu]:
             if not nvml:
                 raise NumaBindingError(
                     f"CUDA_VISIBLE_DEVICES names MIG device {item}: finding its GPU needs "
-                    "NVML (pip install nvidia-ml-py)"
+                    f"NVML ({NVML_LIBRARY}), which did not load"
                 )
             if item.startswith("MIG-GPU-"):  # the older form MIG-GPU-<gpu uuid>/<gi>/<ci>
                 parent = item[4:].split("/")[0]
@@ -204,10 +281,9 @@ def visible_gpu_addresses(
             without NVML, or NVML failing.
     """
     env = os.environ if env is None else env
-    gpus, source = inventory(sysfs_root, procfs_root)
+    gpus, source = inventory(sysfs_root, procfs_root, env.get(NVML_LIBRARY_ENV) or None)
+    nvml = source.startswith("NVML")
     if not gpus:
-        where = ("NVML reports none" if source == "NVML" else
-                 f"no NVML (nvidia-ml-py), and nothing is bound to the nvidia driver in {source}")
-        raise NumaBindingError(f"no NVIDIA GPU found: {where}")
-    visible = _visible(_cuda_order(gpus, env), env, source == "NVML")
+        raise NumaBindingError(f"no NVIDIA GPU found: {source}" + (" reports none" if nvml else ""))
+    visible = _visible(_cuda_order(gpus, env), env, nvml)
     return [g.pci for g in visible], source

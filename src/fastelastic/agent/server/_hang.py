@@ -2,16 +2,19 @@
 
 Each agent reads its workers' progress slots on its monitor timer (memory loads only). A node
 whose ranks all stalled (``_hang_verdict.node_stalled``) publishes a short summary of its
-ranks' stacks under the round's store (one ``set``). The stacks, and py-spy's native frames of
-the ranks outside a collective, are taken a little before the stall (``EARLY_LEAD_S``), so a
-verdict that follows at once (every node stalls in the same tick) never waits for them, and
-taken again only if the node made progress since. Then, on each tick, one
-``check`` asks whether every node published. Once every node did, the job is hung: each agent
-reads the summaries (each without waiting), names the same culprit from them (a pure function of
-the same data), and one agent claims the verdict with one ``add`` on a key named after the
-hung processes: it writes the report. The culprit's node restarts using one of its restarts
-(as for a crash); the others restart as survivors do. A node that makes progress again
+ranks (steps, idle time; one ``set``) under the round's store. Then, on each tick, one
+``check`` asks whether every node published. A node that makes progress again before that
 withdraws its summary (one ``delete_key``).
+
+Once every node published, the job is hung: that is the verdict. Nothing is done to a rank
+before it: no signal, no ptrace stop (either ends a ``sleep``, ``poll`` or ``epoll_wait`` the
+rank is in, and it would train on unjudged). Only then does each agent dump its ranks' stacks
+(faulthandler, by signal) and begin py-spy on those outside a collective, and publish the
+ranks' frames (one ``set``). Once every node's frames are in (one ``check`` a tick), each agent
+reads them (never waiting for a key a peer withdrew), names the same culprit from them (a pure function of the same
+data), and one agent claims the verdict with one ``add`` on a key named after the hung
+processes: it writes the report. The culprit's node restarts using one of its restarts (as for
+a crash); the others restart as survivors do.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ logger = logging.getLogger("fastelastic.agent.server.api")  # the agent's log
 HANG_TIMEOUT_ENV = "FASTELASTIC_HANG_TIMEOUT"
 SUSPEND_ALLOWANCE_S = 600.0  # the longest a save, load or evaluation suspends the verdict
 _KEY = "fastelastic/hang"
-EARLY_LEAD_S = 1.0  # stacks and py-spy begin this long before a stall (a fifth of it at most)
+FRAMES_WAIT_S = 10.0  # after the verdict, the longest a node waits for its peers' frames
 AUTO = -1.0  # parse_hang_timeout's value for "auto"
 
 
@@ -110,10 +113,9 @@ class HangWatch:
         self._pids: dict[int, int] = {}
         self._ranks: dict[int, int] = {}
         self._published = False
+        self._judging_until: float | None = None  # after the verdict: frames published
         self._stacks: dict[int, str] = {}
-        self._native: NativeDumps | None = None  # py-spy, begun just before this node stalled
-        self._dumped_at: int | None = None  # the step count when the stacks were dumped
-        self._collective: dict[int, bool] = {}  # by local rank, from those stacks
+        self._native: NativeDumps | None = None  # py-spy, begun at the verdict
         self._published_steps = 0
         self.last_verdict = ""  # the line of the last verdict (for its event)
         # this node's ranks the last verdict blamed: {local_rank: (what it hung in, the path
@@ -126,6 +128,7 @@ class HangWatch:
         for lr, path in self.slots.prepare(sorted(envs)).items():
             envs[lr][PROGRESS_ENV] = path
         self._published = False
+        self._judging_until = None
         self._drop_native()
         self.intervals.reset_attempt()
         self.blamed = {}
@@ -149,37 +152,34 @@ class HangWatch:
 
     @property
     def pending(self) -> bool:
-        """True while this node's stall is published and no verdict came yet."""
-        return self._published
+        """True while this node's stall is published, or its verdict's frames awaited."""
+        return self._published or self._judging_until is not None
 
     def close(self) -> None:
         self._drop_native()
         self.slots.close()
 
     def _drop_native(self) -> None:
-        self._dumped_at = None
         if self._native is not None:
             self._native.cancel()
             self._native = None
 
-    def _dump(self, views: dict[int, Any], steps: int, now: int, idle: float) -> None:
-        """Dumps the ranks' stacks and begins py-spy on those outside a collective (the likely
-        culprits), once per stall: again only after progress (``steps`` changed)."""
-        if self._dumped_at == steps:
-            return
+    def _dump(self, views: dict[int, Any], now: int, idle: float) -> list[RankReport]:
+        """After the verdict only (the signal ends a sleep or poll the rank is in): dumps the
+        ranks' stacks, begins py-spy on those outside a collective (the likely culprits), and
+        returns the ranks' summaries with their frames, as of ``views``."""
         self._drop_native()
         t0 = time.monotonic()
         self._stacks = self.slots.dump_stacks(self._pids)
         logger.info("hang: no progress on ranks %s for %.1f s; their stacks dumped in %.3f s",
                     sorted(self._ranks.values()), idle, time.monotonic() - t0)
-        self._collective = {
-            lr: rank_report(self._ranks[lr], self._host, views[lr], now,
-                            self._stacks.get(lr, "")).collective
-            for lr in self._pids if lr in views
-        }
+        reports = {lr: rank_report(self._ranks[lr], self._host, views[lr], now,
+                                   self._stacks.get(lr, ""))
+                   for lr in sorted(self._pids) if lr in views}
         self._native = NativeDumps(
-            {lr: self._pids[lr] for lr, c in self._collective.items() if not c}, self.slots.dir)
-        self._dumped_at = steps
+            {lr: self._pids[lr] for lr, r in reports.items() if not r.collective},
+            self.slots.dir)
+        return list(reports.values())
 
     def check(self, store: Any, group_rank: int, group_world_size: int,
               log_dir: str | None, reused_store: bool = False,
@@ -192,6 +192,15 @@ class HangWatch:
         """
         if not self._pids:
             return None
+        prefix = f"{_KEY}/{self.verdicts}" if reused_store else _KEY
+        frame_keys = [f"{prefix}/frames/{g}" for g in range(group_world_size)]
+        try:
+            if self._judging_until is not None:
+                return self._judge(store, frame_keys, prefix, group_rank, log_dir,
+                                   restarts_left)
+        except (StoreError, RendezvousError, OSError, ValueError) as e:
+            logger.warning("hang check: the store did not answer (%s); checking again", e)
+            return None
         now = time.monotonic_ns()
         views = self.slots.read_all()
         steps = sum(v.steps for v in views.values())
@@ -201,7 +210,6 @@ class HangWatch:
         end_s = end_bound_s(timeout, self.scale)
         if not self._warned:
             self._warn_no_progress(views, now)
-        prefix = f"{_KEY}/{self.verdicts}" if reused_store else _KEY
         key = f"{prefix}/node/{group_rank}"
         keys = [f"{prefix}/node/{g}" for g in range(group_world_size)]
         try:
@@ -212,47 +220,63 @@ class HangWatch:
                     if steps == self._published_steps:
                         return None
                     self._published = False  # progress again before the verdict: withdraw
-                    self._drop_native()
                     store.delete_key(key)
                     return None
+                idle = (now - max(v.last_ns for v in views.values())) / 1e9 if views else 0.0
             else:
-                idle = node_stalled(views.values(), now, timeout, self.allowance_s, end_s)
-                if idle is None:
-                    # stacks and py-spy a little before the stall, off the verdict's path
-                    lead = min(EARLY_LEAD_S, timeout / 5)
-                    soon = node_stalled(views.values(), now, timeout - lead, self.allowance_s,
-                                        end_s - lead)
-                    if soon is None:
-                        if self._dumped_at is not None:  # progress (or a save) since: drop
-                            self._drop_native()
-                    else:
-                        self._dump(views, steps, now, soon)
+                stalled = node_stalled(views.values(), now, timeout, self.allowance_s, end_s)
+                if stalled is None:
                     return None
-                self._dump(views, steps, now, idle)
-                reports = [rank_report(self._ranks[lr], self._host, views[lr], now,
-                                       self._stacks.get(lr, ""))
+                idle = stalled
+                # the ranks as they are, untouched: no stacks before the verdict
+                reports = [rank_report(self._ranks[lr], self._host, views[lr], now, "")
                            for lr in sorted(self._pids) if lr in views]
                 store.set(key, json.dumps([r.to_json() for r in reports]))
+                logger.info("hang: no progress on ranks %s for %.1f s; reported",
+                            sorted(self._ranks.values()), idle)
                 self._published = True
                 self._published_steps = steps
                 if not store.check(keys):
                     return None
-            values = read_present(store, keys)
-            if values is None:  # a peer withdrew since the check: no verdict (yet)
-                return None
-            reports = [RankReport.from_json(item) for v in values for item in json.loads(v)]
-            verdict = judge(reports)
-            token = hashlib.sha1(
-                ",".join(f"{r.rank}:{r.pid}" for r in sorted(reports, key=lambda r: r.rank))
-                .encode()
-            ).hexdigest()[:16]
-            first = int(store.add(f"{prefix}/claim/{token}", 1)) == 1
-            # the summary stays: a slower peer has yet to read it (the next round's store,
-            # or the next verdict's keys, start afresh)
+            # every node reported: the job is hung. Only now are the ranks touched; the
+            # summary stays (a slower peer has yet to read it; the next round's store, or
+            # the next verdict's keys, start afresh)
             self._published = False
+            logger.info("hang: every node reported no progress: the job is hung")
+            reports = self._dump(views, now, idle)
+            store.set(f"{prefix}/frames/{group_rank}",
+                      json.dumps([r.to_json() for r in reports]))
+            self._judging_until = time.monotonic() + FRAMES_WAIT_S
+            return self._judge(store, frame_keys, prefix, group_rank, log_dir, restarts_left)
         except (StoreError, RendezvousError, OSError, ValueError) as e:
             logger.warning("hang check: the store did not answer (%s); checking again", e)
             return None
+
+    def _judge(self, store: Any, frame_keys: list[str], prefix: str, group_rank: int,
+               log_dir: str | None, restarts_left: int) -> HangAction | None:
+        """Once every node's frames are in (or ``FRAMES_WAIT_S`` passed: those present),
+        names the culprit and claims the verdict. No read waits for a key."""
+        assert self._judging_until is not None
+        values = read_present(store, frame_keys) if store.check(frame_keys) else None
+        if values is None:
+            if time.monotonic() < self._judging_until:
+                return None
+            # a peer that never sent its frames (it withdrew, or its agent ended)
+            values = []
+            for k in frame_keys:
+                got = read_present(store, [k])
+                if got is not None:
+                    values.append(got[0])
+            logger.warning("hang: frames of %d of %d nodes after %.0f s; judging from those",
+                           len(values), len(frame_keys), FRAMES_WAIT_S)
+        reports = [RankReport.from_json(item) for v in values for item in json.loads(v)]
+        verdict = judge(reports)
+        token = hashlib.sha1(
+            ",".join(f"{r.rank}:{r.pid}" for r in sorted(reports, key=lambda r: r.rank))
+            .encode()
+        ).hexdigest()[:16]
+        first = int(store.add(f"{prefix}/claim/{token}", 1)) == 1
+        self._judging_until = None
         return self._act(verdict, reports, first, group_rank, log_dir, restarts_left)
 
     def _act(self, verdict: Verdict, reports: list[RankReport], first: bool, group_rank: int,
@@ -271,7 +295,7 @@ class HangWatch:
         named = {lr: pid for lr, pid in self._pids.items()
                  if not verdict.culprits or self._ranks.get(lr) in verdict.culprits}
         t0 = time.monotonic()
-        begun, self._native, self._dumped_at = self._native, None, None
+        begun, self._native = self._native, None
         late = set(named) - (begun.local_ranks if begun is not None else set())
         extra = NativeDumps({lr: named[lr] for lr in late}, self.slots.dir) if late else None
         native = begun.collect(set(named)) if begun is not None else {}
