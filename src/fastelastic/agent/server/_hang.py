@@ -10,9 +10,9 @@ Once every node published, the job is hung: that is the verdict. Nothing is done
 before it: no signal, no ptrace stop (either ends a ``sleep``, ``poll`` or ``epoll_wait`` the
 rank is in, and it would train on unjudged). Only then does each agent dump its ranks' stacks
 (faulthandler, by signal) and begin py-spy on those outside a collective, and publish the
-ranks' frames (one ``set``). Once every node's frames are in (one ``check`` a tick), each agent
-reads them (never waiting for a key a peer withdrew), names the same culprit from them (a pure function of the same
-data), and one agent claims the verdict with one ``add`` on a key named after the hung
+ranks' frames (one ``set``). Once every node's frames are in (one ``check`` a tick), each
+agent reads them (never waiting for a key a peer withdrew), names the same culprit from them
+(a pure function of the same data), and one agent claims the verdict with one ``add`` on a key named after the hung
 processes: it writes the report. The culprit's node restarts using one of its restarts (as for
 a crash); the others restart as survivors do.
 """
