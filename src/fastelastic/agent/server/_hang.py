@@ -12,9 +12,9 @@ rank is in, and it would train on unjudged). Only then does each agent dump its 
 (faulthandler, by signal) and begin py-spy on those outside a collective, and publish the
 ranks' frames (one ``set``). Once every node's frames are in (one ``check`` a tick), each
 agent reads them (never waiting for a key a peer withdrew), names the same culprit from them
-(a pure function of the same data), and one agent claims the verdict with one ``add`` on a key named after the hung
-processes: it writes the report. The culprit's node restarts using one of its restarts (as for
-a crash); the others restart as survivors do.
+(a pure function of the same data), and one agent claims the verdict with one ``add`` on a key
+named after the hung processes: it writes the report. The culprit's node restarts using one of
+its restarts (as for a crash); the others restart as survivors do.
 """
 
 from __future__ import annotations
