@@ -8,6 +8,7 @@ import os
 import pickle
 import socket
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future
 from typing import Any, Optional
@@ -19,6 +20,7 @@ from fastelastic.checkpoint._format import HEADER_SIZE, Header, TensorRef
 from fastelastic.checkpoint._owner import _MAX_PACKET, SOCKET_ENV, CheckpointError
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+last_restore: dict[str, float] = {}  # seconds of the last load's phases: reply, map, copy
 
 
 def _copy_tensor(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -52,6 +54,7 @@ class _Channel:
         self.sock.connect(path)
         self.maps: dict[int, _Mapping] = {}
         self.last_step = 0
+        self.pid = os.getpid()  # a forked child (a data loader's worker) opens its own
 
     def call(self, **req: Any) -> tuple[dict[str, Any], Optional[int]]:
         req.setdefault("local_rank", self.local_rank)
@@ -86,7 +89,7 @@ _channel_lock = threading.Lock()
 def channel() -> _Channel:
     global _channel
     with _channel_lock:
-        if _channel is None or _channel.sock.fileno() < 0:
+        if _channel is None or _channel.sock.fileno() < 0 or _channel.pid != os.getpid():
             path = os.environ.get(SOCKET_ENV)
             if not path:
                 raise CheckpointError(
@@ -217,13 +220,16 @@ def _fill(saved: Any, target: Any, views: list[torch.Tensor]) -> Any:
 def restore(state_dict: dict[str, Any]) -> Optional[int]:
     """Loads this round's restore step from the agent's memory into ``state_dict``."""
     ch = channel()
+    t0 = time.perf_counter()
     reply, fd = ch.call(op="restore")
+    t1 = time.perf_counter()
     step = reply["step"]
     if step is None:
         if fd is not None:
             os.close(fd)
         return None
     m = ch.mapping(reply["slot"], reply["capacity"], fd)
+    t2 = time.perf_counter()
     # the agent checked this shard's MAC for this round before answering: only now unpickle
     h = _format.unpack_header(m.mm, m.capacity)
     if h.step != step:
@@ -237,4 +243,5 @@ def restore(state_dict: dict[str, Any]) -> Optional[int]:
         raise CheckpointError("the shard's state is not a dict")
     _fill(skel, state_dict, views)
     ch.last_step = step
+    last_restore.update(reply_s=t1 - t0, map_s=t2 - t1, copy_s=time.perf_counter() - t2)
     return int(step)
