@@ -105,3 +105,19 @@ def test_limit_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(_room.LIMIT_ENV, "much")
     with pytest.raises(ValueError, match="FASTELASTIC_CHECKPOINT_MEMORY_LIMIT"):
         _room.limit_from_env()
+
+
+def test_mac_of_many_chunks_is_the_same_on_threads_and_sees_a_flip_in_any() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    total = HEADER_SIZE + 3 * (32 << 20) + 17  # four chunks, the last one short
+    mm = mmap.mmap(-1, total)
+    key = _format.mac_key(None)
+    with ThreadPoolExecutor(2) as pool:
+        mac = _format.compute_mac(key, mm, total, pool)
+        assert _format.compute_mac(key, mm, total) == mac
+        for pos in (HEADER_SIZE, HEADER_SIZE + (32 << 20), total - 1):
+            mm[pos] ^= 0x80
+            assert _format.compute_mac(key, mm, total, pool) != mac, pos
+            mm[pos] ^= 0x80
+        assert _format.compute_mac(key, mm, total - 1, pool) != mac  # the length counts

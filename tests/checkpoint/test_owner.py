@@ -38,7 +38,7 @@ def _life(owner: MemoryOwner, out: Path, restart: int, **extra: str
     envs = {0: _env(out, restart, **extra)}
     owner.start_round(envs, 1)
     return subprocess.run([sys.executable, str(WORKER)], env=envs[0], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=600)
 
 
 @pytest.fixture

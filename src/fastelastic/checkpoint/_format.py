@@ -8,8 +8,9 @@ Layout (little-endian; no torch needed to read or check it)::
     aligned  tensor bytes, each at a 64-byte boundary
 
 The MAC is HMAC-SHA256 under the job's store token (or a fixed key when the job has none: then
-it is a checksum, not a proof of origin) over the header with its MAC field zeroed and every
-byte after the header up to ``total``. The worker writes everything but the MAC; the agent
+it is a checksum, not a proof of origin) over the header with its MAC field zeroed, ``total``
+and the SHA-256 of each 32 MiB chunk of the bytes after the header up to ``total`` (the chunks
+are hashed on several threads). The worker writes everything but the MAC; the agent
 seals the shard (writes the MAC) once the worker committed it, and checks it before any worker
 may read the shard: a shard whose MAC does not match is never unpickled.
 """
@@ -20,6 +21,7 @@ import hashlib
 import hmac
 import json
 import struct
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -35,7 +37,7 @@ _FIXED = struct.calcsize(_FMT)  # data_len total
 MAC_OFFSET = _FIXED
 MAC_SIZE = 32
 _NO_TOKEN_KEY = b"fastelastic.checkpoint: no store token"
-_CHUNK = 64 << 20  # hashed a chunk at a time: hashlib releases the GIL on each update
+_CHUNK = 32 << 20  # the hash list's chunk
 assert MAC_OFFSET + MAC_SIZE <= HEADER_SIZE
 
 
@@ -115,18 +117,27 @@ def mac_key(token: Optional[bytes]) -> bytes:
     return token if token else _NO_TOKEN_KEY
 
 
-def compute_mac(key: bytes, buf: Any, total: int) -> bytes:
-    """HMAC-SHA256 of the shard in ``buf[:total]``, its MAC field read as zeros."""
+def compute_mac(key: bytes, buf: Any, total: int, pool: Optional[Executor] = None) -> bytes:
+    """The shard's MAC: HMAC-SHA256 under ``key`` of its header (MAC field as zeros), its
+    length and the SHA-256 of each 32 MiB chunk after the header (a hash list: the chunks are
+    hashed on ``pool``'s threads at once; hashlib releases the GIL)."""
     mv = memoryview(buf)
     try:
+        spans = [(p, min(total, p + _CHUNK)) for p in range(HEADER_SIZE, total, _CHUNK)]
+
+        def digest(span: tuple[int, int]) -> bytes:
+            return hashlib.sha256(mv[span[0]:span[1]]).digest()
+
+        if pool is not None and len(spans) > 1:
+            digests = list(pool.map(digest, spans))
+        else:
+            digests = [digest(sp) for sp in spans]
         m = hmac.new(key, digestmod=hashlib.sha256)
         m.update(mv[:MAC_OFFSET])
-        m.update(b"\0" * MAC_SIZE)
-        pos = MAC_OFFSET + MAC_SIZE
-        while pos < total:
-            end = min(total, pos + _CHUNK)
-            m.update(mv[pos:end])
-            pos = end
+        m.update(b"\0" * (HEADER_SIZE - MAC_OFFSET))
+        m.update(struct.pack("<Q", total))
+        for d in digests:
+            m.update(d)
         return m.digest()
     finally:
         mv.release()

@@ -135,6 +135,7 @@ class MemoryOwner:
         self._restore: Optional[tuple[int, dict[int, int]]] = None  # (step, {lr: buffer})
         self._closed = False
         self._memfd_said = False
+        self._pool: Any = None
         self._conns: set[socket.socket] = set()
         self._seals: queue.Queue[Optional[tuple[int, int, int]]] = queue.Queue()
         self.last_restore: Optional[dict[str, Any]] = None  # step and seconds of the last fix
@@ -214,6 +215,8 @@ class MemoryOwner:
                 pass
         for t in self._threads:
             t.join(timeout=5)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         with self._cond:
             for bufs in self._ranks.values():
                 for b in bufs:
@@ -236,15 +239,12 @@ class MemoryOwner:
             for lr in range(lws):
                 have = {b.step for b in self._ranks.get(lr, []) if b.state == SEALED}
                 steps = have if steps is None else steps & have
-        from concurrent.futures import ThreadPoolExecutor
-
         chosen: Optional[tuple[int, dict[int, int]]] = None
         for step in sorted(steps or (), reverse=True):
             with self._cond:
                 picks = {lr: next(i for i, b in enumerate(self._ranks[lr])
                                   if b.state == SEALED and b.step == step) for lr in range(lws)}
-            with ThreadPoolExecutor(max_workers=min(lws, os.cpu_count() or 1)) as ex:
-                ok = list(ex.map(self._verify, list(picks), list(picks.values())))
+            ok = [self._verify(lr, idx) for lr, idx in picks.items()]  # each on the pool
             if all(ok):
                 chosen = (step, picks)
                 break
@@ -273,7 +273,8 @@ class MemoryOwner:
                                  f"{h.local_rank}; the agent wrote step {step} generation {gen}")
             import hmac
 
-            if not hmac.compare_digest(_format.compute_mac(self._key, mm, h.total), mac):
+            if not hmac.compare_digest(
+                    _format.compute_mac(self._key, mm, h.total, self._hash_pool()), mac):
                 raise ShardError("its MAC does not match")
         except ShardError as e:
             logger.error("checkpoint memory: local rank %s's shard of step %s rejected: %s",
@@ -292,6 +293,16 @@ class MemoryOwner:
 
     # ------------------------------------------------------------------ seals
 
+    def _hash_pool(self) -> Any:
+        """The threads that hash a shard's chunks at once (made at the first seal)."""
+        with self._cond:
+            if self._pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1),
+                                                thread_name_prefix="fe-ckpt-hash")
+            return self._pool
+
     def _seal_loop(self) -> None:
         while True:
             item = self._seals.get()
@@ -303,7 +314,7 @@ class MemoryOwner:
                 if b.state != COMMITTED or b.gen != gen or b.mm is None:
                     continue
                 mm, total = b.mm, b.total
-            mac = _format.compute_mac(self._key, mm, total)
+            mac = _format.compute_mac(self._key, mm, total, self._hash_pool())
             with self._cond:
                 if b.state == COMMITTED and b.gen == gen and not self._closed:
                     mm[_format.MAC_OFFSET:_format.MAC_OFFSET + _format.MAC_SIZE] = mac
