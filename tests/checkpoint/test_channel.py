@@ -6,7 +6,8 @@ import json
 import mmap
 import os
 import socket
-from pathlib import Path
+import subprocess
+import sys
 
 import pytest
 
@@ -55,10 +56,7 @@ def owner():
 
 
 def test_save_seal_and_restore_by_hand(owner: MemoryOwner) -> None:
-    envs: dict[int, dict[str, str]] = {0: {}}
-    owner.start_round(envs, 1)
-    assert envs[0][SOCKET_ENV] == owner.path
-    assert os.stat(os.path.dirname(owner.path)).st_mode & 0o077 == 0  # the channel is private
+    owner.start_round(1)
     c, maps = Client(owner.path), {}
     for step in (1, 2, 3):
         assert c.save(step, bytes([step]) * 5000, maps) == {"step": step}
@@ -70,7 +68,7 @@ def test_save_seal_and_restore_by_hand(owner: MemoryOwner) -> None:
     assert mm is not None
     h = _format.unpack_header(mm, len(mm))
     assert h.mac == _format.compute_mac(KEY, mm, h.total)
-    owner.start_round({0: {}}, 1)
+    owner.start_round(1)
     assert owner.restore_step() == 3
     reply, fd = Client(owner.path).call(op="restore")
     assert reply["step"] == 3 and fd is not None
@@ -80,7 +78,7 @@ def test_save_seal_and_restore_by_hand(owner: MemoryOwner) -> None:
 
 
 def test_bad_requests_get_an_error_and_lose_nothing(owner: MemoryOwner) -> None:
-    owner.start_round({0: {}, 1: {}}, 2)
+    owner.start_round(2)
     c, maps = Client(owner.path), {}
     assert c.save(1, b"a" * 100, maps, wait=False) == {"step": 1}
     assert "unknown checkpoint request" in c.call(op="explode")[0]["error"]
@@ -102,7 +100,7 @@ def test_bad_requests_get_an_error_and_lose_nothing(owner: MemoryOwner) -> None:
 
 
 def test_no_common_step_restores_nothing(owner: MemoryOwner) -> None:
-    owner.start_round({0: {}, 1: {}}, 2)
+    owner.start_round(2)
     a, b = Client(owner.path), Client(owner.path)
     maps_a: dict[int, mmap.mmap] = {}
     a.save(1, b"x" * 10, maps_a, wait=False)
@@ -111,21 +109,58 @@ def test_no_common_step_restores_nothing(owner: MemoryOwner) -> None:
     b.sock.sendall(json.dumps({"op": "reserve", "local_rank": 1, "step": 1, "nbytes": 500,
                                "mapped": [0, 0]}).encode())
     socket.recv_fds(b.sock, 65536, 4)  # rank 1 holds only half a step 1
-    owner.start_round({0: {}, 1: {}}, 2)
+    owner.start_round(2)
     assert owner.restore_step() is None
     assert Client(owner.path).call(op="restore")[0] == {"step": None}
 
 
 def test_close_frees_the_buffers_and_the_channel(owner: MemoryOwner) -> None:
-    owner.start_round({0: {}}, 1)
+    owner.start_round(1)
     c, maps = Client(owner.path), {}
     c.save(1, b"y" * 10, maps)
     fds = {b.fd for b in owner._ranks[0]}  # noqa: SLF001 - what close must release
     assert all(fd >= 0 for fd in fds)
-    path = Path(owner.path)
     owner.close()
-    assert not path.parent.exists()
+    with pytest.raises(ConnectionRefusedError):  # the name is free again
+        Client(owner.path)
     for fd in fds:
         with pytest.raises(OSError):
             os.fstat(fd)
     assert c.sock.recv(10) == b""  # the agent hung up
+
+
+FIND = "from fastelastic.checkpoint._owner import find_agent; print(repr(find_agent()))"
+
+
+def _find(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", FIND], env=env, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_a_worker_finds_its_ancestors_channel_and_no_other(owner: MemoryOwner) -> None:
+    env = {k: v for k, v in os.environ.items() if k != SOCKET_ENV}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    r = _find(env)  # a child of this process (as a worker is of its agent)
+    assert r.returncode == 0 and r.stdout.strip() == repr(owner.path), r.stderr
+    r = subprocess.run(["sh", "-c", f"{sys.executable} -c '{FIND}'"], env=env,
+                       capture_output=True, text=True, timeout=60)  # a grandchild (a zygote's)
+    assert r.returncode == 0 and r.stdout.strip() == repr(owner.path), r.stderr
+    other = MemoryOwner(name="fastelastic-ckpt-1")  # a channel not of an ancestor's pid
+    try:
+        r = _find(dict(env, **{SOCKET_ENV: "@fastelastic-ckpt-1"}))  # named: taken
+        assert r.returncode == 0 and r.stdout.strip() == repr(other.path), r.stderr
+    finally:
+        other.close()
+    owner.close()
+    r = _find(env)
+    assert r.returncode == 1
+    assert "run the script under fastrun" in r.stderr.strip().splitlines()[-1]
+    r = _find(dict(env, **{SOCKET_ENV: "@nobody-here"}))
+    assert "no checkpoint channel of this user" in r.stderr.strip().splitlines()[-1]
+
+
+def test_a_second_owner_in_one_process_is_refused(owner: MemoryOwner) -> None:
+    with pytest.raises(OSError):
+        MemoryOwner()
+    c = Client(owner.path)  # the first one still serves
+    assert "unknown checkpoint request" in c.call(op="nothing")[0]["error"]

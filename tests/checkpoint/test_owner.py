@@ -36,7 +36,7 @@ def _env(out: Path, restart: int, **extra: str) -> dict[str, str]:
 def _life(owner: MemoryOwner, out: Path, restart: int, **extra: str
           ) -> subprocess.CompletedProcess[str]:
     envs = {0: _env(out, restart, **extra)}
-    owner.start_round(envs, 1)
+    owner.start_round(1)
     return subprocess.run([sys.executable, str(WORKER)], env=envs[0], capture_output=True,
                           text=True, timeout=600)
 

@@ -8,11 +8,14 @@ the rank's newest committed shard, so a worker killed mid-save leaves the step b
 A buffer is an unlinked file in /dev/shm (mode 0600) or, when /dev/shm is the only limit in the
 way, a memfd; either is reserved whole with ``posix_fallocate`` before a worker may write it.
 
-Channel: a ``SOCK_SEQPACKET`` unix socket in a private directory (0700) whose path is given to
-every worker as ``$FASTELASTIC_CHECKPOINT_SOCKET``. One JSON request per packet, one reply;
-buffers travel as file descriptors (``SCM_RIGHTS``). Only processes of the agent's user are
-served (``SO_PEERCRED``). Requests: ``reserve``, ``commit`` (optionally waiting as ``wait``
-does), ``wait`` (until every local rank committed a step), ``restore``.
+Channel: a ``SOCK_SEQPACKET`` unix socket in the abstract namespace, named after the agent's
+pid (``fastelastic-ckpt-<pid>``): a worker finds it among its ancestors (its parent, or the
+zygote's), so the workers' environment stays torchrun's. Both ends check the other's
+credentials (``SO_PEERCRED``): the agent serves its own user only, and a worker talks only to
+a process of its user with the pid it looked for. One JSON request per packet, one reply;
+buffers travel as file descriptors (``SCM_RIGHTS``). Requests: ``reserve``, ``commit``
+(optionally waiting as ``wait`` does), ``wait`` (until every local rank committed a step),
+``restore``.
 
 Round: each start of the workers begins a round. The round's restore step is fixed once, before
 any request of the round is answered: the newest step for which every local rank holds a sealed
@@ -27,10 +30,8 @@ import logging
 import mmap
 import os
 import queue
-import shutil
 import socket
 import struct
-import tempfile
 import threading
 import time
 from typing import Any, Optional
@@ -38,11 +39,13 @@ from typing import Any, Optional
 from fastelastic.checkpoint import _format, _room
 from fastelastic.checkpoint._format import ShardError
 
-__all__ = ["SOCKET_ENV", "ENABLE_ENV", "CheckpointError", "MemoryOwner", "from_env"]
+__all__ = ["SOCKET_ENV", "ENABLE_ENV", "CheckpointError", "MemoryOwner", "from_env",
+           "find_agent"]
 
 logger = logging.getLogger("fastelastic.checkpoint")
 
-SOCKET_ENV = "FASTELASTIC_CHECKPOINT_SOCKET"
+SOCKET_ENV = "FASTELASTIC_CHECKPOINT_SOCKET"  # "@name": the channel, when not an ancestor's
+NAME_PREFIX = "fastelastic-ckpt-"
 ENABLE_ENV = "FASTELASTIC_CHECKPOINT"  # "0": the agent offers no checkpoint memory
 _MAX_PACKET = 64 << 10
 _MB = 1 << 20
@@ -121,9 +124,14 @@ class MemoryOwner:
     Args:
         token: the job's store token (the MAC key); None when the job has none.
         limit: bytes the owner may hold in all (``$FASTELASTIC_CHECKPOINT_MEMORY_LIMIT``).
+        name: the channel's abstract name; default ``fastelastic-ckpt-<this pid>``.
+
+    Raises:
+        OSError: the name is taken (another owner in this process).
     """
 
-    def __init__(self, token: Optional[bytes] = None, limit: Optional[int] = None) -> None:
+    def __init__(self, token: Optional[bytes] = None, limit: Optional[int] = None,
+                 name: Optional[str] = None) -> None:
         self._key = _format.mac_key(token)
         self._limit = limit
         self._cond = threading.Condition()
@@ -139,10 +147,14 @@ class MemoryOwner:
         self._conns: set[socket.socket] = set()
         self._seals: queue.Queue[Optional[tuple[int, int, int]]] = queue.Queue()
         self.last_restore: Optional[dict[str, Any]] = None  # step and seconds of the last fix
-        self._dir = tempfile.mkdtemp(prefix="fe-ckpt-")  # 0700
-        self.path = os.path.join(self._dir, "s")
+        self.name = name or f"{NAME_PREFIX}{os.getpid()}"
+        self.path = "\0" + self.name
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._sock.bind(self.path)
+        try:
+            self._sock.bind(self.path)
+        except OSError:
+            self._sock.close()
+            raise
         self._sock.listen(64)
         self._threads = [
             threading.Thread(target=self._accept_loop, name="fe-ckpt-accept", daemon=True),
@@ -153,9 +165,9 @@ class MemoryOwner:
 
     # ------------------------------------------------------------------ the agent's calls
 
-    def start_round(self, envs: dict[int, dict[str, str]], local_world_size: int) -> None:
-        """A new start of the workers: names the channel in ``envs`` and fixes the restore step
-        (in a thread: it overlaps the workers' start; their requests wait for it)."""
+    def start_round(self, local_world_size: int) -> None:
+        """A new start of the workers: fixes the round's restore step (in a thread: it overlaps
+        the workers' start; their requests wait for it)."""
         with self._cond:
             self._round += 1
             self._local_world = local_world_size
@@ -167,8 +179,6 @@ class MemoryOwner:
             self._fixed = not any(b.valid() for bufs in self._ranks.values() for b in bufs)
             rnd = self._round
             self._cond.notify_all()
-        for env in envs.values():
-            env[SOCKET_ENV] = self.path
         if not self._fixed:
             threading.Thread(target=self._fix_round, args=(rnd,), name="fe-ckpt-fix",
                              daemon=True).start()
@@ -222,7 +232,6 @@ class MemoryOwner:
                 for b in bufs:
                     b.release()
             self._ranks.clear()
-        shutil.rmtree(self._dir, ignore_errors=True)
 
     # ------------------------------------------------------------------ the round's step
 
@@ -330,9 +339,7 @@ class MemoryOwner:
                 conn, _ = self._sock.accept()
             except OSError:
                 return  # closed
-            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                    struct.calcsize("3i"))
-            _pid, uid, _gid = struct.unpack("3i", creds)
+            _pid, uid = peer(conn)
             if uid != os.getuid():
                 logger.warning("checkpoint channel: refused a process of uid %s", uid)
                 conn.close()
@@ -507,4 +514,71 @@ def from_env() -> Optional[MemoryOwner]:
         return None
     from fastelastic.store.auth import token_from_env
 
-    return MemoryOwner(token=token_from_env(), limit=_room.limit_from_env())
+    try:
+        return MemoryOwner(token=token_from_env(), limit=_room.limit_from_env())
+    except OSError as e:
+        logger.warning("no checkpoint memory for this agent: %s", e)
+        return None
+
+
+def peer(sock: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the process at the other end of a unix socket."""
+    pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                         struct.calcsize("3i")))
+    return pid, uid
+
+
+def _ancestors(limit: int = 4) -> list[int]:
+    """This process's parent, grandparent, ... (``limit`` at most; init excluded)."""
+    out: list[int] = []
+    pid = os.getpid()
+    for _ in range(limit):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+        if pid <= 1:
+            break
+        out.append(pid)
+    return out
+
+
+def connect(path: str, pid: Optional[int]) -> Optional[socket.socket]:
+    """A connection to the channel at ``path`` held by our user (and by ``pid`` if given)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        sock.connect(path)
+        got_pid, uid = peer(sock)
+    except OSError:
+        sock.close()
+        return None
+    if uid != os.getuid() or (pid is not None and got_pid != pid):
+        sock.close()
+        return None
+    return sock
+
+
+def find_agent() -> str:
+    """The channel of the agent that started this process.
+
+    Raises:
+        CheckpointError: no agent among this process's ancestors holds checkpoint memory.
+    """
+    raw = os.environ.get(SOCKET_ENV, "").strip()
+    if raw:
+        path = "\0" + raw[1:] if raw.startswith("@") else raw
+        sock = connect(path, None)
+        if sock is None:
+            raise CheckpointError(f"no checkpoint channel of this user at ${SOCKET_ENV}={raw}")
+        sock.close()
+        return path
+    for pid in _ancestors():
+        path = f"\0{NAME_PREFIX}{pid}"
+        sock = connect(path, pid)
+        if sock is not None:
+            sock.close()
+            return path
+    raise CheckpointError(
+        "fastelastic.checkpoint keeps the state in the agent's memory: run the script under "
+        "fastrun (no agent among this process's ancestors holds checkpoint memory)")

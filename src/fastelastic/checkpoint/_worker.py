@@ -17,7 +17,7 @@ import torch
 
 from fastelastic.checkpoint import _format
 from fastelastic.checkpoint._format import HEADER_SIZE, Header, TensorRef
-from fastelastic.checkpoint._owner import _MAX_PACKET, SOCKET_ENV, CheckpointError
+from fastelastic.checkpoint._owner import _MAX_PACKET, CheckpointError, connect, find_agent
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 last_restore: dict[str, float] = {}  # seconds of the last load's phases: reply, map, copy
@@ -50,8 +50,10 @@ class _Channel:
         self.local_rank = local_rank
         self.path = path
         self.lock = threading.Lock()
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.sock.connect(path)
+        sock = connect(path, None)
+        if sock is None:
+            raise CheckpointError("the agent's checkpoint channel went away")
+        self.sock = sock
         self.maps: dict[int, _Mapping] = {}
         self.last_step = 0
         self.pid = os.getpid()  # a forked child (a data loader's worker) opens its own
@@ -90,12 +92,7 @@ def channel() -> _Channel:
     global _channel
     with _channel_lock:
         if _channel is None or _channel.sock.fileno() < 0 or _channel.pid != os.getpid():
-            path = os.environ.get(SOCKET_ENV)
-            if not path:
-                raise CheckpointError(
-                    "fastelastic.checkpoint keeps the state in the agent's memory: run the script"
-                    f" under fastrun (${SOCKET_ENV} is not set)")
-            _channel = _Channel(path, int(os.environ.get("LOCAL_RANK", "0")))
+            _channel = _Channel(find_agent(), int(os.environ.get("LOCAL_RANK", "0")))
         return _channel
 
 

@@ -394,7 +394,7 @@ class LocalElasticAgent(SimpleElasticAgent):
             kwargs["zygote"] = self._zygote
         if self._hang is not None:
             self._hang.prepare(envs)  # the slot of each worker, in its environment
-        self._checkpoint_round(envs, spec.local_world_size)
+        self._checkpoint_round(spec.local_world_size)
         self._pcontext = start_processes(
             name=spec.role,
             entrypoint=spec.entrypoint,
@@ -415,16 +415,16 @@ class LocalElasticAgent(SimpleElasticAgent):
             self._worker_watchdog.set_allowed_pids(list(pids.values()))
         return pids
 
-    def _checkpoint_round(self, envs: dict[int, dict[str, str]], local_world_size: int) -> None:
-        """Names the checkpoint channel in ``envs``; the memory behind it outlives the workers
-        (a restart begins a round that restores from it) and ends with the agent."""
+    def _checkpoint_round(self, local_world_size: int) -> None:
+        """Begins a round of the checkpoint memory: it outlives the workers (a restart restores
+        from it) and ends with the agent; workers find it by this process's pid."""
         if not self._checkpoint_tried:
             self._checkpoint_tried = True
             from fastelastic.checkpoint._owner import from_env
 
             self._checkpoint = from_env()  # None with FASTELASTIC_CHECKPOINT=0
         if self._checkpoint is not None:
-            self._checkpoint.start_round(envs, local_world_size)
+            self._checkpoint.start_round(local_world_size)
 
     def _log_numa_binding(self, spec: WorkerSpec) -> None:
         """Logs the CPUs of each local rank (and keeps the line for ``fastelastic watch``)."""
