@@ -143,6 +143,8 @@ class LocalElasticAgent(SimpleElasticAgent):
         seconds = resolve_hang_timeout(hang_timeout)  # None: $FASTELASTIC_HANG_TIMEOUT
         self._hang = HangWatch(seconds) if seconds != 0 else None  # AUTO < 0
         self._hang_action: HangAction | None = None  # what the last verdict asks of this node
+        self._checkpoint: Any = None  # fastelastic.checkpoint's memory: lives as long as this
+        self._checkpoint_tried = False
 
     # ------------------------------------------------------------------ environment
 
@@ -403,6 +405,7 @@ class LocalElasticAgent(SimpleElasticAgent):
             kwargs["zygote"] = self._zygote
         if self._hang is not None:
             self._hang.prepare(envs)  # the slot of each worker, in its environment
+        self._checkpoint_round(spec.local_world_size)
         self._pcontext = start_processes(
             name=spec.role,
             entrypoint=spec.entrypoint,
@@ -423,6 +426,17 @@ class LocalElasticAgent(SimpleElasticAgent):
         if self._worker_watchdog is not None and hasattr(self._worker_watchdog, "set_allowed_pids"):
             self._worker_watchdog.set_allowed_pids(list(pids.values()))
         return pids
+
+    def _checkpoint_round(self, local_world_size: int) -> None:
+        """Begins a round of the checkpoint memory: it outlives the workers (a restart restores
+        from it) and ends with the agent; workers find it by this process's pid."""
+        if not self._checkpoint_tried:
+            self._checkpoint_tried = True
+            from fastelastic.checkpoint._owner import from_env
+
+            self._checkpoint = from_env()  # None with FASTELASTIC_CHECKPOINT=0
+        if self._checkpoint is not None:
+            self._checkpoint.start_round(local_world_size)
 
     def _log_numa_binding(self, spec: WorkerSpec) -> None:
         """Logs the CPUs of each local rank (and keeps the line for ``fastelastic watch``)."""
@@ -477,6 +491,9 @@ class LocalElasticAgent(SimpleElasticAgent):
                     self._zygote.close()
                 if self._hang is not None:
                     self._hang.close()
+                if self._checkpoint is not None:
+                    memory, self._checkpoint = self._checkpoint, None
+                    memory.close()
 
     # ------------------------------------------------------------------ monitoring
 

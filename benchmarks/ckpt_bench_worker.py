@@ -1,0 +1,127 @@
+"""The worker of bench_checkpoint.py, run by fastrun with one rank; settings from CKPT_BENCH_*.
+
+``stall``: for each size, ``rounds`` interleaved rounds of: one copy of the state into
+pre-faulted memory, ``fastelastic.checkpoint.save`` and ``async_save`` (the call), ``torch.save``
+to a local file, ``dcp.save`` with ``FileSystemWriter`` and ``dcp.async_save`` (the call, the
+default thread stager); seconds per call to ``$CKPT_BENCH_OUT/stall.json``.
+``restore``: the first life saves two steps and SIGKILLs itself; the second restores and
+records the load's seconds, the crash-to-restored wall time and one copy of the same bytes.
+"""
+
+import json
+import os
+import shutil
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+import fastelastic.checkpoint as fc
+from fastelastic.checkpoint import _worker
+
+MODE = os.environ["CKPT_BENCH_MODE"]
+OUT = os.environ["CKPT_BENCH_OUT"]
+DISK = os.environ["CKPT_BENCH_DISK"]
+SIZES = [int(x) for x in os.environ["CKPT_BENCH_SIZES_MB"].split(",")]
+ROUNDS = int(os.environ.get("CKPT_BENCH_ROUNDS", "3"))
+RESTART = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+PIECES = 16  # tensors per state: a model's worth of large parameters, not one blob
+
+
+def make_state(mb: int) -> dict:
+    n = (mb << 20) // 4 // PIECES
+    return {"model": {f"layer{i}.weight": torch.randn(n) for i in range(PIECES)},
+            "extra": {"epoch": 3, "note": "bench"}}
+
+
+def tensors(sd: dict) -> list[torch.Tensor]:
+    return list(sd["model"].values())
+
+
+def prefaulted_copy_s(src: list[torch.Tensor], dst: list[torch.Tensor]) -> float:
+    t = time.perf_counter()
+    for d, s in zip(dst, src, strict=True):
+        d.copy_(s)
+    return time.perf_counter() - t
+
+
+def stall_one(mb: int, step: int) -> tuple[dict[str, list[float]], int]:
+    sd = make_state(mb)
+    dst = [torch.empty_like(t) for t in tensors(sd)]
+    prefaulted_copy_s(tensors(sd), dst)  # faults the destination in
+    for _ in range(2):  # both buffers reserved and mapped: the steady state
+        step += 1
+        fc.save(sd, step=step)
+    got: dict[str, list[float]] = {k: [] for k in (
+        "memcpy", "fc.save", "fc.async_save", "torch.save", "dcp.save", "dcp.async_save")}
+    for r in range(ROUNDS):
+        got["memcpy"].append(prefaulted_copy_s(tensors(sd), dst))
+        step += 1
+        t = time.perf_counter()
+        fc.save(sd, step=step)
+        got["fc.save"].append(time.perf_counter() - t)
+        step += 1
+        t = time.perf_counter()
+        fut = fc.async_save(sd, step=step)
+        got["fc.async_save"].append(time.perf_counter() - t)
+        fut.result()
+        path = os.path.join(DISK, f"t{mb}_{r}.pt")
+        t = time.perf_counter()
+        torch.save(sd, path)
+        got["torch.save"].append(time.perf_counter() - t)
+        os.unlink(path)
+        d = os.path.join(DISK, f"dcp{mb}_{r}")
+        t = time.perf_counter()
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(d))
+        got["dcp.save"].append(time.perf_counter() - t)
+        shutil.rmtree(d)
+        d = os.path.join(DISK, f"adcp{mb}_{r}")
+        t = time.perf_counter()
+        fut = dcp.async_save(sd, storage_writer=dcp.FileSystemWriter(d))
+        got["dcp.async_save"].append(time.perf_counter() - t)
+        fut.result()
+        shutil.rmtree(d)
+    return got, step
+
+
+def stall() -> None:
+    dist.init_process_group("gloo")  # dcp.async_save needs a group; the others use it too
+    results: dict = {}
+    step = 0
+    for mb in SIZES:
+        results[str(mb)], step = stall_one(mb, step)
+    with open(os.path.join(OUT, "stall.json"), "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def restore() -> None:
+    mb = SIZES[0]
+    sd = make_state(mb)
+    if RESTART == 0:
+        fc.save(sd, step=1)
+        fc.save(sd, step=2)
+        with open(os.path.join(OUT, "crash.json"), "w") as f:
+            json.dump({"t": time.time()}, f)
+        os.kill(os.getpid(), signal.SIGKILL)
+    target = {"model": {k: torch.zeros_like(v) for k, v in sd["model"].items()}, "extra": {}}
+    t = time.perf_counter()
+    step = fc.load(target)
+    load_s = time.perf_counter() - t
+    wall = time.time()
+    assert step == 2, step
+    assert all(torch.equal(a, b) for a, b in zip(tensors(sd), tensors(target), strict=True))
+    dst = [torch.zeros_like(v) for v in tensors(sd)]
+    copies = [prefaulted_copy_s(tensors(sd), dst) for _ in range(3)]
+    with open(os.path.join(OUT, "crash.json")) as f:
+        crashed = json.load(f)["t"]
+    with open(os.path.join(OUT, "restore.json"), "w") as f:
+        json.dump({"load_s": load_s, "memcpy_s": min(copies), "crash_to_restored_s":
+                   wall - crashed, **_worker.last_restore}, f)
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    stall() if MODE == "stall" else restore()

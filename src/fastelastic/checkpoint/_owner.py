@@ -1,0 +1,584 @@
+"""The agent's side of ``fastelastic.checkpoint``: it owns each local rank's shard memory.
+
+The memory outlives the workers: a worker crashes, hangs or is restarted, and the shards stay
+in the agent, which ends with them. The agent never imports torch; the workers write the bytes.
+
+Each local rank gets two buffers (the double buffer): a save writes the one that does not hold
+the rank's newest committed shard, so a worker killed mid-save leaves the step before intact.
+A buffer is an unlinked file in /dev/shm (mode 0600) or, when /dev/shm is the only limit in the
+way, a memfd; either is reserved whole with ``posix_fallocate`` before a worker may write it.
+
+Channel: a ``SOCK_SEQPACKET`` unix socket in the abstract namespace, named after the agent's
+pid (``fastelastic-ckpt-<pid>``): a worker finds it among its ancestors (its parent, or the
+zygote's), so the workers' environment stays torchrun's. Both ends check the other's
+credentials (``SO_PEERCRED``): the agent serves its own user only, and a worker talks only to
+a process of its user with the pid it looked for. One JSON request per packet, one reply;
+buffers travel as file descriptors (``SCM_RIGHTS``). Requests: ``reserve``, ``commit``
+(optionally waiting as ``wait`` does), ``wait`` (until every local rank committed a step),
+``restore``.
+
+Round: each start of the workers begins a round. The round's restore step is fixed once, before
+any request of the round is answered: the newest step for which every local rank holds a sealed
+shard whose MAC still checks (the one-step rule on one node).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import mmap
+import os
+import queue
+import socket
+import struct
+import threading
+import time
+from typing import Any, Optional
+
+from fastelastic.checkpoint import _format, _room
+from fastelastic.checkpoint._format import ShardError
+
+__all__ = ["SOCKET_ENV", "ENABLE_ENV", "CheckpointError", "MemoryOwner", "from_env",
+           "find_agent"]
+
+logger = logging.getLogger("fastelastic.checkpoint")
+
+SOCKET_ENV = "FASTELASTIC_CHECKPOINT_SOCKET"  # "@name": the channel, when not an ancestor's
+NAME_PREFIX = "fastelastic-ckpt-"
+ENABLE_ENV = "FASTELASTIC_CHECKPOINT"  # "0": the agent offers no checkpoint memory
+_MAX_PACKET = 64 << 10
+_MB = 1 << 20
+_WAIT_S = 600.0  # bound on a request that waits for the round, a seal or the other ranks
+
+EMPTY, WRITING, COMMITTED, SEALED, BAD = "empty", "writing", "committed", "sealed", "bad"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint request the agent cannot serve (the message is one line saying why)."""
+
+
+class _Buf:
+    """One buffer of one local rank; every field is guarded by the owner's lock."""
+
+    def __init__(self) -> None:
+        self.fd = -1
+        self.capacity = 0
+        self.kind = ""
+        self.mm: Optional[mmap.mmap] = None
+        self.state = EMPTY
+        self.step = -1
+        self.gen = 0
+        self.total = 0
+        self.mac = b""
+
+    def release(self) -> None:
+        if self.mm is not None:
+            self.mm.close()
+            self.mm = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        self.capacity = 0
+        self.state = EMPTY
+
+    def valid(self) -> bool:
+        return self.state in (COMMITTED, SEALED)
+
+
+def _alloc(capacity: int, memfd: bool) -> tuple[int, str]:
+    """A new buffer of ``capacity`` bytes, every page reserved: (fd, "shm" or "memfd").
+
+    Raises:
+        OSError: the memory could not be reserved.
+    """
+    if not memfd:
+        fd = -1
+        try:
+            fd = os.open(_room.SHM_DIR, os.O_TMPFILE | os.O_RDWR | os.O_EXCL | os.O_CLOEXEC,
+                         0o600)
+            os.ftruncate(fd, capacity)
+            os.posix_fallocate(fd, 0, capacity)
+            return fd, "shm"
+        except OSError as e:
+            if fd >= 0:
+                os.close(fd)
+            if e.errno not in (errno.ENOSPC, errno.EOPNOTSUPP, errno.EISDIR, errno.ENOENT,
+                               errno.EACCES, errno.EROFS):
+                raise
+            logger.warning("checkpoint memory: /dev/shm refused %s (%s); using memfd",
+                           _room.fmt_bytes(capacity), e.strerror)
+    fd = os.memfd_create("fastelastic-checkpoint", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, capacity)
+        os.posix_fallocate(fd, 0, capacity)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd, "memfd"
+
+
+class MemoryOwner:
+    """Owns the local ranks' checkpoint buffers and serves the workers' channel.
+
+    Args:
+        token: the job's store token (the MAC key); None when the job has none.
+        limit: bytes the owner may hold in all (``$FASTELASTIC_CHECKPOINT_MEMORY_LIMIT``).
+        name: the channel's abstract name; default ``fastelastic-ckpt-<this pid>``.
+
+    Raises:
+        OSError: the name is taken (another owner in this process).
+    """
+
+    def __init__(self, token: Optional[bytes] = None, limit: Optional[int] = None,
+                 name: Optional[str] = None) -> None:
+        self._key = _format.mac_key(token)
+        self._limit = limit
+        self._cond = threading.Condition()
+        self._ranks: dict[int, list[_Buf]] = {}
+        self._gen = 0
+        self._round = 0
+        self._local_world = 0
+        self._fixed = True
+        self._restore: Optional[tuple[int, dict[int, int]]] = None  # (step, {lr: buffer})
+        self._closed = False
+        self._memfd_said = False
+        self._pool: Any = None
+        self._conns: set[socket.socket] = set()
+        self._seals: queue.Queue[Optional[tuple[int, int, int]]] = queue.Queue()
+        self.last_restore: Optional[dict[str, Any]] = None  # step and seconds of the last fix
+        self.name = name or f"{NAME_PREFIX}{os.getpid()}"
+        self.path = "\0" + self.name
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self._sock.bind(self.path)
+        except OSError:
+            self._sock.close()
+            raise
+        self._sock.listen(64)
+        self._threads = [
+            threading.Thread(target=self._accept_loop, name="fe-ckpt-accept", daemon=True),
+            threading.Thread(target=self._seal_loop, name="fe-ckpt-seal", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    # ------------------------------------------------------------------ the agent's calls
+
+    def start_round(self, local_world_size: int) -> None:
+        """A new start of the workers: fixes the round's restore step (in a thread: it overlaps
+        the workers' start; their requests wait for it)."""
+        with self._cond:
+            self._round += 1
+            self._local_world = local_world_size
+            for bufs in self._ranks.values():
+                for b in bufs:
+                    if b.state == WRITING:  # its writer is gone: half a shard
+                        b.state = BAD
+            self._restore = None
+            self._fixed = not any(b.valid() for bufs in self._ranks.values() for b in bufs)
+            rnd = self._round
+            self._cond.notify_all()
+        if not self._fixed:
+            threading.Thread(target=self._fix_round, args=(rnd,), name="fe-ckpt-fix",
+                             daemon=True).start()
+
+    def held(self) -> int:
+        with self._cond:
+            return sum(b.capacity for bufs in self._ranks.values() for b in bufs)
+
+    def restore_step(self, timeout: float = _WAIT_S) -> Optional[int]:
+        """The step this round restores (None: nothing to restore), once it is fixed."""
+        with self._cond:
+            self._wait_fixed(timeout)
+            return self._restore[0] if self._restore else None
+
+    def wait_sealed(self, timeout: float = _WAIT_S) -> None:
+        """Returns once no committed shard awaits its MAC."""
+        with self._cond:
+            if not self._cond.wait_for(self._all_sealed, timeout):
+                raise CheckpointError(f"shards still unsealed after {timeout:.0f} s")
+
+    def buffers(self, local_rank: int) -> list[tuple[str, int, int, Optional[mmap.mmap]]]:
+        """(state, step, generation, mapping) of each buffer of ``local_rank`` (for tests)."""
+        with self._cond:
+            return [(b.state, b.step, b.gen, b.mm) for b in self._ranks.get(local_rank, [])]
+
+    def close(self) -> None:
+        """Ends the channel and frees every buffer (the agent's end)."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+            conns = list(self._conns)
+        self._seals.put(None)
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for t in self._threads:
+            t.join(timeout=5)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        with self._cond:
+            for bufs in self._ranks.values():
+                for b in bufs:
+                    b.release()
+            self._ranks.clear()
+
+    # ------------------------------------------------------------------ the round's step
+
+    def _all_sealed(self) -> bool:
+        return self._closed or not any(
+            b.state == COMMITTED for bufs in self._ranks.values() for b in bufs)
+
+    def _fix_round(self, rnd: int) -> None:
+        t0 = time.monotonic()
+        with self._cond:
+            self._cond.wait_for(self._all_sealed, _WAIT_S)
+            lws = self._local_world
+            steps: Optional[set[int]] = None
+            for lr in range(lws):
+                have = {b.step for b in self._ranks.get(lr, []) if b.state == SEALED}
+                steps = have if steps is None else steps & have
+        chosen: Optional[tuple[int, dict[int, int]]] = None
+        for step in sorted(steps or (), reverse=True):
+            with self._cond:
+                picks = {lr: next(i for i, b in enumerate(self._ranks[lr])
+                                  if b.state == SEALED and b.step == step) for lr in range(lws)}
+            ok = [self._verify(lr, idx) for lr, idx in picks.items()]  # each on the pool
+            if all(ok):
+                chosen = (step, picks)
+                break
+        with self._cond:
+            if self._round != rnd:
+                return
+            self._restore = chosen
+            self._fixed = True
+            self.last_restore = {"step": chosen[0] if chosen else None,
+                                 "verify_s": time.monotonic() - t0}
+            self._cond.notify_all()
+        if chosen:
+            logger.info("checkpoint memory: this round restores step %s on every local rank "
+                        "(%.3f s to check)", chosen[0], time.monotonic() - t0)
+
+    def _verify(self, lr: int, idx: int) -> bool:
+        """Recomputes a sealed shard's MAC; a mismatch marks it BAD (never to be unpickled)."""
+        with self._cond:
+            b = self._ranks[lr][idx]
+            mm, capacity, step, gen, mac = b.mm, b.capacity, b.step, b.gen, b.mac
+        try:
+            assert mm is not None
+            h = _format.unpack_header(mm, capacity)
+            if (h.step, h.generation, h.local_rank) != (step, gen, lr):
+                raise ShardError(f"header says step {h.step} generation {h.generation} rank "
+                                 f"{h.local_rank}; the agent wrote step {step} generation {gen}")
+            import hmac
+
+            if not hmac.compare_digest(
+                    _format.compute_mac(self._key, mm, h.total, self._hash_pool()), mac):
+                raise ShardError("its MAC does not match")
+        except ShardError as e:
+            logger.error("checkpoint memory: local rank %s's shard of step %s rejected: %s",
+                         lr, step, e)
+            with self._cond:
+                if b.gen == gen:
+                    b.state = BAD
+            return False
+        return True
+
+    def _wait_fixed(self, timeout: float) -> None:
+        if not self._cond.wait_for(lambda: self._fixed or self._closed, timeout):
+            raise CheckpointError(f"the restore step was not fixed within {timeout:.0f} s")
+        if self._closed:
+            raise CheckpointError("the agent is shutting down")
+
+    # ------------------------------------------------------------------ seals
+
+    def _hash_pool(self) -> Any:
+        """The threads that hash a shard's chunks at once (made at the first seal)."""
+        with self._cond:
+            if self._pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1),
+                                                thread_name_prefix="fe-ckpt-hash")
+            return self._pool
+
+    def _seal_loop(self) -> None:
+        while True:
+            item = self._seals.get()
+            if item is None:
+                return
+            lr, idx, gen = item
+            with self._cond:
+                b = self._ranks[lr][idx]
+                if b.state != COMMITTED or b.gen != gen or b.mm is None:
+                    continue
+                mm, total = b.mm, b.total
+            mac = _format.compute_mac(self._key, mm, total, self._hash_pool())
+            with self._cond:
+                if b.state == COMMITTED and b.gen == gen and not self._closed:
+                    mm[_format.MAC_OFFSET:_format.MAC_OFFSET + _format.MAC_SIZE] = mac
+                    b.mac = mac
+                    b.state = SEALED
+                    self._cond.notify_all()
+
+    # ------------------------------------------------------------------ the channel
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            _pid, uid = peer(conn)
+            if uid != os.getuid():
+                logger.warning("checkpoint channel: refused a process of uid %s", uid)
+                conn.close()
+                continue
+            with self._cond:
+                if self._closed:
+                    conn.close()
+                    return
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="fe-ckpt-conn",
+                             daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            while True:
+                try:
+                    msg, fds, _flags, _addr = socket.recv_fds(conn, _MAX_PACKET, 4)
+                except OSError:
+                    return
+                for fd in fds:
+                    os.close(fd)
+                if not msg:
+                    return
+                send_fd = -1
+                try:
+                    req = json.loads(msg)
+                    reply, send_fd = self._handle(req)
+                except CheckpointError as e:
+                    reply = {"error": str(e)}
+                except (ValueError, KeyError, TypeError) as e:
+                    reply = {"error": f"bad checkpoint request: {e!r}"}
+                try:
+                    socket.send_fds(conn, [json.dumps(reply).encode()],
+                                    [send_fd] if send_fd >= 0 else [])
+                except OSError:
+                    return
+        finally:
+            with self._cond:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _handle(self, req: dict[str, Any]) -> tuple[dict[str, Any], int]:
+        op = req["op"]
+        with self._cond:
+            self._wait_fixed(_WAIT_S)
+            if op == "reserve":
+                return self._reserve(int(req["local_rank"]), int(req["step"]),
+                                     int(req["nbytes"]), [int(c) for c in req["mapped"]])
+            if op == "commit":  # with "wait": and then as "wait" for its step (one trip)
+                reply = self._commit(int(req["local_rank"]), int(req["slot"]), int(req["gen"]))
+                if req.get("wait"):
+                    return self._wait_step(reply[0]["step"], float(req.get("timeout", _WAIT_S)))
+                return reply
+            if op == "wait":
+                return self._wait_step(int(req["step"]), float(req.get("timeout", _WAIT_S)))
+            if op == "restore":
+                return self._restore_reply(int(req["local_rank"]))
+        raise CheckpointError(f"unknown checkpoint request {op!r}")
+
+    def _reserve(self, lr: int, step: int, nbytes: int,
+                 mapped: list[int]) -> tuple[dict[str, Any], int]:
+        if not 0 <= lr < max(self._local_world, 1):
+            raise CheckpointError(f"local rank {lr} is not one of this node's "
+                                  f"{self._local_world} ranks")
+        bufs = self._ranks.setdefault(lr, [_Buf(), _Buf()])
+        valid = [b for b in bufs if b.valid()]
+        newest = max(valid, key=lambda b: b.gen) if valid else None
+        idx = 1 - bufs.index(newest) if newest is not None else 0
+        b = bufs[idx]
+        # a committed shard is read by the seal: wait for its MAC before overwriting it
+        if not self._cond.wait_for(lambda: b.state != COMMITTED or self._closed, _WAIT_S):
+            raise CheckpointError("the previous shard was not sealed in time")
+        if self._closed:
+            raise CheckpointError("the agent is shutting down")
+        if b.capacity < nbytes:
+            self._grow(lr, bufs, idx, nbytes)
+        self._gen += 1
+        b.state, b.step, b.gen, b.total, b.mac = WRITING, step, self._gen, 0, b""
+        reply = {"slot": idx, "gen": b.gen, "capacity": b.capacity}
+        return reply, (b.fd if mapped[idx] != b.capacity else -1)
+
+    def _grow(self, lr: int, bufs: list[_Buf], idx: int, nbytes: int) -> None:
+        """Gives buffer ``idx`` room for ``nbytes``; the first time, the other buffer too."""
+        cap = (nbytes + _MB - 1) // _MB * _MB
+        grow = [i for i in (0, 1) if i == idx or bufs[i].capacity == 0]
+        need = sum(cap - bufs[i].capacity for i in grow)
+        room = _room.measure()
+        held = sum(x.capacity for bs in self._ranks.values() for x in bs)
+        why = room.refuse(need, held, self._limit)
+        if why is not None:
+            raise CheckpointError(f"local rank {lr}: {why}")
+        memfd = room.uses_memfd(need)
+        if memfd and not self._memfd_said:
+            self._memfd_said = True
+            logger.warning("checkpoint memory: /dev/shm has %s free, local rank %s needs %s: "
+                           "using memfd (the same memory, not limited by /dev/shm's size)",
+                           _room.fmt_bytes(room.shm or 0), lr, _room.fmt_bytes(need))
+        for i in grow:
+            old = bufs[i]
+            if old.valid() and i != idx:
+                continue
+            old.release()
+            try:
+                fd, kind = _alloc(cap, memfd)
+            except OSError as e:
+                raise CheckpointError(
+                    f"local rank {lr}: the checkpoint memory could not reserve "
+                    f"{_room.fmt_bytes(cap)} ({e.strerror}): free memory or save a smaller "
+                    "state per rank") from None
+            old.fd, old.capacity, old.kind = fd, cap, kind
+            old.mm = mmap.mmap(fd, cap, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        logger.info("checkpoint memory: local rank %s holds 2 x %s (%s); %s held in all", lr,
+                    _room.fmt_bytes(cap), bufs[idx].kind, _room.fmt_bytes(
+                        sum(x.capacity for bs in self._ranks.values() for x in bs)))
+
+    def _commit(self, lr: int, idx: int, gen: int) -> tuple[dict[str, Any], int]:
+        b = self._ranks[lr][idx]
+        if b.state != WRITING or b.gen != gen or b.mm is None:
+            raise CheckpointError(f"local rank {lr}: commit of a buffer it does not hold "
+                                  f"(generation {gen}, the agent's {b.gen} {b.state})")
+        try:
+            h = _format.unpack_header(b.mm, b.capacity)
+            if (h.step, h.generation, h.local_rank) != (b.step, gen, lr):
+                raise ShardError(f"header says step {h.step} generation {h.generation} "
+                                 f"local rank {h.local_rank}")
+        except ShardError as e:
+            b.state = BAD
+            raise CheckpointError(f"local rank {lr}: malformed shard: {e}") from None
+        b.total = h.total
+        b.state = COMMITTED
+        self._seals.put((lr, idx, gen))
+        self._cond.notify_all()
+        return {"step": b.step}, -1
+
+    def _newest_step(self, lr: int) -> int:
+        steps = [b.step for b in self._ranks.get(lr, []) if b.valid()]
+        return max(steps) if steps else -1
+
+    def _wait_step(self, step: int, timeout: float) -> tuple[dict[str, Any], int]:
+        rnd = self._round
+
+        def done() -> bool:
+            return self._closed or self._round != rnd or all(
+                self._newest_step(lr) >= step for lr in range(self._local_world))
+
+        ok = self._cond.wait_for(done, timeout)
+        if self._closed or self._round != rnd:
+            raise CheckpointError("the workers were restarted before every rank saved")
+        if not ok:
+            missing = [lr for lr in range(self._local_world) if self._newest_step(lr) < step]
+            raise CheckpointError(f"local ranks {missing} did not save step {step} within "
+                                  f"{timeout:.0f} s (every rank must call save)")
+        return {"step": step}, -1
+
+    def _restore_reply(self, lr: int) -> tuple[dict[str, Any], int]:
+        if self._restore is None:
+            return {"step": None}, -1
+        step, picks = self._restore
+        b = self._ranks[lr][picks[lr]]
+        if b.state != SEALED or b.step != step:  # the rank saved over it before loading
+            return {"step": None}, -1
+        return {"step": step, "slot": picks[lr], "capacity": b.capacity}, b.fd
+
+
+def from_env() -> Optional[MemoryOwner]:
+    """An owner for this agent, or None when ``$FASTELASTIC_CHECKPOINT=0``.
+
+    Raises:
+        ValueError: ``$FASTELASTIC_CHECKPOINT_MEMORY_LIMIT`` is not a size.
+    """
+    if os.environ.get(ENABLE_ENV, "").strip() == "0":
+        return None
+    from fastelastic.store.auth import token_from_env
+
+    try:
+        return MemoryOwner(token=token_from_env(), limit=_room.limit_from_env())
+    except OSError as e:
+        logger.warning("no checkpoint memory for this agent: %s", e)
+        return None
+
+
+def peer(sock: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the process at the other end of a unix socket."""
+    pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                         struct.calcsize("3i")))
+    return pid, uid
+
+
+def _ancestors(limit: int = 4) -> list[int]:
+    """This process's parent, grandparent, ... (``limit`` at most; init excluded)."""
+    out: list[int] = []
+    pid = os.getpid()
+    for _ in range(limit):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+        if pid <= 1:
+            break
+        out.append(pid)
+    return out
+
+
+def connect(path: str, pid: Optional[int]) -> Optional[socket.socket]:
+    """A connection to the channel at ``path`` held by our user (and by ``pid`` if given)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        sock.connect(path)
+        got_pid, uid = peer(sock)
+    except OSError:
+        sock.close()
+        return None
+    if uid != os.getuid() or (pid is not None and got_pid != pid):
+        sock.close()
+        return None
+    return sock
+
+
+def find_agent() -> str:
+    """The channel of the agent that started this process.
+
+    Raises:
+        CheckpointError: no agent among this process's ancestors holds checkpoint memory.
+    """
+    raw = os.environ.get(SOCKET_ENV, "").strip()
+    if raw:
+        path = "\0" + raw[1:] if raw.startswith("@") else raw
+        sock = connect(path, None)
+        if sock is None:
+            raise CheckpointError(f"no checkpoint channel of this user at ${SOCKET_ENV}={raw}")
+        sock.close()
+        return path
+    for pid in _ancestors():
+        path = f"\0{NAME_PREFIX}{pid}"
+        sock = connect(path, pid)
+        if sock is not None:
+            sock.close()
+            return path
+    raise CheckpointError(
+        "fastelastic.checkpoint keeps the state in the agent's memory: run the script under "
+        "fastrun (no agent among this process's ancestors holds checkpoint memory)")

@@ -1,0 +1,244 @@
+"""The workers' side: flatten a state_dict into a shard in the agent's memory, and back."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import pickle
+import socket
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future
+from typing import Any, Optional
+
+import torch
+
+from fastelastic.checkpoint import _format
+from fastelastic.checkpoint._format import HEADER_SIZE, Header, TensorRef
+from fastelastic.checkpoint._owner import _MAX_PACKET, CheckpointError, connect, find_agent
+
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+last_restore: dict[str, float] = {}  # seconds of the last load's phases: reply, map, copy
+
+
+def _copy_tensor(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src)
+
+
+class _Mapping:
+    """A worker's mapping of one agent buffer, kept across saves (its pages stay faulted in)."""
+
+    def __init__(self, fd: int, capacity: int) -> None:
+        try:
+            self.mm = mmap.mmap(fd, capacity, mmap.MAP_SHARED | _POPULATE,
+                                mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.capacity = capacity
+        self.base = torch.frombuffer(self.mm, dtype=torch.uint8)
+
+    def view(self, offset: int, nbytes: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+        return self.base[offset:offset + nbytes].view(dtype).view(shape)
+
+
+class _Channel:
+    """This process's connection to its agent (one request at a time)."""
+
+    def __init__(self, path: str, local_rank: int) -> None:
+        self.local_rank = local_rank
+        self.path = path
+        self.lock = threading.Lock()
+        sock = connect(path, None)
+        if sock is None:
+            raise CheckpointError("the agent's checkpoint channel went away")
+        self.sock = sock
+        self.maps: dict[int, _Mapping] = {}
+        self.last_step = 0
+        self.pid = os.getpid()  # a forked child (a data loader's worker) opens its own
+
+    def call(self, **req: Any) -> tuple[dict[str, Any], Optional[int]]:
+        req.setdefault("local_rank", self.local_rank)
+        with self.lock:
+            self.sock.sendall(json.dumps(req).encode())
+            msg, fds, _flags, _addr = socket.recv_fds(self.sock, _MAX_PACKET, 4)
+        if not msg:
+            for fd in fds:
+                os.close(fd)
+            raise CheckpointError("the agent closed the checkpoint channel")
+        reply = json.loads(msg)
+        if "error" in reply:
+            for fd in fds:
+                os.close(fd)
+            raise CheckpointError(reply["error"])
+        return reply, (fds[0] if fds else None)
+
+    def mapping(self, slot: int, capacity: int, fd: Optional[int]) -> _Mapping:
+        if fd is not None:
+            self.maps.pop(slot, None)
+            self.maps[slot] = _Mapping(fd, capacity)
+        m = self.maps.get(slot)
+        if m is None or m.capacity != capacity:
+            raise CheckpointError(f"the agent sent no buffer for slot {slot}")
+        return m
+
+
+_channel: Optional[_Channel] = None
+_channel_lock = threading.Lock()
+
+
+def channel() -> _Channel:
+    global _channel
+    with _channel_lock:
+        if _channel is None or _channel.sock.fileno() < 0 or _channel.pid != os.getpid():
+            _channel = _Channel(find_agent(), int(os.environ.get("LOCAL_RANK", "0")))
+        return _channel
+
+
+# ---------------------------------------------------------------------- save
+
+
+def _flatten(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    """``obj`` with each strided tensor in dicts, lists and tuples replaced by a TensorRef."""
+    if isinstance(obj, torch.Tensor) and type(obj) is torch.Tensor and obj.layout == torch.strided:
+        tensors.append(obj.detach())
+        return TensorRef(len(tensors) - 1)
+    t = type(obj)
+    if t is dict or t is OrderedDict:
+        return t((k, _flatten(v, tensors)) for k, v in obj.items())
+    if t is list:
+        return [_flatten(v, tensors) for v in obj]
+    if t is tuple:
+        return tuple(_flatten(v, tensors) for v in obj)
+    return obj
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def stage(state_dict: dict[str, Any], step: int, wait: bool = False) -> int:
+    """Copies ``state_dict`` into this rank's free agent buffer and commits it; returns step.
+
+    With ``wait``, returns once every local rank committed ``step`` (as ``wait_all``).
+    """
+    ch = channel()
+    tensors: list[torch.Tensor] = []
+    skel = pickle.dumps(_flatten(state_dict, tensors), protocol=5)
+    # the table's length depends on the offsets in it: lay out with a bound on its size first
+    entries: list[list] = [[_dtype_name(t.dtype), list(t.shape), 0, t.numel() * t.element_size()]
+                           for t in tensors]
+    bound = len(_format.encode_table(entries)) + 24 * len(entries) + 16
+    off = _format.align(HEADER_SIZE + bound + len(skel))
+    data_off = off
+    for e in entries:
+        e[2] = off
+        off = _format.align(off + e[3])
+    table = _format.encode_table(entries)
+    assert len(table) <= bound
+    total = off
+    reply, fd = ch.call(op="reserve", step=step, nbytes=total,
+                        mapped=[ch.maps[i].capacity if i in ch.maps else 0 for i in (0, 1)])
+    slot, gen = reply["slot"], reply["gen"]
+    m = ch.mapping(slot, reply["capacity"], fd)
+    mm = m.mm
+    rank = int(os.environ.get("RANK", "0"))
+    h = Header(step=step, generation=gen, rank=rank, local_rank=ch.local_rank,
+               meta_len=len(table), skel_len=len(skel), data_off=data_off,
+               data_len=total - data_off, total=total)
+    mm[h.meta_off:h.meta_off + len(table)] = table
+    mm[h.skel_off:h.skel_off + len(skel)] = skel
+    for t, (_dtype, shape, offset, nbytes) in zip(tensors, entries, strict=True):
+        if nbytes:
+            _copy_tensor(m.view(offset, nbytes, t.dtype, shape), t)
+    _format.pack_header(mm, h)  # last: the agent reads it at the commit
+    ch.call(op="commit", slot=slot, gen=gen, wait=wait)
+    ch.last_step = step
+    return step
+
+
+def wait_all(step: int) -> None:
+    """Returns once every local rank's shard of ``step`` (or newer) is in the agent's memory."""
+    channel().call(op="wait", step=step)
+
+
+def wait_future(step: int) -> Future:
+    """A Future resolved (with ``step``) once every local rank committed ``step``."""
+    fut: Future = Future()
+    path = channel().path
+
+    def run() -> None:
+        try:
+            own = _Channel(path, channel().local_rank)
+            try:
+                own.call(op="wait", step=step)
+            finally:
+                own.sock.close()
+            fut.set_result(step)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's result()
+            fut.set_exception(e)
+
+    threading.Thread(target=run, name="fe-ckpt-wait", daemon=True).start()
+    return fut
+
+
+# ---------------------------------------------------------------------- load
+
+
+def _fill(saved: Any, target: Any, views: list[torch.Tensor]) -> Any:
+    """``saved`` resolved against ``target``: tensors copied into matching ones in place."""
+    if isinstance(saved, TensorRef):
+        src = views[saved.index]
+        if (isinstance(target, torch.Tensor) and target.shape == src.shape
+                and target.dtype == src.dtype):
+            with torch.no_grad():
+                target.detach().copy_(src)
+            return target
+        return src.clone()
+    if isinstance(saved, dict):
+        if isinstance(target, dict):
+            for k, v in saved.items():
+                target[k] = _fill(v, target.get(k), views)
+            return target
+        return type(saved)((k, _fill(v, None, views)) for k, v in saved.items())
+    if isinstance(saved, list):
+        if isinstance(target, list) and len(target) == len(saved):
+            for i, v in enumerate(saved):
+                target[i] = _fill(v, target[i], views)
+            return target
+        return [_fill(v, None, views) for v in saved]
+    if isinstance(saved, tuple):
+        items = target if isinstance(target, tuple) and len(target) == len(saved) else ()
+        return tuple(_fill(v, items[i] if items else None, views) for i, v in enumerate(saved))
+    return saved
+
+
+def restore(state_dict: dict[str, Any]) -> Optional[int]:
+    """Loads this round's restore step from the agent's memory into ``state_dict``."""
+    ch = channel()
+    t0 = time.perf_counter()
+    reply, fd = ch.call(op="restore")
+    t1 = time.perf_counter()
+    step = reply["step"]
+    if step is None:
+        if fd is not None:
+            os.close(fd)
+        return None
+    m = ch.mapping(reply["slot"], reply["capacity"], fd)
+    t2 = time.perf_counter()
+    # the agent checked this shard's MAC for this round before answering: only now unpickle
+    h = _format.unpack_header(m.mm, m.capacity)
+    if h.step != step:
+        raise CheckpointError(f"shard holds step {h.step}, the agent restores {step}")
+    table = _format.decode_table(m.mm[h.meta_off:h.meta_off + h.meta_len])
+    skel = pickle.loads(m.mm[h.skel_off:h.skel_off + h.skel_len])
+    views = [m.view(off, nbytes, getattr(torch, dtype), shape) if nbytes
+             else torch.empty(shape, dtype=getattr(torch, dtype))
+             for dtype, shape, off, nbytes in table]
+    if not isinstance(skel, dict):
+        raise CheckpointError("the shard's state is not a dict")
+    _fill(skel, state_dict, views)
+    ch.last_step = step
+    last_restore.update(reply_s=t1 - t0, map_s=t2 - t1, copy_s=time.perf_counter() - t2)
+    return int(step)
