@@ -308,6 +308,40 @@ def test_a_failed_worker_ends_as_python_would_without_the_teardown(tmp_path, zyg
     assert last_err == "RuntimeError: late boom from rank 0"
 
 
+@pytest.mark.parametrize("mode", ["end-late", "exit-late"])
+def test_a_worker_that_ends_ends_as_python_would_without_the_teardown(tmp_path, zygote_factory,
+                                                                      mode):
+    """The end of the script, or ``sys.exit(message)``: the zygote worker waits for its
+    non-daemon threads, runs its atexit handlers, flushes stdout and the files it left open
+    and exits with Python's status (0; 1 with the message on stderr), as plain Python does,
+    without the interpreter's teardown (where a gloo thread can abort or deadlock it)."""
+    z = zygote_factory()
+    seen = {}
+    for kind, zyg in (("plain", None), ("zygote", z)):
+        out = tmp_path / kind
+        out.mkdir()
+        logs = DefaultLogsSpecs(log_dir=str(out / "logs"), redirects=Std.ALL)
+        pc, result = _run(zyg, _args(1, mode, str(out)), _envs(1), logs)
+        assert isinstance(pc, ZygoteContext) == (kind == "zygote")
+        code = result.failures[0].exitcode if result.is_failed() else 0
+        seen[kind] = (
+            code,
+            json.loads((out / "0.atexit").read_text()),
+            sorted(Path(result.stdouts[0]).read_text().splitlines()),
+            Path(result.stderrs[0]).read_text().strip().splitlines()[-1:],
+            (out / "0.left_open").read_text(),
+        )
+    assert seen["plain"] == seen["zygote"]
+    code, atexit_saw, stdout_lines, last_err, left_open = seen["zygote"]
+    assert atexit_saw == {"thread_done": True}
+    assert stdout_lines == ["thread of rank 0 finished", "unflushed output of rank 0"]
+    assert left_open == "never flushed nor closed by rank 0\n"
+    if mode == "end-late":
+        assert code == 0 and last_err == []
+    else:
+        assert code == 1 and last_err == ["goodbye from rank 0"]
+
+
 # ---------------------------------------------------------------- RNG, fallback, zygote death
 
 
