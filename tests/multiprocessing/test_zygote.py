@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from jobtree import start_job
 from mphelpers import is_alive, wait_gone
 
 from fastelastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
@@ -523,7 +524,7 @@ def test_no_python_keeps_the_plain_path(tmp_path, caplog):
 def test_ddp_example_restarts_from_the_torch_zygote(tmp_path):
     pytest.importorskip("torch", reason="!!! torch 2.13 is not installed: --preload torch untested")
     out, progress = tmp_path / "summary.json", tmp_path / "progress.jsonl"
-    proc = subprocess.Popen(
+    proc = start_job(  # ended with its zygote and workers if the test times out
         [PY, "-m", "fastelastic.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
          "1", "--preload", "torch", str(REPO / "examples" / "ddp_train.py"), "--steps", "6",
          "--ckpt-every", "1", "--fail-at", "3", "--ckpt-dir", str(tmp_path / "ckpt"),
