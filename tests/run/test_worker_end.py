@@ -68,6 +68,7 @@ def test_readme_example_ends_cleanly_under_load(tmp_path, need_torch, busy_machi
         summary = json.loads(out.read_text())
         assert summary["world_size"] == 2 and summary["steps"] == 4, summary
         times.append(time.monotonic() - t0)
+        print(f"example end {i + 1}/{EXAMPLE_RUNS}: ok in {times[-1]:.1f}s", flush=True)
     print(f"{EXAMPLE_RUNS} ends of the example, 0 hangs, 0 failures; "
           f"slowest run {max(times):.1f}s")
 
@@ -82,4 +83,5 @@ def test_function_that_keeps_its_group_ends_cleanly_under_load(need_torch, busy_
         code, out, err = _finish(proc, f"launch {i}")
         assert code == 0, f"launch {i}: exit {code}\n{err[-3000:]}"
         assert json.loads(out.strip().splitlines()[-1]) == [6, 6, 6, 6], out
+        print(f"launch {i + 1}/{LAUNCHES}: ok", flush=True)
     print(f"{LAUNCHES} launches of 4 workers, 0 failures")
