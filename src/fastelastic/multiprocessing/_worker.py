@@ -149,7 +149,7 @@ def flush_open_files() -> None:
         except (OSError, ValueError):
             pass
     for obj in gc.get_objects():
-        if isinstance(obj, _FILE_TYPES):
+        if issubclass(type(obj), _FILE_TYPES):  # type(): no __class__ of a proxy is run
             try:
                 if not obj.closed:
                     obj.flush()

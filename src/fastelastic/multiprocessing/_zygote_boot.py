@@ -386,7 +386,7 @@ def _flush_open_files():
 
     types_ = tuple(getattr(io, name) for name in _FILE_TYPES)
     for obj in gc.get_objects():  # the zygote's own objects are frozen: not listed
-        if isinstance(obj, types_):
+        if issubclass(type(obj), types_):  # type(): no __class__ of a proxy is run
             try:
                 if not obj.closed:
                     obj.flush()
