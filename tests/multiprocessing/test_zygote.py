@@ -190,7 +190,7 @@ def test_worker_ignoring_sigterm_dies_at_the_shutdown_timeout(tmp_path, zygote_f
 
 def test_fastrun_forwards_sigterm_to_zygote_workers(tmp_path):
     env = _fastrun_env()
-    proc = subprocess.Popen(
+    proc = start_job(
         [PY, "-m", "fastelastic.run", "--standalone", "--nproc-per-node", "2", "--preload",
          "json", WORKER, "ready-wait", str(tmp_path), "term"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -450,7 +450,7 @@ def _fastrun_env(**extra: str) -> dict[str, str]:
 
 
 def test_sigkill_of_the_agent_leaves_nothing_behind(tmp_path):
-    proc = subprocess.Popen(
+    proc = start_job(
         [PY, "-m", "fastelastic.run", "--standalone", "--nproc-per-node", "2", WORKER,
          "grandchild", str(tmp_path)],
         env=_fastrun_env(FASTELASTIC_PRELOAD="json"), stdout=subprocess.DEVNULL,
@@ -473,7 +473,7 @@ def test_sigkill_of_the_agent_leaves_nothing_behind(tmp_path):
 
 
 def test_fastrun_restarts_the_group_from_a_new_zygote_when_it_is_killed(tmp_path):
-    proc = subprocess.Popen(
+    proc = start_job(
         [PY, "-m", "fastelastic.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
          "1", "--preload", "json", WORKER, "wait-first", str(tmp_path)],
         env=_fastrun_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
