@@ -182,10 +182,10 @@ def main() -> None:
     # Everyone reaches the end before anyone tears gloo down: a rank that exits while a peer
     # still has collectives in flight can make the peer's gloo thread abort (seen under load).
     dist.barrier()
-    # Then the model, then the group. Wherever the group's last reference goes (DDP's Reducer,
-    # destroy_process_group, or never: importing torch._dynamo after init_process_group keeps
-    # the group referenced), ~ProcessGroupGloo joins gloo's threads while holding the GIL, and
-    # no gloo thread needs the GIL then: see _wait.
+    # Then the model, then the group. ~ProcessGroupGloo joins gloo's threads while holding the
+    # GIL, where the group's last reference goes: here, or in DDP's Reducer, or never (torch
+    # keeps it referenced when torch._dynamo was imported after init_process_group, as DDP and
+    # the optimizers import it). Wherever that is, no gloo thread needs the GIL: see _wait.
     del model
     dist.destroy_process_group()
 
