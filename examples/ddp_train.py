@@ -88,6 +88,25 @@ def _save(path: str, model: nn.Module, opt: torch.optim.Optimizer, step: int) ->
     os.replace(tmp, path)  # readers see the old or the new checkpoint, never half of one
 
 
+# The handles of the collectives run on tensors made here, kept until the process ends.
+_HELD: list[dist.Work] = []
+
+
+def _wait(work: dist.Work) -> None:
+    """Waits for a collective on tensors made in Python, and keeps its handle for good.
+
+    A gloo thread drops a finished work a moment after the collective returned (torch 2.13),
+    and dropping the last C++ reference to a tensor that has a Python object takes the GIL.
+    While we hold the handle, the work outlives that thread's references, so the thread drops
+    none of its tensors: it never waits for the GIL, and ~ProcessGroupGloo, which joins the
+    thread with the GIL held, cannot deadlock on it. The collectives DDP runs itself (its
+    gradient buckets, its start-up broadcast) and barriers use tensors made in C++, which
+    have no Python object.
+    """
+    work.wait()
+    _HELD.append(work)
+
+
 @record
 def main() -> None:
     args = _args()
@@ -111,7 +130,7 @@ def main() -> None:
         opt.load_state_dict(state["opt"])
         start = state["step"]
     starts = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
-    dist.all_gather(starts, torch.tensor([start]))
+    _wait(dist.all_gather(starts, torch.tensor([start]), async_op=True))
     if len({int(t.item()) for t in starts}) != 1:  # e.g. --ckpt-dir not shared between machines
         raise RuntimeError(
             f"ranks found different checkpoints in {ckpt_dir} (steps by rank: "
@@ -145,7 +164,7 @@ def main() -> None:
             print(f"[ddp_train] step {done}/{args.steps} loss {loss.item():.5f}", flush=True)
 
     final = torch.tensor([loss.item()])
-    dist.all_reduce(final)
+    _wait(dist.all_reduce(final, async_op=True))
     mean_loss = final.item() / world
     if rank == 0:
         summary = {
@@ -163,16 +182,21 @@ def main() -> None:
     # Everyone reaches the end before anyone tears gloo down: a rank that exits while a peer
     # still has collectives in flight can make the peer's gloo thread abort (seen under load).
     dist.barrier()
+    # Then the model, then the group. ~ProcessGroupGloo joins gloo's threads while holding the
+    # GIL, where the group's last reference goes: here, or in DDP's Reducer, or never (torch
+    # keeps it referenced when torch._dynamo was imported after init_process_group, as DDP and
+    # the optimizers import it). Wherever that is, no gloo thread needs the GIL: see _wait.
+    del model
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
-    # Leave without Python's finalisation. In torch 2.13 a gloo worker thread drops its last
-    # finished work a moment after the collective returned, and dropping it takes the GIL; a
+    # Leave without Python's teardown, which would drop _HELD's handles (see _wait) while a
+    # group that outlived destroy_process_group (above) may still have gloo threads, and a
     # thread that asks for the GIL while Python finalises is ended by pthread_exit through a
-    # C++ destructor, which is std::terminate: SIGABRT, and a rank that trained to the end is
-    # reported as failed (seen in CI; a core dump showed that stack). os._exit skips it.
+    # C++ destructor, which is std::terminate: SIGABRT, and a rank that trained to the end
+    # would be reported as failed.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import subprocess
+import sys
 from collections.abc import Callable, Sequence
 
+import jobtree
 import pytest
 
 
@@ -32,3 +34,13 @@ def _outputs_of(procs: Sequence[subprocess.Popen], timeout: float) -> list[str]:
 def outputs_of() -> Callable[[Sequence[subprocess.Popen], float], list[str]]:
     """:func:`_outputs_of`: the stdout of subprocesses started with text pipes, each exiting 0."""
     return _outputs_of
+
+
+@pytest.fixture(autouse=True)
+def _end_started_jobs():
+    """Ends the jobs a test started (``jobtree.start_job``) that still run when it is over,
+    however it ended (passed, failed, timed out), with every process they started."""
+    yield
+    ended = jobtree.end_started_jobs()
+    if ended:
+        print(f"ended {len(ended)} job(s) still running after the test: {ended}", file=sys.stderr)

@@ -61,3 +61,30 @@ def signal_dispositions():
 
     return {s.name: name(signal.getsignal(s))
             for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
+
+
+def end_late(out_dir, how):
+    """Returns (or exits: ``how`` is ``"exit"``/``"raise"``) with a non-daemon thread still
+    running, an atexit handler to run and a file left open and unflushed."""
+    import atexit
+    import json
+    import threading
+
+    rank = os.environ["LOCAL_RANK"]
+    gate = threading.Event()
+    threading.Thread(target=lambda: gate.wait(30)).start()
+
+    def _at_exit():
+        alive = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+        with open(os.path.join(out_dir, f"{rank}.atexit"), "w") as f:
+            json.dump({"threads_left": alive}, f)
+
+    atexit.register(_at_exit)
+    left_open = open(os.path.join(out_dir, f"{rank}.left_open"), "w", buffering=1 << 16)  # noqa: SIM115
+    left_open.write(f"never flushed nor closed by rank {rank}\n")
+    threading.Timer(0.2, gate.set).start()
+    if how == "exit":
+        sys.exit(f"goodbye from rank {rank}")
+    if how == "raise":
+        raise RuntimeError(f"late boom from rank {rank}")
+    return {"rank": int(rank)}

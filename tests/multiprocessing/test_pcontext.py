@@ -132,6 +132,40 @@ def test_sys_exit_code_and_signal_death():
     assert "(SIGSEGV)" in str(ChildFailedError("x", {0: failure}))
 
 
+@pytest.mark.parametrize("how", ["return", "exit", "raise"])
+def test_spawned_worker_ends_as_python_would_without_the_teardown(tmp_path, logs_dir, how):
+    """A spawned worker's end: its return value stored, its non-daemon threads joined, its
+    atexit handlers run and the files it left open flushed, and its exit status Python's
+    (0; 1 with ``sys.exit``'s message or the traceback on stderr), without the interpreter's
+    teardown (where a gloo thread can abort or deadlock a worker that did not destroy its
+    process group)."""
+    n = 2 if how == "return" else 1  # a failure stops its siblings
+    pc = start_processes(
+        "x",
+        mpworkers.end_late,
+        {r: (str(tmp_path), how) for r in range(n)},
+        _envs(n),
+        DefaultLogsSpecs(log_dir=logs_dir, redirects=Std.ALL),
+        start_method="spawn",
+    )
+    result = pc.wait(30)
+    for r in range(n):
+        assert json.loads((tmp_path / f"{r}.atexit").read_text()) == {"threads_left": []}
+        left_open = (tmp_path / f"{r}.left_open").read_text()
+        assert left_open == f"never flushed nor closed by rank {r}\n"
+    if how == "return":
+        assert not result.is_failed()
+        assert result.return_values == {0: {"rank": 0}, 1: {"rank": 1}}
+        return
+    assert {r: f.exitcode for r, f in result.failures.items()} == {0: 1}
+    with open(result.stderrs[0]) as f:
+        err = f.read()
+    if how == "exit":
+        assert err == "goodbye from rank 0\n"
+    else:
+        assert err.startswith("Process x-0:\n") and "RuntimeError: late boom from rank 0" in err
+
+
 # ---------------------------------------------------------------- binaries
 
 

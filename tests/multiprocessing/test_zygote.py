@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from jobtree import start_job
 from mphelpers import is_alive, wait_gone
 
 from fastelastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
@@ -189,7 +190,7 @@ def test_worker_ignoring_sigterm_dies_at_the_shutdown_timeout(tmp_path, zygote_f
 
 def test_fastrun_forwards_sigterm_to_zygote_workers(tmp_path):
     env = _fastrun_env()
-    proc = subprocess.Popen(
+    proc = start_job(
         [PY, "-m", "fastelastic.run", "--standalone", "--nproc-per-node", "2", "--preload",
          "json", WORKER, "ready-wait", str(tmp_path), "term"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -308,6 +309,40 @@ def test_a_failed_worker_ends_as_python_would_without_the_teardown(tmp_path, zyg
     assert last_err == "RuntimeError: late boom from rank 0"
 
 
+@pytest.mark.parametrize("mode", ["end-late", "exit-late"])
+def test_a_worker_that_ends_ends_as_python_would_without_the_teardown(tmp_path, zygote_factory,
+                                                                      mode):
+    """The end of the script, or ``sys.exit(message)``: the zygote worker waits for its
+    non-daemon threads, runs its atexit handlers, flushes stdout and the files it left open
+    and exits with Python's status (0; 1 with the message on stderr), as plain Python does,
+    without the interpreter's teardown (where a gloo thread can abort or deadlock it)."""
+    z = zygote_factory()
+    seen = {}
+    for kind, zyg in (("plain", None), ("zygote", z)):
+        out = tmp_path / kind
+        out.mkdir()
+        logs = DefaultLogsSpecs(log_dir=str(out / "logs"), redirects=Std.ALL)
+        pc, result = _run(zyg, _args(1, mode, str(out)), _envs(1), logs)
+        assert isinstance(pc, ZygoteContext) == (kind == "zygote")
+        code = result.failures[0].exitcode if result.is_failed() else 0
+        seen[kind] = (
+            code,
+            json.loads((out / "0.atexit").read_text()),
+            sorted(Path(result.stdouts[0]).read_text().splitlines()),
+            Path(result.stderrs[0]).read_text().strip().splitlines()[-1:],
+            (out / "0.left_open").read_text(),
+        )
+    assert seen["plain"] == seen["zygote"]
+    code, atexit_saw, stdout_lines, last_err, left_open = seen["zygote"]
+    assert atexit_saw == {"thread_done": True}
+    assert stdout_lines == ["thread of rank 0 finished", "unflushed output of rank 0"]
+    assert left_open == "never flushed nor closed by rank 0\n"
+    if mode == "end-late":
+        assert code == 0 and last_err == []
+    else:
+        assert code == 1 and last_err == ["goodbye from rank 0"]
+
+
 # ---------------------------------------------------------------- RNG, fallback, zygote death
 
 
@@ -415,7 +450,7 @@ def _fastrun_env(**extra: str) -> dict[str, str]:
 
 
 def test_sigkill_of_the_agent_leaves_nothing_behind(tmp_path):
-    proc = subprocess.Popen(
+    proc = start_job(
         [PY, "-m", "fastelastic.run", "--standalone", "--nproc-per-node", "2", WORKER,
          "grandchild", str(tmp_path)],
         env=_fastrun_env(FASTELASTIC_PRELOAD="json"), stdout=subprocess.DEVNULL,
@@ -438,7 +473,7 @@ def test_sigkill_of_the_agent_leaves_nothing_behind(tmp_path):
 
 
 def test_fastrun_restarts_the_group_from_a_new_zygote_when_it_is_killed(tmp_path):
-    proc = subprocess.Popen(
+    proc = start_job(
         [PY, "-m", "fastelastic.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
          "1", "--preload", "json", WORKER, "wait-first", str(tmp_path)],
         env=_fastrun_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -489,7 +524,7 @@ def test_no_python_keeps_the_plain_path(tmp_path, caplog):
 def test_ddp_example_restarts_from_the_torch_zygote(tmp_path):
     pytest.importorskip("torch", reason="!!! torch 2.13 is not installed: --preload torch untested")
     out, progress = tmp_path / "summary.json", tmp_path / "progress.jsonl"
-    proc = subprocess.Popen(
+    proc = start_job(  # ended with its zygote and workers if the test times out
         [PY, "-m", "fastelastic.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
          "1", "--preload", "torch", str(REPO / "examples" / "ddp_train.py"), "--steps", "6",
          "--ckpt-every", "1", "--fail-at", "3", "--ckpt-dir", str(tmp_path / "ckpt"),

@@ -4,7 +4,9 @@ Modes: ``dump`` writes what a program can see of how it was started (environment
 ``sys.path``, ``__main__``, signal state, process group, stdio) to ``OUT_DIR/<RANK>.json``;
 ``ready-wait [term|ignore-term]`` writes its pid file, then blocks (``term``: a SIGTERM handler
 notes the signal and exits 0; ``ignore-term``: SIGTERM ignored); ``fail`` / ``fail-record``
-raise (the latter under ``@record``); ``exit N`` exits with N; ``rng`` dumps the RNG draws;
+raise (the latter under ``@record``); ``exit N`` exits with N; ``end-late`` / ``exit-late``
+end normally / by ``sys.exit(message)`` with a thread, an atexit handler and unflushed files
+still to finish; ``rng`` dumps the RNG draws;
 ``grandchild`` starts ``sleep`` in its group, writes both pids, then blocks; ``wait-first``
 writes ``<RANK>.<restart>.pid`` and blocks on the first attempt only; ``modules`` writes
 whether torch and torch._dynamo were imported before it ran.
@@ -131,6 +133,28 @@ elif MODE == "fail-late":
     sys.stdout.write(f"unflushed output of rank {RANK}\n")
     threading.Timer(0.2, gate.set).start()
     raise RuntimeError(f"late boom from rank {RANK}")
+elif MODE in ("end-late", "exit-late"):
+    # what Python does at a normal exit (end of the script, or an uncaught SystemExit): join
+    # the non-daemon threads, run the atexit handlers, flush stdout and the files left open
+    import atexit
+    import threading
+
+    gate = threading.Event()
+
+    def _late() -> None:
+        gate.wait(30)
+        print(f"thread of rank {RANK} finished", flush=True)
+
+    threading.Thread(target=_late).start()
+    atexit.register(lambda: _write(f"{RANK}.atexit", {"thread_done": not any(
+        t.name != "MainThread" and t.is_alive() for t in threading.enumerate())}))
+    sys.stdout = open(sys.stdout.fileno(), "w", buffering=1 << 16, closefd=False)
+    sys.stdout.write(f"unflushed output of rank {RANK}\n")
+    left_open = open(os.path.join(OUT, f"{RANK}.left_open"), "w", buffering=1 << 16)
+    left_open.write(f"never flushed nor closed by rank {RANK}\n")
+    threading.Timer(0.2, gate.set).start()
+    if MODE == "exit-late":
+        sys.exit(f"goodbye from rank {RANK}")
 elif MODE == "exit":
     sys.exit(int(sys.argv[3]))
 elif MODE == "rng":

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from jobtree import end_job, start_job
+
 HERE = Path(__file__).resolve().parent
 DUMP = HERE / "dump_env.py"
 REPO = HERE.parent.parent
@@ -42,10 +44,16 @@ def launcher_cmd(which: str) -> list[str]:
 
 def run_launcher(which: str, args: list[str], env: dict[str, str], cwd: str | None = None,
                  timeout: float = 90) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*launcher_cmd(which), *args], env=env, cwd=cwd, capture_output=True, text=True,
-        timeout=timeout,
-    )
+    """Runs a launcher to its end; past ``timeout`` its whole job is ended and
+    ``TimeoutExpired`` raised (a test that times out first ends it through ``jobtree``)."""
+    cmd = [*launcher_cmd(which), *args]
+    proc = start(cmd, env, cwd)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        end_job(proc)
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def read_dumps(d: Path) -> dict[int, dict]:
@@ -115,9 +123,10 @@ def module_available(name: str) -> bool:
 
 
 def start(cmd: list[str], env: dict[str, str], cwd: str | None = None) -> subprocess.Popen[str]:
-    """Starts one launcher (or any command) with its output captured."""
-    return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    """Starts one launcher (or any command) with its output captured, as a ``jobtree`` job:
+    whatever ends the test also ends it and every process it started."""
+    return start_job(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                     text=True)
 
 
 def finish_all(procs: list[subprocess.Popen[str]], timeout: float) -> list[tuple[int, str]]:

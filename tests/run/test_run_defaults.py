@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from jobtree import start_job
 from run_testlib import DUMP, base_env, free_port, launcher_cmd, read_dumps
 
 LAST_CALL_S = 30.0  # torch's default last call, which fastrun and torchrun both keep
@@ -35,8 +36,8 @@ class _Job:
                     "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", self.name, str(DUMP)]
         env = base_env(DUMP_DIR=str(self.dir))
         self.start = time.time()
-        self.procs = [subprocess.Popen([*launcher_cmd(which), *args], env=env,
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.procs = [start_job([*launcher_cmd(which), *args], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                       for _ in range(nodes)]
 
     def finish(self, timeout: float) -> tuple[list[int], float, dict[int, dict]]:
@@ -116,8 +117,8 @@ def test_a_node_beyond_max_nodes_waits_as_a_spare_and_restarts_nobody(tmp_path, 
     env = base_env(DUMP_DIR=str(tmp_path), DUMP_WAIT_FOR=str(gate), LOGLEVEL="INFO")
 
     def launch() -> subprocess.Popen[str]:
-        return subprocess.Popen([*launcher_cmd(which), *args], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return start_job([*launcher_cmd(which), *args], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     procs = [launch(), launch()]
     try:
@@ -187,8 +188,8 @@ def test_a_third_node_joining_a_running_2_3_job_is_admitted_at_the_next_round(tm
             # agents time out reading role_info of the grown round (seen here)
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         jobs[(which, backend)] = (d, args, env, [
-            subprocess.Popen([*launcher_cmd(which), *args], env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True) for _ in range(2)])
+            start_job([*launcher_cmd(which), *args], env=env, stdout=subprocess.PIPE,
+                      stderr=subprocess.PIPE, text=True) for _ in range(2)])
 
     def worlds(d: Path) -> set[str]:
         return {x["env"]["WORLD_SIZE"] for x in read_dumps(d).values()}
@@ -201,9 +202,9 @@ def test_a_third_node_joining_a_running_2_3_job_is_admitted_at_the_next_round(tm
         assert all(worlds(d) == {"2"} for d, *_ in jobs.values())
         grown = {}
         for key, (_d, args, env, procs) in jobs.items():
-            procs.append(subprocess.Popen([*launcher_cmd(key[0]), *args], env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                          text=True))
+            procs.append(start_job([*launcher_cmd(key[0]), *args], env=env,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True))
             grown[key] = time.monotonic()
         took = {}
         deadline = time.monotonic() + LAST_CALL_S + 60

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from jobtree import start_job
 from run_testlib import DUMP, REPO, base_env, free_port, launcher_cmd, read_dumps, run_launcher
 
 
@@ -19,8 +20,8 @@ def _two_nodes(which: str, tmp_path: Path, extra: list[str], env_extra: dict[str
     args = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"two-{port}", *extra, str(DUMP)]
     return [
-        subprocess.Popen([*launcher_cmd(which), *args], env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+        start_job([*launcher_cmd(which), *args], env=env, stdout=subprocess.PIPE,
+                  stderr=subprocess.PIPE, text=True)
         for _ in range(2)
     ]
 
@@ -209,7 +210,7 @@ def test_unreachable_store_is_one_clear_line(tmp_path):
 def test_watch_once_shows_both_agents(tmp_path):
     wport, rport = free_port(), free_port()
     gate = tmp_path / "gate"
-    watcher = subprocess.Popen(
+    watcher = start_job(
         [sys.executable, "-m", "fastelastic", "watch", f"tcp://127.0.0.1:{wport}", "--once",
          "--expect", "2", "--timeout", "60"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=base_env(),
@@ -241,7 +242,7 @@ def test_watch_once_shows_both_agents(tmp_path):
 @pytest.mark.timeout(60)
 def test_sigterm_stops_the_job(tmp_path):
     gate = tmp_path / "never"
-    p = subprocess.Popen(
+    p = start_job(
         [*launcher_cmd("fastrun"), "--standalone", "--nproc-per-node", "2", str(DUMP)],
         env=base_env(DUMP_DIR=str(tmp_path), DUMP_WAIT_FOR=str(gate)),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -265,7 +266,7 @@ def test_two_standalone_jobs_on_one_host_do_not_collide(tmp_path):
     for i in range(2):
         d = tmp_path / f"job{i}"
         d.mkdir()
-        procs.append(subprocess.Popen(
+        procs.append(start_job(
             [*launcher_cmd("fastrun"), "--standalone", "--nproc-per-node", "2", str(DUMP)],
             env=base_env(DUMP_DIR=str(d)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True,
@@ -343,8 +344,8 @@ def test_two_nodes_with_etcd_rendezvous(tmp_path):
         env = base_env(DUMP_DIR=str(tmp_path))
         args = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "etcd",
                 "--rdzv-endpoint", f"127.0.0.1:{etcd.port}", "--rdzv-id", "etcd-job", str(DUMP)]
-        procs = [subprocess.Popen([*launcher_cmd("fastrun"), *args], env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        procs = [start_job([*launcher_cmd("fastrun"), *args], env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for _ in range(2)]
         results = _finish(procs, timeout=90)
     finally:
@@ -378,14 +379,14 @@ def test_elastic_scale_up_when_a_node_joins(tmp_path):
             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic",
             "--rdzv-conf", "last_call_timeout=1", str(script)]
     env = base_env(OUT=str(out))
-    first = subprocess.Popen([*launcher_cmd("fastrun"), *args], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = start_job([*launcher_cmd("fastrun"), *args], env=env,
+                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while len(list(out.glob("w2-*"))) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert sorted(p.name for p in out.glob("w2-*")) == ["w2-r0-a0", "w2-r1-a0"]
-    second = subprocess.Popen([*launcher_cmd("fastrun"), *args], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    second = start_job([*launcher_cmd("fastrun"), *args], env=env,
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     results = _finish([first, second], timeout=90)
     assert all(rc == 0 for rc, _ in results), results
     # membership changes do not use up --max-restarts (0 here): the restart count stays 0

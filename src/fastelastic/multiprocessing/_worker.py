@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import atexit
+import gc
+import io
 import os
 import pickle
 import signal
 import sys
+import threading
+import traceback
 from collections.abc import Callable
 from multiprocessing import reduction
 from typing import Any
@@ -68,10 +73,13 @@ def worker_main(
     pdeathsig: bool,
     reset_signals: tuple[int, ...],
     cpus: frozenset[int] | None = None,
+    own_end: bool = False,
 ) -> None:
     """Runs ``fn(*args)`` in a fresh process group and stores its return value in ``ret_path``.
 
     With ``cpus`` (NUMA binding) every thread of the child is bound to them before ``fn`` runs.
+    With ``own_end`` (spawn) the process ends here, through :func:`end_process`; otherwise
+    multiprocessing's fork and forkserver children end by ``os._exit`` when this returns.
     """
     try:
         os.setpgid(0, 0)
@@ -94,8 +102,85 @@ def worker_main(
         from fastelastic.progress._worker import install
 
         install(slot)
+    if not own_end:
+        _run(fn, args, ret_path)
+        return
+    code = 1
+    try:
+        _run(fn, args, ret_path)
+        code = 0
+    except SystemExit as e:  # as multiprocessing's child reads it
+        if e.code is None:
+            code = 0
+        elif isinstance(e.code, int):
+            code = e.code
+        else:
+            sys.stderr.write(f"{e.code}\n")
+    except BaseException:  # noqa: BLE001 - reported as multiprocessing's child reports it
+        sys.stderr.write(f"Process {_process_name()}:\n")
+        traceback.print_exc()
+    end_process(code)
+
+
+def _run(fn: Callable[..., Any], args: tuple, ret_path: str) -> None:
     ret = record(fn)(*args)
     tmp = ret_path + ".tmp"
     with open(tmp, "wb") as f:
         pickle.dump(ret, f)
-    os.replace(tmp, ret_path)
+    os.replace(tmp, ret_path)  # complete and closed before the process can end
+
+
+def _process_name() -> str:
+    import multiprocessing
+
+    return multiprocessing.current_process().name
+
+
+_FILE_TYPES = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
+
+
+def flush_open_files() -> None:
+    """Flushes every file object still open, as the interpreter's teardown would by closing
+    them (a file the program left open and unflushed loses nothing)."""
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):
+            pass
+    for obj in gc.get_objects():
+        if issubclass(type(obj), _FILE_TYPES):  # type(): no __class__ of a proxy is run
+            try:
+                if not obj.closed:
+                    obj.flush()
+            except Exception:  # noqa: BLE001, S112 - teardown would have ignored it too
+                continue
+
+
+def end_process(code: int) -> None:
+    """Ends this worker as the interpreter would, minus its teardown; never returns.
+
+    Python's exit waits for the non-daemon threads, runs the ``atexit`` handlers (with
+    multiprocessing's own, as its child does) and flushes; so does this, then the open files
+    are flushed and the process leaves by ``os._exit``. The teardown it skips is where a
+    worker that returns without destroying its gloo process group can die or hang: a gloo
+    thread that drops a finished work's tensors a moment after the collective returned takes
+    the GIL to do it, and once the interpreter finalises a thread that asks for the GIL is
+    ended by ``pthread_exit``, which through gloo's C++ frames is ``std::terminate``
+    (SIGABRT); freeing the group's globals there runs ``~ProcessGroupGloo``, which joins
+    those threads while holding the GIL. Here no destructor joins them and the GIL is
+    handed to them as usual until ``os._exit``.
+    """
+    try:
+        mp_util = sys.modules.get("multiprocessing.util")
+        if mp_util is not None:
+            mp_util._exit_function()  # type: ignore[attr-defined]  # as _bootstrap does
+    finally:
+        try:
+            threading._shutdown()  # type: ignore[attr-defined]  # what Py_Finalize calls
+        finally:
+            try:
+                atexit._run_exitfuncs()
+            finally:
+                flush_open_files()
+                os._exit(code)

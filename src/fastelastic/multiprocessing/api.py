@@ -122,6 +122,7 @@ class MultiprocessContext(PContext):
                     on_main and self.start_method != "forkserver",
                     reset,
                     self.numa_cpus.get(rank),
+                    self.start_method == "spawn",  # fork/forkserver children end by os._exit
                 ),
                 name=f"{self.name}-{rank}",
                 daemon=False,
