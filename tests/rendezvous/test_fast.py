@@ -777,8 +777,11 @@ def test_a_finished_store_host_is_told_from_a_lost_one(nodes, finished):
         assert not nodes.errors
         assert member.lost_members() == [] and not member.store_host_finished
         if finished:
-            host.mark_done()
+            host.mark_done()  # fire-and-forget on the host's own connection
         assert member.lost_members() == []  # a finished host is no lost member
+        deadline = time.monotonic() + 10.0
+        while finished and not member.store_host_finished and time.monotonic() < deadline:
+            assert member.lost_members() == []  # until the host's append reached the store
         assert member.store_host_finished is finished
         assert not host.store_host_finished  # it never read its own mark
         host._server.shutdown_server()  # the store goes with its host
@@ -795,7 +798,7 @@ def test_a_finished_store_host_is_told_from_a_lost_one(nodes, finished):
 
 
 def test_host_entry_in_gone_changes_no_reason():
-    from fastelastic.rendezvous._schema import host_finished, parse_gone
+    from fastelastic.rendezvous.fast._schema import host_finished, parse_gone
 
     raw = b"1:closed;0:done;0:host;t3:closed;0:closed;"
     assert parse_gone(raw) == {1: "closed", 0: "done"}
