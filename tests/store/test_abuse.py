@@ -583,11 +583,18 @@ def test_disconnect_actions_count_in_the_buffer_budget():
         assert not a.check(["a/0"])
         assert master.server.buffered - idle >= 3 * (MIB - 100), master.server.buffered
         b = TCPStore("127.0.0.1", master.port, timeout=5, wait_for_workers=False)
+        closed_early = False
         for i in range(5):  # 3 + 5 MiB: over the 8 MiB budget; b holds the most
-            b.append_on_disconnect(f"b/{i}", b"b" * (MIB - 100))
-        assert _dropped(b), "the largest holder over the budget was not closed"
+            try:
+                b.append_on_disconnect(f"b/{i}", b"b" * (MIB - 100))
+            except StoreConnectionError:
+                # the last request's own bytes, still in b's input buffer, can be what goes
+                # over the budget: b is closed before that action is registered
+                assert i == 4, i
+                closed_early = True
+        assert closed_early or _dropped(b), "the largest holder over the budget was not closed"
         assert master.server.shed == 1
-        assert len(master.get("b/4")) == MIB - 100   # its actions ran
+        assert len(master.get("b/3")) == MIB - 100   # its actions ran
         assert not a.check(["a/0"])                   # the other one kept its connection
         a.close()
         deadline = time.monotonic() + 5

@@ -18,6 +18,19 @@ class Unanswered(Exception):
     """A request got no answer from its member (down, unreachable, or without a leader)."""
 
 
+def _own_session(shared: Any) -> Any:
+    """A new session with ``shared``'s TLS, auth and environment settings."""
+    import requests
+
+    own = requests.Session()
+    own.verify = shared.verify
+    own.cert = shared.cert
+    own.trust_env = shared.trust_env
+    own.auth = shared.auth
+    own.headers.update(shared.headers)
+    return own
+
+
 def member_url(client: Any, path: str) -> str:
     """The member's URL of ``path`` (the first call asks the member its API version)."""
     from etcd3gw import exceptions as etcd_exc
@@ -47,15 +60,20 @@ class WatchStream:
         self._on_event = on_event
         self._on_end = on_end
         body = dict(body, start_revision=start_rev)
+        # A session of its own: the stream's connection never returns to the shared pool, so
+        # stop()'s shutdown and close can never reach a request of another thread that reused it.
+        self._session = _own_session(client.session)
         try:
-            self._resp = client.session.post(member_url(client, "/watch"),
-                                             json={"create_request": body}, stream=True,
-                                             timeout=(CONNECT_S, None))
+            self._resp = self._session.post(member_url(client, "/watch"),
+                                            json={"create_request": body}, stream=True,
+                                            timeout=(CONNECT_S, None))
         except requests.exceptions.RequestException as e:
+            self._session.close()
             raise Unanswered(str(e)) from e
         if self._resp.status_code != 200:
             text = self._resp.text[:200]
             self._resp.close()
+            self._session.close()
             raise Unanswered(f"watch: HTTP {self._resp.status_code}: {text}")
         self._thread = threading.Thread(target=self._read, name="fe-etcd-watch", daemon=True)
         self._thread.start()
@@ -98,3 +116,4 @@ class WatchStream:
         except (OSError, ValueError, AttributeError):
             pass
         self._resp.close()
+        self._session.close()
