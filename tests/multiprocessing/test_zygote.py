@@ -281,18 +281,25 @@ def test_failure_report_with_and_without_record(tmp_path, zygote_factory, mode):
     assert "boom from rank 0" in reports["zygote"][1]
 
 
-def test_a_failed_worker_ends_as_python_would_without_the_teardown(tmp_path, zygote_factory):
-    """An uncaught exception: the zygote worker waits for its non-daemon threads, runs its
-    atexit handlers and flushes stdout, as plain Python does, then exits 1 (skipping only the
-    interpreter's teardown, which costs 0.7 s with torch loaded)."""
-    z = zygote_factory()
-    seen = {}
+def _plain_and_zygote(tmp_path, z, mode):
+    """Runs one worker of ``mode`` plainly and from zygote ``z``: ``{kind: (result, out dir)}``."""
+    runs = {}
     for kind, zyg in (("plain", None), ("zygote", z)):
         out = tmp_path / kind
         out.mkdir()
         logs = DefaultLogsSpecs(log_dir=str(out / "logs"), redirects=Std.ALL)
-        pc, result = _run(zyg, _args(1, "fail-late", str(out)), _envs(1), logs)
+        pc, result = _run(zyg, _args(1, mode, str(out)), _envs(1), logs)
         assert isinstance(pc, ZygoteContext) == (kind == "zygote")
+        runs[kind] = (result, out)
+    return runs
+
+
+def test_a_failed_worker_ends_as_python_would_without_the_teardown(tmp_path, zygote_factory):
+    """An uncaught exception: the zygote worker waits for its non-daemon threads, runs its
+    atexit handlers and flushes stdout, as plain Python does, then exits 1 (skipping only the
+    interpreter's teardown, which costs 0.7 s with torch loaded)."""
+    seen = {}
+    for kind, (result, out) in _plain_and_zygote(tmp_path, zygote_factory(), "fail-late").items():
         failure = result.failures[0]
         stdout = Path(result.stdouts[0]).read_text()
         stderr = Path(result.stderrs[0]).read_text()
@@ -316,14 +323,8 @@ def test_a_worker_that_ends_ends_as_python_would_without_the_teardown(tmp_path, 
     non-daemon threads, runs its atexit handlers, flushes stdout and the files it left open
     and exits with Python's status (0; 1 with the message on stderr), as plain Python does,
     without the interpreter's teardown (where a gloo thread can abort or deadlock it)."""
-    z = zygote_factory()
     seen = {}
-    for kind, zyg in (("plain", None), ("zygote", z)):
-        out = tmp_path / kind
-        out.mkdir()
-        logs = DefaultLogsSpecs(log_dir=str(out / "logs"), redirects=Std.ALL)
-        pc, result = _run(zyg, _args(1, mode, str(out)), _envs(1), logs)
-        assert isinstance(pc, ZygoteContext) == (kind == "zygote")
+    for kind, (result, out) in _plain_and_zygote(tmp_path, zygote_factory(), mode).items():
         code = result.failures[0].exitcode if result.is_failed() else 0
         seen[kind] = (
             code,

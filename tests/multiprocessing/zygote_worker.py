@@ -114,9 +114,10 @@ elif MODE == "fail-record":
         raise RuntimeError(f"recorded boom from rank {RANK}")
 
     main()
-elif MODE == "fail-late":
-    # what Python does at exit after an uncaught exception: join non-daemon threads, run the
-    # atexit handlers, flush stdout
+elif MODE in ("fail-late", "end-late", "exit-late"):
+    # what Python does at exit (an uncaught exception, the end of the script, or an uncaught
+    # SystemExit): join the non-daemon threads, run the atexit handlers, flush stdout (and,
+    # at a normal exit, the files left open)
     import atexit
     import threading
 
@@ -131,28 +132,12 @@ elif MODE == "fail-late":
         t.name != "MainThread" and t.is_alive() for t in threading.enumerate())}))
     sys.stdout = open(sys.stdout.fileno(), "w", buffering=1 << 16, closefd=False)
     sys.stdout.write(f"unflushed output of rank {RANK}\n")
+    if MODE != "fail-late":
+        left_open = open(os.path.join(OUT, f"{RANK}.left_open"), "w", buffering=1 << 16)
+        left_open.write(f"never flushed nor closed by rank {RANK}\n")
     threading.Timer(0.2, gate.set).start()
-    raise RuntimeError(f"late boom from rank {RANK}")
-elif MODE in ("end-late", "exit-late"):
-    # what Python does at a normal exit (end of the script, or an uncaught SystemExit): join
-    # the non-daemon threads, run the atexit handlers, flush stdout and the files left open
-    import atexit
-    import threading
-
-    gate = threading.Event()
-
-    def _late() -> None:
-        gate.wait(30)
-        print(f"thread of rank {RANK} finished", flush=True)
-
-    threading.Thread(target=_late).start()
-    atexit.register(lambda: _write(f"{RANK}.atexit", {"thread_done": not any(
-        t.name != "MainThread" and t.is_alive() for t in threading.enumerate())}))
-    sys.stdout = open(sys.stdout.fileno(), "w", buffering=1 << 16, closefd=False)
-    sys.stdout.write(f"unflushed output of rank {RANK}\n")
-    left_open = open(os.path.join(OUT, f"{RANK}.left_open"), "w", buffering=1 << 16)
-    left_open.write(f"never flushed nor closed by rank {RANK}\n")
-    threading.Timer(0.2, gate.set).start()
+    if MODE == "fail-late":
+        raise RuntimeError(f"late boom from rank {RANK}")
     if MODE == "exit-late":
         sys.exit(f"goodbye from rank {RANK}")
 elif MODE == "exit":
