@@ -96,31 +96,40 @@ class MultiSim(Sim):
         self.store_state = ["up"] * ncand  # up, dead, frozen
         self.restarts = [0] * ncand  # of each store: a world's key is (store + ncand x this, round)
         self.links_cut: set[tuple[int, int]] = set()
+        self.links_refused: set[tuple[int, int]] = set()  # the store's host alive behind them
         self.closes_after = closes_after
         self.queued_closes: list[list[tuple[MNode, int]]] = [[] for _ in range(ncand)]
 
     # ------------------------------------------------------------------ links
 
     def link(self, node: Node, i: int) -> str:
-        if self.store_state[i] == "dead":
+        if self.store_state[i] == "dead" or (node.id, i) in self.links_refused:
             return "refused"
         if self.store_state[i] == "frozen" or (node.id, i) in self.links_cut:
             return "timeout"
         return "ok"
 
-    def cut_link(self, t: float, node: MNode, i: int, heal: float | None = None) -> None:
+    def cut_link(self, t: float, node: MNode, i: int, heal: float | None = None,
+                 refuse: bool = False) -> None:
+        """Cuts the link between ``node`` and store ``i`` from ``t`` to ``heal``: its packets
+        dropped (a timeout), or with ``refuse`` rejected as a firewall's REJECT does (the
+        node's requests fail at once, while the store serves the others). Either way the
+        server closes the node's connection by keep-alive, ``closes_after`` later."""
+        cuts = self.links_refused if refuse else self.links_cut
+
         def cut() -> None:
-            self.links_cut.add((node.id, i))
+            cuts.add((node.id, i))
             gen = node.conn
             if node.store == i and node.alive:  # the server's keep-alive closes it later
                 self.at(self.clock.t + self.closes_after,
                         lambda: self._late_close(node, i, gen))
         self.at(t, cut)
         if heal is not None:
-            self.at(heal, lambda: self.links_cut.discard((node.id, i)))
+            self.at(heal, lambda: cuts.discard((node.id, i)))
 
     def _late_close(self, node: MNode, i: int, gen: int) -> None:
-        if (node.id, i) in self.links_cut and node.conn == gen and node.store == i:
+        cut = (node.id, i) in self.links_cut or (node.id, i) in self.links_refused
+        if cut and node.conn == gen and node.store == i:
             self._disconnect(node)
 
     def _disconnect(self, node: MNode) -> None:
@@ -168,7 +177,8 @@ class MultiSim(Sim):
             st = self.link(node, node.store)
             if st == "ok":
                 self._disconnect(node)
-            elif (node.id, node.store) in self.links_cut:  # the server's keep-alive, later
+            elif ((node.id, node.store) in self.links_cut
+                  or (node.id, node.store) in self.links_refused):  # the server's keep-alive
                 gen = node.conn
                 self.at(self.clock.t + self.closes_after,
                         lambda: self._late_close(node, node.store, gen))
@@ -335,10 +345,8 @@ class MultiSim(Sim):
                     case hops.Probe(i, key):
                         v = yield Peek(i, lambda d, key=key: int(d.get(key, b"0")))
                         reply = f"{i}: did not answer" if v is DOWN else v
-                    case hops.On(i, sop):
-                        reply = yield At(i, sop)
-                    case hops.Marks(i, fence):
-                        reply = yield from self._marks(node, i, fence)
+                    case hops.Marks(i, entry):
+                        reply = yield from self._marks(node, i, entry)
                     case hops.Pause(seconds):
                         yield Sleep(seconds)
                     case hops.Adopt(live):
@@ -379,14 +387,14 @@ class MultiSim(Sim):
         else:
             pending = node.on_disconnect
             node.on_disconnect, node.conn = [], node.conn + 1
-            if st == "timeout":
+            if st == "timeout" or self.store_state[old] != "dead":  # cut, or refused alive
                 def late() -> None:
                     if self.store_state[old] != "dead":
                         for key, value in pending:
                             self.stores[old][key] = self.stores[old].get(key, b"") + value
                 self.at(self.clock.t + self.closes_after, late)
 
-    def _marks(self, node: MNode, i: int, fence: bytes) -> Generator[Any, Any, Any]:
+    def _marks(self, node: MNode, i: int, entry: bytes) -> Generator[Any, Any, Any]:
         """``Candidates._marks``. With ``flaky_fences``, that share of a proof's fences on its
         last candidate meet that candidate as it stops answering the prover (the fence lands or
         not; no answer within ``PROBE_S``): the proof fails after fencing the others, which it
@@ -394,19 +402,36 @@ class MultiSim(Sim):
         if self.link(node, i) == "refused":
             return None
         last = max(j for j in range(len(self.stores)) if j != node.live.index)
-        if (fence.startswith(b"x") and i == last and self.flaky_fences
+        if (entry.startswith(b"x") and i == last and self.flaky_fences
                 and self.rnd.random() < self.flaky_fences):
             if self.rnd.random() < 0.5:
-                self.stores[i][self.keys.moving] = self.stores[i].get(self.keys.moving, b"") + fence
+                self.stores[i][self.keys.moving] = self.stores[i].get(self.keys.moving, b"") + entry
             yield Sleep(PROBE_S)
             return f"{i} did not answer"
-        if fence:
+        if entry:
             r = yield Peek(i, lambda d: d.__setitem__(
-                self.keys.moving, d.get(self.keys.moving, b"") + fence))
+                self.keys.moving, d.get(self.keys.moving, b"") + entry))
             if r is DOWN:
                 return f"{i} did not answer"
         marks = yield Peek(i, lambda d: d.get(self.keys.moving, b""))
         return f"{i} did not answer" if marks is DOWN else marks
+
+    def _sync(self, node: MNode, i: int, nonce: bytes) -> None:
+        """``Candidates._sync_until_done`` for the store ``i`` that ``node`` (re)started: the
+        real ``_hops.sync_entries`` over the lists of the candidates it reaches now, tried
+        again every second while too few answer and the node and its store live."""
+        if not node.alive or self.store_state[i] == "dead":
+            return
+        if sc.counts(self.stores[i].get(self.keys.moving, b"")):
+            return
+        lists = [self.stores[j].get(self.keys.moving, b"") if self.link(node, j) == "ok"
+                 else None for j in range(len(self.stores)) if j != i]
+        entries = hops.sync_entries(lists, len(self.stores))
+        if entries is None:
+            self.at(self.clock.t + 1.0, lambda: self._sync(node, i, nonce))
+            return
+        d = self.stores[i]
+        d[self.keys.moving] = d.get(self.keys.moving, b"") + entries + sc.encode_synced(nonce)
 
     def _behind(self, node: MNode, i: int, epoch: int) -> Generator[Any, Any, None]:
         """``Candidates._behind``: the real ``_hops.behind`` on the store the node hosts."""
@@ -435,16 +460,20 @@ class MultiSim(Sim):
         assert isinstance(node, MNode)
         if node.hosts >= 0 and self.store_state[node.hosts] == "dead":  # a restarted host
             found, _ = yield from self._hop(node, hops.probe(node.plan, -1))
-            fences = b""  # ``Candidates._committed_elsewhere``'s read of the moving lists
-            for i in range(len(self.stores)):
-                if self.link(node, i) == "ok":
-                    fences += sc.proof_entries(self.stores[i].get(self.keys.moving, b""))
-            self.stores[node.hosts], self.store_state[node.hosts] = {}, "up"
+            lists = [self.stores[i].get(self.keys.moving, b"") if self.link(node, i) == "ok"
+                     else None for i in range(len(self.stores)) if i != node.hosts]
+            nonce = b"%d" % (len(self.stores) * (self.restarts[node.hosts] + 1) + node.hosts)
+            self.stores[node.hosts] = {self.keys.moving: sc.encode_started(nonce)}
+            self.store_state[node.hosts] = "up"
             self.restarts[node.hosts] += 1
             if found:
                 yield from self._behind(node, found[0][1], -found[0][0])
-            for op in list(hops.carry_fences(node.plan, fences)):  # type: ignore[arg-type]
-                yield At(node.hosts, op)
+            entries = hops.sync_entries(lists, len(self.stores))  # read before it hosted
+            if entries is None:
+                self.at(self.clock.t + 1.0, lambda: self._sync(node, node.hosts, nonce))
+            else:
+                d = self.stores[node.hosts]
+                d[self.keys.moving] += entries + sc.encode_synced(nonce)
         i, epoch, proposed = yield from self._hop(node, hops.connect(node.plan))
         if node.hosts >= 0:
             yield from self._behind(node, i, epoch)
@@ -570,6 +599,14 @@ class MultiSim(Sim):
         marked = {who for j, o in enumerate(self.stores) if j != store
                   for _, who in sc.marks(o.get(self.keys.moving, b""))}
         return [i for i in dead if self.nodes[i].ident in marked]
+
+    def best_reachable_quorum(self) -> int:
+        """The most candidates that count (up, synced: ``_schema.counts``) any live node
+        reaches now."""
+        counting = [i for i, d in enumerate(self.stores) if self.store_state[i] != "dead"
+                    and sc.counts(d.get(self.keys.moving, b""))]
+        return max((sum(self.link(n, i) == "ok" for i in counting) for n in self.nodes
+                    if n.alive), default=0)
 
     def last_world(self) -> tuple[tuple[int, int], int, int] | None:
         """The world that trained last (whose members all trained together latest): (key, its

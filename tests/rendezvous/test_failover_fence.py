@@ -5,12 +5,14 @@ mark comes after it drops its world and does not count as a carrier on the succe
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from loopback import free_port as _free_port
@@ -21,6 +23,7 @@ from fastelastic.rendezvous import RendezvousParameters
 from fastelastic.rendezvous.fast import _schema as sc
 from fastelastic.rendezvous.fast.failover._failover import Candidates, Fenced, Live
 from fastelastic.rendezvous.fast.fast_rendezvous import create_fast_handler
+from fastelastic.store import TCPStore
 
 RUN = "fence"
 K = f"fe.rdzv.{RUN}/"
@@ -36,11 +39,13 @@ def _candidates(ports: list[int], me: str) -> Candidates:
 @pytest.mark.timeout(30)
 def test_a_mark_before_the_fence_blocks_the_proof_and_a_mark_after_it_is_fenced():
     """On real stores (``Candidates``): s0 is where the world formed, s1 answers, nothing
-    listens on s2 (refused: skipped). Mover A marks s1 before any proof: the proof of A is
-    blocked and, bound to fail, leaves no fence (its first pass only reads). The proof of B
-    passes and leaves B's fence; B's mark after it raises ``Fenced`` (on a move and on a
-    regroup), while a mover of another world (a stale fence) is not fenced. Before the fence,
-    a proof that read s1 before B's mark passed and B carried the world there all the same."""
+    listens on s2 (refused: no answer). Three candidates: a mover's mark and a proof's fences
+    each count once read back from two. Mover A marks s1 and s0 (s2 refuses) before any proof:
+    the proof of A is blocked and, bound to fail, leaves no fence (its first pass only reads).
+    The proof of B passes and leaves B's fence; B's mark after it raises ``Fenced`` (on a move
+    and on a regroup), while a mover of another world (a stale fence) is not fenced. Before the
+    fence, a proof that read s1 before B's mark passed and B carried the world there all the
+    same."""
     s0, s1 = _store(), _store()
     try:
         ports = [s0.port, s1.port, _free_port()]
@@ -50,8 +55,9 @@ def test_a_mark_before_the_fence_blocks_the_proof_and_a_mark_after_it_is_fenced(
         client.close()
         assert (i, proposed) == (1, 1)
         why = prover.gone_elsewhere(0, ["10.0.0.2|2", "10.0.0.3|3"], W)
-        assert why == f"['10.0.0.2|2'] moved to 127.0.0.1:{s1.port}", why
+        assert why == f"['10.0.0.2|2'] moved: marked on 127.0.0.1:{s0.port} before any fence", why
         assert s1.get(K + "moving") == b"1|10.0.0.2|2;"  # no fence left by a failing proof
+        assert s0.get(K + "moving") == b"1|10.0.0.2|2;"  # the mover's second mark
         assert prover.gone_elsewhere(0, ["10.0.0.3|3"], W) == ""
         assert re.fullmatch(rb"1\|10\.0\.0\.2\|2;x1\.0badf00d/[0-9a-f]{8}\|10\.0\.0\.3\|3;",
                             s1.get(K + "moving"))  # the fence: world id / the proof's name
@@ -100,28 +106,34 @@ def test_a_withdrawal_lifts_its_own_proof_s_fence_and_only_from_then_on():
     assert order(mark, fence, mark) == (True, True)  # moved in time once: the proof fails
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(60)
 def test_a_candidate_whose_host_restarts_after_a_proof_carries_its_fences():
-    """Real stores: the world trains on candidate 1 (the rendezvous moved there). A proof
-    passes there while candidates 0 and 2 refuse the connection (their hosts' stores are
-    gone), so it fences nothing on them. Candidate 0's host restarts: before it hosts its
-    store again it reads the proofs' entries on the answering candidates (candidate 1 holds
-    the proof's fence, appended there first) and appends them to its own. Member B, declared
-    gone (cut from candidate 1, say), then moves to candidate 0 carrying its world: it is
-    fenced there. Before, candidate 0 came back with no fence, and a cut majority carried its
-    world there while the world the proof let form trained (two worlds: simulated in
-    ``test_prop_failover``)."""
-    live = _store()
+    """Real stores: the world trains on candidate 1 (the rendezvous moved there); candidates 0
+    and 2 answer. A proof passes there: its fences are read back from candidates 1 and 0.
+    Candidate 0's host restarts: its new store starts not counting (its ``u`` entry), and
+    counts once its host has copied the other candidates' lists (every other one answers), so
+    it holds the proof's fence again. Member B, declared gone (cut from candidate 1, say), then
+    moves to candidate 0 carrying its world: it is fenced there. A member not declared gone
+    carries its world there. Without the copy, candidate 0 came back with no fence, and a cut
+    majority could carry its world there while the world the proof let form trained.
+
+    With candidate 2 down too, the restarted store cannot copy enough (one of two others):
+    it does not count, and a mover's mark there is no answer."""
+    live, s0, s2 = _store(), _store(), _store()
     restarted = None
     try:
-        ports = [_free_port(), live.port, _free_port()]
+        ports = [s0.port, live.port, s2.port]
         prover = _candidates(ports, "10.0.0.1|1")
         assert prover.gone_elsewhere(1, ["10.0.0.3|3"], W) == ""
-        assert sc.fenced(bytes(live.get(K + "moving")) + sc.encode_mark(1, "10.0.0.3|3"),
-                         "10.0.0.3|3", W)  # the fence on the prover's own store
+        assert sc.fenced(bytes(s0.get(K + "moving")) + sc.encode_mark(1, "10.0.0.3|3"),
+                         "10.0.0.3|3", W)  # the fence on candidate 0 before its restart
+        s0.shutdown_server()                      # candidate 0's host restarts
         restarted = Candidates(RUN, [("127.0.0.1", p) for p in ports], True,
                                timedelta(seconds=2))
         assert restarted.standby_index == 0
+        own = bytes(restarted.standby.get(K + "moving"))
+        assert sc.counts(own) and sc.fenced(own + sc.encode_mark(1, "10.0.0.3|3"),
+                                            "10.0.0.3|3", W), own  # copied from candidate 1
         b = _candidates(ports, "10.0.0.3|3")
         with pytest.raises(Fenced, match="proved it gone first"):
             b.connect(exclude=1, at_least=1, world=W)
@@ -129,10 +141,22 @@ def test_a_candidate_whose_host_restarts_after_a_proof_carries_its_fences():
                                                                    world=W)
         client.close()  # a member not declared gone carries its world there
         assert i == 0
+        restarted.close()
+        restarted = None
+        s2.shutdown_server()                      # candidates 0 and 2 lost: 0 restarts again
+        restarted = Candidates(RUN, [("127.0.0.1", p) for p in ports], True,
+                               timedelta(seconds=2))
+        own = bytes(restarted.standby.get(K + "moving"))
+        assert sc.incarnation(own) is not None and not sc.counts(own), own
+        why = prover.gone_elsewhere(1, ["10.0.0.5|5"], W)
+        assert "fewer than 2 of the 3 candidates answer" in why and "not synced" in why, why
     finally:
         if restarted is not None:
             restarted.close()
         live.shutdown_server()
+        for s in (s0, s2):
+            with contextlib.suppress(Exception):
+                s.shutdown_server()
 
 
 def _params(ports: list[int], addr: str, defaults: bool = False) -> RendezvousParameters:
@@ -173,16 +197,19 @@ def test_a_fenced_mover_does_not_count_as_a_carrier_on_the_successor(nodes, fenc
     committed move; node 0 alone is 1 of the 2 needed, so no world forms on s1 (before the
     fence, node 1 counted there while s0's proof counted it gone).
 
-    Withdrawn: the proof fences node 1 on s1, then s2's process is frozen (SIGSTOP) before the
-    proof's fence reaches it, so the proof fails; it withdraws its fence on s1, and the world
-    of 2 forms there as in the control. Before the withdrawal, that fence stayed: node 1 was
-    fenced by a proof that had failed, and with s0 lost nobody could make the world's majority
-    again until the join timeout."""
-    s2 = _FrozenStore() if fence.startswith("withdrawn") else None
-    s0, s1 = _store(), _store()
+    Withdrawn (three candidates): the proof fences node 1 on s0 and s1, then s1's process is
+    frozen (SIGSTOP) before the proof reads its fence back, so the proof fails; s1 thaws, the
+    proof withdraws its fences, and the world of 2 forms there as in the control. Without the
+    withdrawal, that fence stayed: node 1 was fenced by a proof that had failed, and with s0
+    lost nobody could make the world's majority again until the join timeout."""
+    frozen = _FrozenStore() if fence.startswith("withdrawn") else None
+    s0 = _store()
+    s1: Any = _store() if frozen is None else TCPStore(
+        "127.0.0.1", frozen.port, timeout=timedelta(seconds=30))
+    s2 = _store() if frozen is not None else None
     hs = []
     try:
-        ports = [s0.port, s1.port] + ([s2.port] if s2 is not None else [])
+        ports = [s0.port, frozen.port if frozen else s1.port] + ([s2.port] if s2 else [])
         hs = [create_fast_handler(_params(ports, f"127.0.0.{i + 1}", fence.endswith("defaults")))
               for i in range(2)]
         for i in range(2):
@@ -195,17 +222,21 @@ def test_a_fenced_mover_does_not_count_as_a_carrier_on_the_successor(nodes, fenc
         me = hs[1]._candidates.plan.me
         if fence == "fenced":
             assert prover.gone_elsewhere(0, [me], wid) == ""
-        elif s2 is not None:
-            marks = prover._marks
+        elif frozen is not None:
+            marks, fenced_s1 = prover._marks, []
 
-            def freeze_s2_before_its_fence(i: int, fences: bytes) -> bytes | str | None:
-                if i == 2 and fences:  # the second pass, s1 fenced already
-                    os.kill(s2.proc.pid, signal.SIGSTOP)
-                return marks(i, fences)
-            prover._marks = freeze_s2_before_its_fence  # type: ignore[method-assign]
+            def freeze_s1_before_its_read_back(i: int, entry: bytes) -> bytes | str | None:
+                if i == 1 and entry.startswith(b"x"):
+                    fenced_s1.append(True)
+                elif i == 1 and not entry and fenced_s1:  # the read-back after its fence
+                    os.kill(frozen.proc.pid, signal.SIGSTOP)
+                elif i == 1 and entry.startswith(b"y"):  # the withdrawal: thawed by then
+                    os.kill(frozen.proc.pid, signal.SIGCONT)
+                return marks(i, entry)
+            prover._marks = freeze_s1_before_its_read_back  # type: ignore[method-assign]
             why = prover.gone_elsewhere(0, [me], wid)
-            assert why.startswith(f"127.0.0.1:{s2.port} did not answer"), why
-            os.kill(s2.proc.pid, signal.SIGCONT)
+            assert why == f"127.0.0.1:{frozen.port} did not answer the read-back", why
+            os.kill(frozen.proc.pid, signal.SIGCONT)
             assert not sc.fenced(bytes(s1.get(K + "moving")) + sc.encode_mark(1, me), me, wid)
         s0.shutdown_server()                       # the world's store is lost
         for i in range(2):                         # the agent's check notices it, and moves
@@ -236,6 +267,10 @@ def test_a_fenced_mover_does_not_count_as_a_carrier_on_the_successor(nodes, fenc
     finally:
         for h in hs:
             h._close_owned(linger=False)
-        s1.shutdown_server()
+        if frozen is not None:
+            s1.close()
+            frozen.close()
+        else:
+            s1.shutdown_server()
         if s2 is not None:
-            s2.close()
+            s2.shutdown_server()

@@ -668,8 +668,8 @@ def test_two_threads_that_lose_the_store_at_once_move_the_rendezvous_once(caplog
         assert (h._live.index, h._live.proposed) == (1, 1)
         # the move is proposed (a mark), not committed: no round formed there yet
         assert [s.add(f"fe.rdzv.{RUN}/epoch", 0) for s in stores[1:]] == [0, 0]
-        assert stores[1].get(f"fe.rdzv.{RUN}/moving") == b"1|%s;" % h._node.encode()  # one mark
-        assert not stores[2].check([f"fe.rdzv.{RUN}/moving"])
+        mark = b"1|%s;" % h._node.encode()  # one move: its mark on two of the three (a quorum)
+        assert [s.get(f"fe.rdzv.{RUN}/moving") for s in stores[1:]] == [mark, mark]
         assert sum("moved to" in r.getMessage() for r in caplog.records) == 1
     finally:
         for s in stores[1:]:
@@ -710,10 +710,11 @@ def test_a_node_that_gives_up_never_closes_a_store_it_formed_no_world_on():
 
 @pytest.mark.timeout(60)
 def test_the_proof_that_lost_members_are_nowhere_else():
-    """``gone_elsewhere``: proven when every other candidate refuses the connection or answers
-    without a mark of them before this proof's fence; a mark of one of them before it, or a
-    candidate that does not answer (it accepts and never replies: a frozen host), blocks it
-    and says why. A mark after a proof's fence comes too late (its mover is fenced)."""
+    """``gone_elsewhere``: proven once the proof's fences are read back from two of the three
+    candidates (the live one and the one that answers; the refused one is no answer) with no
+    mark of them before a fence; a mark of one of them before it, or too few answers (the
+    refused one, and one that accepts and never replies: a frozen host), blocks it and says
+    why. A mark after a proof's fence comes too late (its mover is fenced)."""
     import socket
 
     from fastelastic.rendezvous.fast.failover._failover import Candidates
@@ -732,13 +733,15 @@ def test_the_proof_that_lost_members_are_nowhere_else():
         c = Candidates(RUN, [("127.0.0.1", p) for p in ports], False, timedelta(seconds=5))
         idents = ["10.0.0.1|11", "10.0.0.2|22"]
         other.append(f"fe.rdzv.{RUN}/moving", b"1|10.0.0.2|22;")
-        assert c.gone_elsewhere(0, idents) == f"['10.0.0.2|22'] moved to 127.0.0.1:{other.port}"
+        assert c.gone_elsewhere(0, idents) == (f"['10.0.0.2|22'] moved: marked on "
+                                               f"127.0.0.1:{other.port} before any fence")
         assert c.gone_elsewhere(0, idents[:1]) == ""
         other.append(f"fe.rdzv.{RUN}/moving", b"1|10.0.0.1|11;")  # after the fence: too late
         assert c.gone_elsewhere(0, idents[:1]) == ""
         c.endpoints[2] = ("127.0.0.1", frozen.getsockname()[1])
         t0 = time.monotonic()
-        assert "did not answer" in c.gone_elsewhere(0, idents)
+        why = c.gone_elsewhere(0, idents)
+        assert "did not answer" in why and "refused" in why and "fewer than 2 of the 3" in why
         assert time.monotonic() - t0 < 10
     finally:
         frozen.close()

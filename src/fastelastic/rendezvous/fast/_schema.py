@@ -22,6 +22,9 @@ Run-wide:
   to count, and its mover drops that world (:func:`marked_before_fence`, :func:`fenced`). A
   proof that fails after fencing withdraws its fences (``y<world id>/<proof>|<node>;``,
   ``<proof>`` naming that proof's fences alone), so a failed proof costs no mover its world.
+  A candidate's host writes two entries of its own there (``u`` and ``s``, see
+  :func:`counts`): from its store's start until it has copied the other candidates' lists, the
+  store does not count toward the failover's quorums (a host that restarted lost its marks).
 * ``behind``: on a standby store whose host restarted after the rendezvous moved away, the
   committed epoch its new agent found elsewhere: while it is above the store's own ``epoch``
   the store is not live, and a start does not take it as the first candidate's (an empty
@@ -411,6 +414,41 @@ def _entries(raw: bytes) -> list[tuple[bytes, str]]:
         if sep:
             out.append((head, ident.decode("utf-8", "replace")))
     return out
+
+
+def encode_started(nonce: bytes) -> bytes:
+    """A candidate host's first entry in its new store's ``moving`` list: this incarnation
+    (``nonce``) does not count toward the failover's quorums until it is synced."""
+    return b"u%s|;" % nonce
+
+
+def encode_synced(nonce: bytes) -> bytes:
+    """The entry its host appends, with the entries it copied from the other candidates, once
+    it has copied enough of them (``_hops.sync_entries``): the incarnation counts from then on."""
+    return b"s%s|;" % nonce
+
+
+def incarnation(raw: bytes) -> bytes | None:
+    """The nonce of the store's incarnation (its host's ``u`` entry), or None: a store that no
+    candidate host started (an external or a test's store), which always counts."""
+    for head, _ in _entries(raw):
+        if head[:1] == b"u":
+            return head[1:]
+    return None
+
+
+def counts(raw: bytes) -> bool:
+    """Whether a candidate whose ``moving`` list is ``raw`` counts toward a quorum: it has no
+    host's ``u`` entry, or its host has synced it (an ``s`` entry of the same incarnation)."""
+    nonce = incarnation(raw)
+    return nonce is None or any(head == b"s" + nonce for head, _ in _entries(raw))
+
+
+def copied_entries(raw: bytes) -> bytes:
+    """The entries of a ``moving`` list that a restarted candidate copies (marks, fences and
+    withdrawals), in append order: not the other host's own ``u`` and ``s`` entries."""
+    return b"".join(entry + b";" for entry in raw.split(b";")
+                    if b"|" in entry and entry[:1] not in (b"u", b"s"))
 
 
 def marks(raw: bytes) -> list[tuple[int, str]]:

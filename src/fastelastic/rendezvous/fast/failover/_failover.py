@@ -18,7 +18,9 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import logging
+import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Generator
 from datetime import timedelta
@@ -29,7 +31,7 @@ from fastelastic.errors import RendezvousConnectionError, StoreError
 from ...utils import _matches_machine_hostname, parse_rendezvous_endpoint
 from .. import _requests as rq
 from .. import _store_ops as ops
-from .._schema import Keys, proof_entries
+from .._schema import Keys, encode_started, encode_synced
 from . import _hops as hops
 from ._hops import (  # noqa: F401 (the failover's names, as callers and tests know them)
     NO_WORLD_RULE,
@@ -39,12 +41,10 @@ from ._hops import (  # noqa: F401 (the failover's names, as callers and tests k
     GoBack,
     Live,
     Marks,
-    On,
     Pause,
     Plan,
     Probe,
     Regroup,
-    mark_moving,
     prove_gone,
 )
 
@@ -69,6 +69,8 @@ def _is_mine(host: str) -> bool:
 
 
 PROBE_S = 2.0  # seconds a candidate has to accept and answer a probe
+SYNC_RETRY_S = 0.5  # seconds between a standby's attempts to copy the others' lists
+SYNC_WARN_S = 60.0  # a standby not synced this long says so
 PRE_PROBE_S = 0.5  # seconds a silent candidate gets before a node hosts its standby
 QUICK_S = 0.2  # a probe's first, plain connect: what refuses at once is skipped
 
@@ -85,6 +87,10 @@ def parse_candidates(endpoint: str, default_port: int) -> list[tuple[str, int]]:
     if len(set(out)) != len(out):
         raise ValueError(f"The rendezvous endpoint list {endpoint!r} repeats a candidate.")
     return out
+
+
+def _append(key: str, value: bytes) -> rq.Proto[None]:
+    yield rq.Append(key, value)
 
 
 class Host(Protocol):
@@ -126,6 +132,9 @@ class Candidates:
                          read_timeout.total_seconds(), run_id)
         self.standby: Any = None  # the store this node hosts, if it owns a candidate
         self.standby_index = -1
+        self._nonce = b""  # the standby's incarnation (``_schema.encode_started``)
+        self._closing = threading.Event()
+        self._syncer: threading.Thread | None = None
         mine = [] if is_host is False else [
             i for i, (host, _) in enumerate(endpoints) if is_host or _is_mine(host)]
         if mine:
@@ -133,14 +142,15 @@ class Candidates:
 
     def _host(self, mine: list[int]) -> None:
         """Hosts the standby on the first of the candidates ``mine`` (this machine's) that
-        no other process hosts. The candidates are asked first (:meth:`_committed_elsewhere`):
-        a committed epoch there means this host restarted after the rendezvous moved away,
-        and its store, empty, is marked ``behind`` it before anything else reaches it
-        (:func:`._hops.behind`; only a request in the microseconds between the server's start
-        and that mark sees it unmarked)."""
+        no other process hosts. The candidates are asked first (:meth:`_read_others`): a
+        committed epoch there means this host restarted after the rendezvous moved away, and
+        its store, empty, is marked ``behind`` it (:func:`._hops.behind`). The store's first
+        entry says it does not count toward the failover's quorums until it is synced
+        (:meth:`_sync`): only a request in the microseconds between the server's start and
+        that entry sees it unmarked."""
         from fastelastic.store import TCPStore
 
-        found, fences = self._committed_elsewhere()
+        found, lists = self._read_others()
         for i in mine:
             host, port = self.endpoints[i]
             try:
@@ -151,29 +161,38 @@ class Candidates:
                 log.debug("candidate %s:%d already hosted (%s)", host, port, e)
                 continue
             self.standby_index = i
+            self._nonce = os.urandom(8).hex().encode()
+            self._on_standby(_append(self.plan.keys.moving, encode_started(self._nonce)),
+                             "mark it as not synced")
             if found is not None:
                 self._behind(*found)
-            if fences:
-                self._carry(fences)
+            if not self._sync({j: raw for j, raw in lists.items() if j != i}):
+                self._syncer = threading.Thread(target=self._sync_until_done, daemon=True,
+                                                name="fastelastic-candidate-sync")
+                self._syncer.start()
             return
 
-    def _committed_elsewhere(self) -> tuple[tuple[int, int] | None, bytes]:
-        """Asked before this node hosts its standby: (index, epoch) of the answering candidate
-        with the highest committed epoch, if any is above 0; and the proofs' entries of their
-        ``moving`` lists (:func:`._hops.carry_fences`). Best effort and quick, so a job's
-        start does not wait for it: a refused connection (nothing listens there yet, such as
-        this node's own candidate) answers at once, a silent host gets ``PRE_PROBE_S``. The
-        start's ``connect`` looks again, and marks the standby then."""
-        best, fences = None, b""
+    def _read_others(self, skip: int = -1) -> tuple[tuple[int, int] | None,
+                                                    dict[int, bytes | None]]:
+        """(index, epoch) of the answering candidate with the highest committed epoch, if any
+        is above 0; and each candidate's ``moving`` list (None: no answer) but ``skip``'s.
+        Quick, so a job's start does not wait for it: a refused connection (nothing listens
+        there yet, such as this node's own candidate) answers at once, a silent host gets
+        ``PRE_PROBE_S``. The start's ``connect`` looks again, and marks the standby then."""
+        best: tuple[int, int] | None = None
+        lists: dict[int, bytes | None] = {}
         for i in range(len(self.endpoints)):
+            if i == skip:
+                continue
+            lists[i] = None
             if self._listens(i, PRE_PROBE_S) is not True:
                 continue
             conns: dict[int, Any] = {}
             epoch = self._probe(i, self.plan.keys.epoch, conns)
             c, key = conns.get(i), self.plan.keys.moving
             try:
-                if c is not None and c.check([key]):
-                    fences += proof_entries(bytes(c.get(key)))
+                if c is not None:
+                    lists[i] = bytes(c.get(key)) if c.check([key]) else b""
             except (StoreError, OSError) as e:
                 log.debug("could not read %s's moving list: %s", self.name(i), e)
             finally:
@@ -181,7 +200,48 @@ class Candidates:
                     c.close()
             if isinstance(epoch, int) and epoch > (best[1] if best else 0):
                 best = (i, epoch)
-        return best, fences
+        return best, lists
+
+    def _sync(self, lists: dict[int, bytes | None]) -> bool:
+        """Appends to the standby what :func:`._hops.sync_entries` makes of the other
+        candidates' ``lists``, with the entry that makes it count; False while too few of
+        them answered."""
+        entries = hops.sync_entries(list(lists.values()), len(self.endpoints))
+        if entries is None:
+            return False
+        entry = entries + encode_synced(self._nonce)
+        if threading.current_thread() is self._syncer:  # a client of its own, not the host's
+            from fastelastic.store import TCPStore
+
+            host, port = self.endpoints[self.standby_index]
+            c = TCPStore(host, port, timeout=timedelta(seconds=PROBE_S), token=self.token)
+            try:
+                c.append(self.plan.keys.moving, entry)
+            finally:
+                c.close()
+        else:
+            self._on_standby(_append(self.plan.keys.moving, entry),
+                             "copy the other candidates' marks to it")
+        log.debug("candidate %s synced from the others", self.name(self.standby_index))
+        return True
+
+    def _sync_until_done(self) -> None:
+        """:meth:`_sync`, every ``SYNC_RETRY_S`` until it is done or the standby closes (at a
+        job's start the other candidates' hosts start about when this one does)."""
+        waited = 0.0
+        while not self._closing.wait(SYNC_RETRY_S):
+            waited += SYNC_RETRY_S
+            try:
+                if self._sync(self._read_others(self.standby_index)[1]):
+                    return
+            except Exception as e:  # noqa: BLE001 (a daemon thread: log, try again)
+                log.debug("candidate sync: %s", e)
+            if waited >= SYNC_WARN_S and waited - SYNC_RETRY_S < SYNC_WARN_S:
+                log.warning(
+                    "the rendezvous candidate %s hosted here has not read the other "
+                    "candidates' lists after %.0fs: it does not count toward the failover's "
+                    "quorums until it does (it waits for every other candidate, or a "
+                    "majority of them synced)", self.name(self.standby_index), waited)
 
     def _listens(self, i: int, timeout: float) -> bool | str:
         """Whether candidate ``i`` accepts a connection: False when it is refused (nothing
@@ -200,10 +260,6 @@ class Candidates:
         self._on_standby(hops.behind(self.plan, self.standby_index, i, epoch),
                          f"mark it as behind epoch {epoch}")
 
-    def _carry(self, fences: bytes) -> None:
-        """:func:`._hops.carry_fences` on the standby."""
-        self._on_standby(hops.carry_fences(self.plan, fences), "copy the proofs' fences to it")
-
     def _on_standby(self, gen: Any, what: str) -> None:
         """Runs ``gen``'s requests on the standby; a failure is only logged (each narrows a
         hole that the standby's first microseconds leave open anyway)."""
@@ -220,7 +276,7 @@ class Candidates:
 
     def run(self, gen: Generator[Any, Any, T], host: Host | None = None) -> T:
         """Runs one of :mod:`._hops`' operations: the failover's requests on the candidates
-        (each probe's connection kept for ``On``/``Adopt`` until the next probe of that
+        (each probe's connection kept for ``Adopt`` until the next probe of that
         candidate; the rest closed at the end), the machine's store requests on ``host``'s
         store. A request that fails as a connection error is thrown into the operation."""
         conns: dict[int, Any] = {}
@@ -256,10 +312,8 @@ class Candidates:
                 if old is not None:
                     old.close()
                 return self._probe(i, key, conns)
-            case On(i, sop):
-                return ops.apply(conns[i], sop)
-            case Marks(i, fence):
-                return self._marks(i, fence)
+            case Marks(i, entry):
+                return self._marks(i, entry)
             case Pause(seconds):
                 time.sleep(seconds)
                 return None
@@ -345,8 +399,8 @@ class Candidates:
         """:func:`._hops.prove_gone` on the real candidates."""
         return self.run(prove_gone(self.plan.names, index, idents, world))
 
-    def _marks(self, i: int, fence: bytes) -> bytes | str | None:
-        """Candidate ``i``'s ``moving`` list, after appending ``fence`` (if any); None when it
+    def _marks(self, i: int, entry: bytes) -> bytes | str | None:
+        """Candidate ``i``'s ``moving`` list, after appending ``entry`` (if any); None when it
         refuses the connection; why, when it does not answer."""
         from fastelastic.store import TCPStore
 
@@ -358,8 +412,8 @@ class Candidates:
             c = TCPStore(host, port, timeout=timedelta(seconds=PROBE_S), token=self.token)
             try:
                 key = self.plan.keys.moving
-                if fence:
-                    c.append(key, fence)
+                if entry:
+                    c.append(key, entry)
                 return bytes(c.get(key)) if c.check([key]) else b""
             finally:
                 c.close()
@@ -367,6 +421,7 @@ class Candidates:
             return f"{self.name(i)} did not answer ({e})"
 
     def close(self) -> None:
+        self._closing.set()
         if self.standby is not None:
             standby, self.standby = self.standby, None
             standby.close()

@@ -13,7 +13,7 @@ requests, as the round machine's operations are (:mod:`._round`).
   (:func:`regroup`).
 - A mover fenced by its world's proof drops that world and follows (:func:`drop_world`).
 - The proof that lost members are nowhere else (:func:`prove_gone`), and a mover's mark with
-  its fence check (:func:`mark_moving`).
+  its fence check (:func:`mark`).
 
 The policy alone: it reads an injected clock and does no I/O. :class:`._failover.Candidates`
 runs these operations on real stores (``run``), the tests' simulation (``multisim``) on
@@ -34,13 +34,16 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from fastelastic.errors import RendezvousConnectionError, RendezvousTimeoutError
 
-from .._requests import Append, Get, Op, Proto, Set, StopBeats
+from .._requests import Op, Proto, Set, StopBeats
 from .._schema import (
     Keys,
+    copied_entries,
+    counts,
     encode_fence,
     encode_mark,
     encode_withdrawal,
     fenced,
+    incarnation,
     marked_before_fence,
 )
 
@@ -52,6 +55,25 @@ log = logging.getLogger("fastelastic.rendezvous.fast_rendezvous.failover")
 
 T = TypeVar("T")
 RETRY_S = 0.2  # seconds between the probes of a node waiting for a candidate
+
+
+def prover_quorum(n: int) -> int:
+    """How many of ``n`` candidates a proof's fences must be read back from: a majority."""
+    return n // 2 + 1
+
+
+def mover_quorum(n: int) -> int:
+    """How many of ``n`` candidates a mover's mark must be read back from: the fewest that
+    meet every set of :func:`prover_quorum` candidates (the two add up to more than ``n``)."""
+    return n - prover_quorum(n) + 1
+
+
+QUORUM_RULE = (
+    "with several --rdzv-endpoint candidates, a mover carries its world only once its mark is "
+    "read back from {m} of the {n} candidates, and members are proven gone only once the "
+    "proof's fences are read back from {f} of them; a candidate that refuses the connection "
+    "or does not answer counts as no answer, so no failure domain may hold half the "
+    "candidates")
 
 
 @dataclass(frozen=True)
@@ -110,8 +132,8 @@ NO_WORLD_RULE = (
 class Probe:
     """Connects to candidate ``index`` (within ``_failover.PROBE_S``) and reads the counter
     ``key``. Reply: its value (int), or why the candidate did not answer (str). The
-    connection stays open for :class:`On` and :class:`Adopt` until the next probe of that
-    candidate or the operation's end."""
+    connection stays open for :class:`Adopt` until the next probe of that candidate or the
+    operation's end."""
 
     name: ClassVar[str] = "probe"
     index: int
@@ -119,24 +141,15 @@ class Probe:
 
 
 @dataclass(frozen=True, slots=True)
-class On:
-    """The store request ``op`` on the connection the last :class:`Probe` of candidate
-    ``index`` opened. Reply: ``op``'s."""
-
-    name: ClassVar[str] = "on"
-    index: int
-    op: Op
-
-
-@dataclass(frozen=True, slots=True)
 class Marks:
-    """Appends ``fence`` (if any) to candidate ``index``'s ``moving`` list, then reads the
-    list, within ``PROBE_S`` each. Reply: the list (bytes), None when nothing listens there
-    (the connection is refused), or why it did not answer (str)."""
+    """Appends ``entry`` (if any: a mark, fences or withdrawals) to candidate ``index``'s
+    ``moving`` list, then reads the list, on a connection of its own, within ``PROBE_S``
+    each. Reply: the list (bytes), None when the connection is refused, or why it did not
+    answer (str); the failover's quorums count the last two alike, as no answer."""
 
     name: ClassVar[str] = "marks"
     index: int
-    fence: bytes
+    entry: bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +179,7 @@ class CloseStore:
     live: Live
 
 
-Hop = Probe | On | Marks | Pause | Adopt | CloseStore
+Hop = Probe | Marks | Pause | Adopt | CloseStore
 Ops = Generator[Op | Hop, Any, T]  # a failover operation: yields requests, is sent replies
 
 
@@ -258,7 +271,7 @@ def connect(p: Plan, exclude: int = -1, at_least: int = 0,
     epoch, i = -found[0][0], found[0][1]
     proposed = at_least if epoch < at_least else 0
     if exclude >= 0 or proposed:  # a move: the mark that tells the proof this node is here
-        yield from mark(p, i, proposed or epoch, world)
+        yield from mark(p, i, proposed or epoch, world, exclude)
     return i, epoch, proposed
 
 
@@ -273,15 +286,20 @@ def behind(p: Plan, standby: int, i: int, epoch: int) -> Proto[None]:
         yield Set(p.keys.behind, b"%d" % epoch)
 
 
-def carry_fences(p: Plan, fences: bytes) -> Proto[None]:
-    """A starting node that hosts a candidate read the proofs' entries (``fences``,
-    :func:`._schema.proof_entries`) in the other candidates' ``moving`` lists before it hosted
-    its store; it appends them there. A proof that passed while this host refused the
-    connection fenced nothing here, and without them a cut majority it declared gone could
-    carry its world here once this store is back, beside the world the proof let form (two
-    worlds). Its requests go to the standby."""
-    if fences:
-        yield Append(p.keys.moving, fences)
+def sync_entries(lists: list[bytes | None], n: int) -> bytes | None:
+    """What a candidate host whose store (re)started appends to its own ``moving`` list, from
+    the other candidates' lists ``lists`` (None: no answer), before its ``s`` entry: their
+    marks and proofs' entries, once it has read every other candidate or
+    :func:`prover_quorum` of them that count (``_schema.counts``); None until then.
+
+    A restarted host lost the marks and fences its store held. Every mark (fence) that counted
+    was read back from :func:`mover_quorum` (:func:`prover_quorum`) candidates, after all of
+    its appends; so the others the host copies from hold each of them, unless more than one
+    candidate lost its store at once."""
+    answered = [raw for raw in lists if raw is not None]
+    if len(answered) < n - 1 and sum(map(counts, answered)) < prover_quorum(n):
+        return None
+    return b"".join(map(copied_entries, answered))
 
 
 def begin(m: Machine, i: int, epoch: int, proposed: int) -> Live:
@@ -291,33 +309,60 @@ def begin(m: Machine, i: int, epoch: int, proposed: int) -> Live:
     return Live(i, epoch, proposed)
 
 
-def mark_moving(key: str, me: str, epoch: int, world: bytes) -> Proto[bool]:
-    """A mover's mark on a candidate (``me`` proposing ``epoch``, or that store's committed
-    one) in its ``moving`` list ``key``; carrying ``world``, it reads the list back. True
-    (fenced) when a fence of it from that world precedes its mark: where that world formed it
-    was proven gone first (the server's appends are atomic, so the prover read the same
-    order), and it must not carry that world here."""
-    yield Append(key, encode_mark(epoch, me))
-    return bool(world) and fenced(bytes((yield Get(key, None))), me, world)
-
-
-def mark(p: Plan, i: int, epoch: int, world: bytes) -> Ops[None]:
-    """:func:`mark_moving` on candidate ``i`` (its last probe's connection).
+def mark(p: Plan, i: int, epoch: int, world: bytes, lost: int = -1) -> Ops[None]:
+    """A mover's mark (``me`` proposing ``epoch``) on candidate ``i``, where it joins. One that
+    carries ``world`` marks :func:`mover_quorum` candidates (``i`` first, ``lost``, the store
+    it lost, last), all before it reads any back, and carries its world only once its mark is
+    read back from that many that count, in the incarnation it appended to. Until then it
+    tries again every ``RETRY_S``, up to the join timeout.
 
     Raises:
-        Fenced: ``world`` proved this node gone before its mark reached ``i``.
+        Fenced: A fence of this node from ``world`` precedes its mark on a candidate.
+        RendezvousTimeoutError: The mark was not read back from enough candidates in time.
     """
-    proto, reply = mark_moving(p.keys.moving, p.me, epoch, world), None
-    try:
-        for _ in range(3):  # an append and a get
-            reply = yield On(i, proto.send(reply))
-    except StopIteration as e:
-        if e.value:
-            raise Fenced(f"{p.name(i)} holds a fence of this node from its world "
-                         f"{world.decode('utf-8', 'replace')} before its mark: the store "
-                         "where that world formed proved it gone first") from None
+    entry = encode_mark(epoch, p.me)
+    if not world:  # no world to carry: the mark only says where it is
+        yield Marks(i, entry)
         return
-    raise AssertionError("mark_moving asked more than two requests")
+    n = len(p.names)
+    need = mover_quorum(n)
+    order = [i] + [j for j in range(n) if j not in (i, lost)] + ([lost] if lost not in (-1, i)
+                                                                  else [])
+    until = p.clock() + p.join_s
+    why: list[str] = []
+    for _ in range(1_000_000):  # bounded by ``until``
+        appended: dict[int, bytes | None] = {}
+        why = []
+        for j in order:  # every append before any read (see sync_entries)
+            if len(appended) >= need:
+                break
+            raw = yield Marks(j, entry)
+            if isinstance(raw, bytes) and counts(raw):
+                appended[j] = incarnation(raw)
+            else:
+                why.append(raw if isinstance(raw, str) else
+                           f"{p.name(j)} refused the connection" if raw is None else
+                           f"{p.name(j)} is not synced since its host started")
+        read = 0
+        for j, nonce in appended.items():
+            raw = yield Marks(j, b"")
+            if not isinstance(raw, bytes) or incarnation(raw) != nonce or not counts(raw):
+                why.append(f"{p.name(j)} did not answer the read-back")
+                continue
+            if fenced(raw, p.me, world):
+                raise Fenced(f"{p.name(j)} holds a fence of this node from its world "
+                             f"{world.decode('utf-8', 'replace')} before its mark: the store "
+                             "where that world formed proved it gone first")
+            read += 1
+        if read >= need:
+            return
+        if p.clock() >= until:
+            break
+        yield Pause(RETRY_S)
+    raise RendezvousTimeoutError(
+        f"this node's mark (carrying its world) was read back from fewer than {need} of the "
+        f"{n} candidates within {p.join_s:g} seconds ({'; '.join(why)}): "
+        + QUORUM_RULE.format(m=need, n=n, f=prover_quorum(n)))
 
 
 def follow_to(p: Plan, live: Live, until: float) -> Ops[Live]:
@@ -530,46 +575,70 @@ def prove_gone(names: list[str], index: int, idents: list[str], world: bytes,
                proof: bytes = b"") -> Proof:
     """Whether the members ``idents`` (their identities) of ``world``, whose connections
     closed on candidate ``index``, are proven to be nowhere else (the candidates are
-    ``names``): "" when every other candidate refuses the connection, or answers and, after
-    this prover's fences of them (:func:`encode_fence`, one append), holds no mark of them
-    made before a fence stood; else why not (a timeout or no route blocks the proof, as does
-    a mark). A mover that marks a candidate while a fence stands drops ``world`` there
-    (:func:`mark`), so the proof and the move cannot both count it, whatever the timing. The
-    second pass fences ``index`` itself first: the host of a candidate that refused reads
-    them there when it restarts (:func:`carry_fences`). A first pass only reads, so that a
-    proof bound to fail (a mark, a timeout) leaves no fences behind; a second pass that fails
-    after fencing withdraws the fences it appended (``proof`` names them; a random name by
-    default), so a mover that comes later carries its world all the same (else, with the
-    prover's store lost next, nobody could make that world's majority again). A fence whose
-    withdrawal does not get through stays: it costs a mover its world, never a second one."""
+    ``names``): "" once this prover's fences of them (:func:`encode_fence`) are read back,
+    with no mark of them made before a fence stood, from :func:`prover_quorum` candidates
+    that count (``index`` first); else why not. A refused connection, a timeout and a store
+    not synced since its host started are no answer alike: any of them may hide a live
+    store that the movers use.
+
+    A mover's mark counts only once read back from :func:`mover_quorum` candidates, and the
+    two quorums meet: on a candidate in both, the one appended first is seen by the other
+    (the server's appends are atomic): a mark first blocks this proof, a fence first makes
+    the mover drop ``world`` (:func:`mark`). So the proof and a move never both count a
+    member, whatever the timing. Every fence is appended before any is read back, and a
+    restarted candidate copies the others' lists (:func:`sync_entries`), so a fence read
+    back survives its candidate's restart.
+
+    A first pass only reads, so that a proof bound to fail (a mark, too few answers) leaves
+    no fences behind; a proof that fails after fencing withdraws the fences it appended
+    (``proof`` names them; a random name by default), so that a mover that comes later
+    carries its world all the same. A fence whose withdrawal does not get through stays: it
+    costs a mover its world, never a second one."""
     proof = proof or os.urandom(4).hex().encode()
+    n, need = len(names), prover_quorum(len(names))
     fences = b"".join(encode_fence(world, x, proof) for x in idents)
-    why, fenced_at = "", []
-    for fence in (b"", fences):  # the decision is the second pass's alone
-        if fence:  # first here, where a restarted candidate's host reads it (carry_fences)
-            here = yield Marks(index, fence)
-            if isinstance(here, str) or here is None:
-                why = here or f"{names[index]} refused the connection"
-                break
-            fenced_at.append(index)
-        for i, name in enumerate(names):
-            if i == index:
-                continue
-            marks = yield Marks(i, fence)
-            if marks is None:
-                continue  # nothing listens there: no store they could be on
-            if isinstance(marks, str):
-                why = marks
-                break
-            if fence:
-                fenced_at.append(i)
-            moved = [x for x in idents if marked_before_fence(marks, x, world)]
-            if moved:
-                why = f"{moved} moved to {name}"
-                break
-        if why:
+    why: list[str] = []
+    chosen: list[int] = []
+    for i in [index] + [j for j in range(n) if j != index]:  # read-only: who can count
+        if len(chosen) >= need:
             break
-    withdrawals = b"".join(encode_withdrawal(world, x, proof) for x in idents)
-    for i in fenced_at if why else ():
-        yield Marks(i, withdrawals)  # best effort (see above)
-    return why
+        raw = yield Marks(i, b"")
+        if not isinstance(raw, bytes) or not counts(raw):
+            why.append(raw if isinstance(raw, str) else f"{names[i]} refused the connection"
+                       if raw is None else f"{names[i]} is not synced since its host started")
+            if i == index:
+                break  # the prover's own store: nothing to prove it on
+            continue
+        moved = [x for x in idents if marked_before_fence(raw, x, world)]
+        if moved:
+            return f"{moved} moved: marked on {names[i]} before any fence"
+        chosen.append(i)
+    if len(chosen) < need:
+        return _too_few(n, need, why)
+    appended: dict[int, bytes | None] = {}
+    verdict = ""
+    for i in chosen:  # every fence before any read-back
+        raw = yield Marks(i, fences)
+        if not isinstance(raw, bytes):
+            verdict = raw or f"{names[i]} refused the connection"
+            break
+        appended[i] = incarnation(raw)
+    for i, nonce in appended.items() if not verdict else ():
+        raw = yield Marks(i, b"")
+        if not isinstance(raw, bytes) or incarnation(raw) != nonce or not counts(raw):
+            verdict = f"{names[i]} did not answer the read-back"
+            break
+        moved = [x for x in idents if marked_before_fence(raw, x, world)]
+        if moved:
+            verdict = f"{moved} moved: marked on {names[i]} before any fence"
+            break
+    if verdict:
+        withdrawals = b"".join(encode_withdrawal(world, x, proof) for x in idents)
+        for i in appended:
+            yield Marks(i, withdrawals)  # best effort (see above)
+    return verdict
+
+
+def _too_few(n: int, need: int, why: list[str]) -> str:
+    return (f"fewer than {need} of the {n} candidates answer ({'; '.join(why)}), and "
+            + QUORUM_RULE.format(m=mover_quorum(n), n=n, f=need))
