@@ -31,31 +31,27 @@ behaviour: any survivors at or above ``min_nodes`` go on).
 
 **A majority lost at once** (a rack): where ``W`` formed, members whose connection closed here
 without the word ``moved`` (:func:`proof_candidates`) are proven gone, and count as gone for
-good, when every other candidate answers and has no mark of them (``moving``), or refuses the
-connection (nothing listens there), and no mark here proposing an epoch above this store's
-says one of them moved back (:func:`_back_here`). A timeout or no route blocks the proof: a cut
-or powered-off host may hold a majority behind it. Then the objection names the rule and the
-way out.
+good, when the proof (``_hops.prove_gone``) reads its fences of them back from a majority of
+the candidates with no mark of them before a fence, and no mark here proposing an epoch above
+this store's says one of them moved back (:func:`_back_here`).
 
-**The fence** (finding G, sim seeds 526323119 and 41883): a member cut from ``W``'s store
-cannot say ``moved`` there, and the server closes its connection by keep-alive, maybe before
-its mark reaches a successor; a proof that only read the successor in between took it for gone
-while it carried ``W`` there, so both sides counted it. So the prover first appends a fence,
-``x<W's id>/<proof>|<node>``, to each other answering candidate's ``moving`` list, then
-reads the list; a mover appends its mark, then reads the list. The server's appends are atomic,
-so both read one order: a mark made while no fence stands blocks the proof (it moved in time); a
-mark made while one stands tells its mover that ``W`` declared it gone: it drops ``W`` there and
-follows as a node with no world (``_hops.Fenced``; no rule counts it for ``W`` again). This
-needs no bound on a mover's delay and holds through a freeze of either side between its write
-and its read (a time bound on the movers, the other way, breaks when a mover freezes between its
-check and its write).
+**The quorums.** With ``n`` candidates, a proof's fences count once read back from ``n//2 + 1``
+of them, a mover's mark once read back from ``n - (n//2 + 1) + 1``; the two add up to more
+than ``n``, so they share a candidate, whose atomic appends order the mark and the fence for
+both readers: a mark first blocks the proof, a fence first makes its mover drop ``W`` there
+(``_hops.Fenced``; no rule counts it for ``W`` again). No bound on anyone's delay is needed.
 
-A proof that fails after fencing (a later candidate stops answering between its read-only first
-pass and its second) withdraws its own fences (``y<W's id>/<proof>|...``: another proof's fence
-still stands), so a mover that comes later carries ``W`` all the same. Before, such a fence
-cost that mover its vote, and with the prover's store lost next, nobody could make ``W``'s
-majority again until the join timeout. A withdrawal that does not get through (or one a mark
-beats) still costs at most that vote: with fewer carriers, no world forms that could not before.
+- Assumes: no failure domain holds half the candidates, and at most one candidate's store
+  restarts while marks are only on it (a restarted store counts once its host copied the
+  others' lists, ``_hops.sync_entries``).
+- Refusals and timeouts prove nothing: a candidate that refuses (a REJECT rule, a reset, a
+  pod not listening yet) or does not answer is no answer, as is a store not synced yet.
+- Costs: when a majority of the world and half the candidates or more are lost together, the
+  rest wait until those candidates answer again, or the job is restarted (:data:`WAY_OUT`).
+
+A proof that fails after fencing withdraws its own fences (``y<W's id>/<proof>|...``), so a
+mover that comes later carries ``W`` all the same; a withdrawal that does not get through costs
+at most that mover's vote.
 """
 
 from __future__ import annotations
@@ -183,6 +179,8 @@ def _back_here(idents: list[str], keys: sc.Keys) -> Proto[str]:
 
 
 WAY_OUT = ("This is the majority rule of --rdzv-endpoint with several candidates: it keeps a "
-           "partition from training two worlds. If those nodes are gone for good (hosts "
-           "powered off), bring their hosts (or the candidates' stores) back so that the "
-           "loss can be proven, or restart the job with the nodes that are left.")
+           "partition from training two worlds, and a proof that members are gone needs a "
+           "majority of the candidates to answer (no failure domain may hold half the "
+           "candidates). If those nodes are gone for good (hosts powered off), bring their "
+           "hosts (or the candidates' stores, at the same addresses) back so that the loss can "
+           "be proven, or restart the job with the nodes that are left.")
