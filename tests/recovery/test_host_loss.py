@@ -73,9 +73,10 @@ def test_a_partition_never_trains_two_worlds(tmp_path):
 @pytest.mark.timeout(150)
 def test_a_two_two_partition_trains_one_world_at_most(tmp_path):
     """4 nodes, ``--nnodes 2:4``, split 2|2: nodes 2 and 3 still reach each other and node 2's
-    candidate, but not the side with the live store. They move there, but 2 of a world of 4
-    is no majority, so they never train; nodes 0 and 1 lost only 2 of 4 (no majority
-    elsewhere either) and train on as a world of 2."""
+    candidate, but not the side with the live store. Their marks are read back from one of
+    the three candidates, and a move needs two: they do not move (and 2 of a world of 4 would
+    be no majority there either), so they never train; nodes 0 and 1 lost only 2 of 4 (no
+    majority elsewhere either) and train on as a world of 2."""
     with cluster_or_skip(4, "h2") as c:
         job = Job(c, tmp_path, "2:4", candidates=3)
         for i in range(4):
@@ -87,8 +88,8 @@ def test_a_two_two_partition_trains_one_world_at_most(tmp_path):
         print(f"2|2 partition: nodes 0, 1 train as a world of 2 "
               f"{max(s['t'] for s in got.values()) - t:.2f}s after the split")
         job.assert_never_trains({2, 3}, after=t, seconds=2 * WINDOW + 5)
-        assert f"moved to {c.addr(2)}:" in job.log(2) + job.log(3), job.tail()
-        assert "need 3 of it" in job.log(2) + job.log(3), job.tail()
+        said = "mark was read back from 1 of the 2 candidates a move needs"
+        assert said in job.log(2) and said in job.log(3), job.tail()
     assert c.leftovers() == {}
 
 

@@ -416,6 +416,14 @@ class MultiSim(Sim):
         marks = yield Peek(i, lambda d: d.get(self.keys.moving, b""))
         return f"{i} did not answer" if marks is DOWN else marks
 
+    def _no_world_yet(self, node: MNode, i: int) -> bool:
+        """``Candidates._read_others``' reading of the first candidate, for the host of ``i``."""
+        if i == 0 or self.link(node, 0) != "ok":
+            return False
+        d = self.stores[0]
+        return hops.no_world_yet(int(d.get(self.keys.epoch, b"0")), int(d.get(self.keys.open,
+                                 b"0")), d.get(self.keys.moving, b""))
+
     def _sync(self, node: MNode, i: int, nonce: bytes) -> None:
         """``Candidates._sync_until_done`` for the store ``i`` that ``node`` (re)started: the
         real ``_hops.sync_entries`` over the lists of the candidates it reaches now, tried
@@ -426,7 +434,7 @@ class MultiSim(Sim):
             return
         lists = [self.stores[j].get(self.keys.moving, b"") if self.link(node, j) == "ok"
                  else None for j in range(len(self.stores)) if j != i]
-        entries = hops.sync_entries(lists, len(self.stores))
+        entries = hops.sync_entries(lists, len(self.stores), self._no_world_yet(node, i))
         if entries is None:
             self.at(self.clock.t + 1.0, lambda: self._sync(node, i, nonce))
             return
@@ -468,7 +476,8 @@ class MultiSim(Sim):
             self.restarts[node.hosts] += 1
             if found:
                 yield from self._behind(node, found[0][1], -found[0][0])
-            entries = hops.sync_entries(lists, len(self.stores))  # read before it hosted
+            entries = hops.sync_entries(lists, len(self.stores),  # read before it hosted
+                                        self._no_world_yet(node, node.hosts))
             if entries is None:
                 self.at(self.clock.t + 1.0, lambda: self._sync(node, node.hosts, nonce))
             else:

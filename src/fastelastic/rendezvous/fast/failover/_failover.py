@@ -150,7 +150,7 @@ class Candidates:
         that entry sees it unmarked."""
         from fastelastic.store import TCPStore
 
-        found, lists = self._read_others()
+        found, lists, fresh = self._read_others()
         for i in mine:
             host, port = self.endpoints[i]
             try:
@@ -166,21 +166,24 @@ class Candidates:
                              "mark it as not synced")
             if found is not None:
                 self._behind(*found)
-            if not self._sync({j: raw for j, raw in lists.items() if j != i}):
+            if not self._sync({j: raw for j, raw in lists.items() if j != i}, fresh and i != 0):
                 self._syncer = threading.Thread(target=self._sync_until_done, daemon=True,
                                                 name="fastelastic-candidate-sync")
                 self._syncer.start()
             return
 
     def _read_others(self, skip: int = -1) -> tuple[tuple[int, int] | None,
-                                                    dict[int, bytes | None]]:
+                                                    dict[int, bytes | None], bool]:
         """(index, epoch) of the answering candidate with the highest committed epoch, if any
-        is above 0; and each candidate's ``moving`` list (None: no answer) but ``skip``'s.
+        is above 0; each candidate's ``moving`` list (None: no answer) but ``skip``'s; and
+        whether the first candidate answered and shows no world formed yet
+        (:func:`._hops.no_world_yet`).
         Quick, so a job's start does not wait for it: a refused connection (nothing listens
         there yet, such as this node's own candidate) answers at once, a silent host gets
         ``PRE_PROBE_S``. The start's ``connect`` looks again, and marks the standby then."""
         best: tuple[int, int] | None = None
         lists: dict[int, bytes | None] = {}
+        fresh = False
         for i in range(len(self.endpoints)):
             if i == skip:
                 continue
@@ -193,6 +196,9 @@ class Candidates:
             try:
                 if c is not None:
                     lists[i] = bytes(c.get(key)) if c.check([key]) else b""
+                    if i == 0 and isinstance(epoch, int):
+                        fresh = hops.no_world_yet(epoch, int(c.add(self.plan.keys.open, 0)),
+                                                  lists[i] or b"")
             except (StoreError, OSError) as e:
                 log.debug("could not read %s's moving list: %s", self.name(i), e)
             finally:
@@ -200,13 +206,13 @@ class Candidates:
                     c.close()
             if isinstance(epoch, int) and epoch > (best[1] if best else 0):
                 best = (i, epoch)
-        return best, lists
+        return best, lists, fresh
 
-    def _sync(self, lists: dict[int, bytes | None]) -> bool:
+    def _sync(self, lists: dict[int, bytes | None], no_world_yet: bool = False) -> bool:
         """Appends to the standby what :func:`._hops.sync_entries` makes of the other
         candidates' ``lists``, with the entry that makes it count; False while too few of
         them answered."""
-        entries = hops.sync_entries(list(lists.values()), len(self.endpoints))
+        entries = hops.sync_entries(list(lists.values()), len(self.endpoints), no_world_yet)
         if entries is None:
             return False
         entry = entries + encode_synced(self._nonce)
@@ -232,7 +238,8 @@ class Candidates:
         while not self._closing.wait(SYNC_RETRY_S):
             waited += SYNC_RETRY_S
             try:
-                if self._sync(self._read_others(self.standby_index)[1]):
+                _, lists, fresh = self._read_others(self.standby_index)
+                if self._sync(lists, fresh and self.standby_index != 0):
                     return
             except Exception as e:  # noqa: BLE001 (a daemon thread: log, try again)
                 log.debug("candidate sync: %s", e)

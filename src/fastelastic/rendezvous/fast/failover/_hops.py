@@ -286,20 +286,31 @@ def behind(p: Plan, standby: int, i: int, epoch: int) -> Proto[None]:
         yield Set(p.keys.behind, b"%d" % epoch)
 
 
-def sync_entries(lists: list[bytes | None], n: int) -> bytes | None:
+def sync_entries(lists: list[bytes | None], n: int, no_world_yet: bool = False) -> bytes | None:
     """What a candidate host whose store (re)started appends to its own ``moving`` list, from
     the other candidates' lists ``lists`` (None: no answer), before its ``s`` entry: their
     marks and proofs' entries, once it has read every other candidate or
     :func:`prover_quorum` of them that count (``_schema.counts``); None until then.
+    ``no_world_yet``: the first candidate answered, and no world ever formed there (every
+    job's first world does): no mark or fence exists anywhere, and nothing is to be copied.
 
     A restarted host lost the marks and fences its store held. Every mark (fence) that counted
     was read back from :func:`mover_quorum` (:func:`prover_quorum`) candidates, after all of
     its appends; so the others the host copies from hold each of them, unless more than one
     candidate lost its store at once."""
     answered = [raw for raw in lists if raw is not None]
+    if no_world_yet:
+        return b"".join(map(copied_entries, answered))
     if len(answered) < n - 1 and sum(map(counts, answered)) < prover_quorum(n):
         return None
     return b"".join(map(copied_entries, answered))
+
+
+def no_world_yet(epoch: int, opened: int, moving: bytes) -> bool:
+    """Whether the first candidate, read as its ``epoch``, ``open`` and ``moving`` keys, shows
+    that no world formed yet: none formed there (its publisher sets ``open`` with the outcome)
+    and none came back (the epoch), and it holds no mark or fence."""
+    return epoch == 0 and opened == 0 and not copied_entries(moving)
 
 
 def begin(m: Machine, i: int, epoch: int, proposed: int) -> Live:
@@ -330,7 +341,7 @@ def mark(p: Plan, i: int, epoch: int, world: bytes, lost: int = -1) -> Ops[None]
                                                                   else [])
     until = p.clock() + p.join_s
     why: list[str] = []
-    for _ in range(1_000_000):  # bounded by ``until``
+    for attempt in range(1_000_000):  # bounded by ``until``
         appended: dict[int, bytes | None] = {}
         why = []
         for j in order:  # every append before any read (see sync_entries)
@@ -358,6 +369,10 @@ def mark(p: Plan, i: int, epoch: int, world: bytes, lost: int = -1) -> Ops[None]
             return
         if p.clock() >= until:
             break
+        if attempt % 50 == 0:  # at once, then every ~10 s
+            p.say("rendezvous %s: this node's mark was read back from %d of the %d candidates "
+                  "a move needs (%s); it tries again until its join timeout", p.run_id, read,
+                  need, "; ".join(why))
         yield Pause(RETRY_S)
     raise RendezvousTimeoutError(
         f"this node's mark (carrying its world) was read back from fewer than {need} of the "
