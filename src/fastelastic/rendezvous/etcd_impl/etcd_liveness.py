@@ -31,6 +31,8 @@ from typing import Any
 
 from fastelastic.errors import StoreConnectionError, StoreError, StoreTimeoutError
 
+from ..fast._schema import encode_lease, encode_lost_lease, parse_lease, parse_lost_leases
+
 __all__ = ["RoundLiveness"]
 
 log = logging.getLogger("fastelastic.rendezvous.etcd_rendezvous")
@@ -64,10 +66,10 @@ class RoundLiveness:
         self._stop = threading.Event()
         self._lease = int(kv.lease())
         if hub:
-            conn.set(_HUB, b"%d" % self._lease)
+            conn.set(_HUB, encode_lease(self._lease))
             target = self._relay
         else:
-            conn.append_on_disconnect_many([_LOST, _TICK], [b"%d;" % self._lease, b"1"])
+            conn.append_on_disconnect_many([_LOST, _TICK], [encode_lost_lease(self._lease), b"1"])
             target = self._watch_hub
         self._thread = threading.Thread(target=self._run, args=(target,), daemon=True,
                                         name="fe-etcd-liveness")
@@ -119,7 +121,7 @@ class RoundLiveness:
                 return  # our store was retired
             try:
                 conn.delete_key(_TICK)
-                lost = {int(x) for x in bytes(conn.get(_LOST)).split(b";") if x.strip()}
+                lost = parse_lost_leases(bytes(conn.get(_LOST)))
                 for lease in sorted(lost - done):
                     done.add(lease)
                     if self._stop.is_set() or conn.check([f"{_BYE}{lease}"]):
@@ -144,7 +146,7 @@ class RoundLiveness:
                     return
                 try:
                     if hub is None:
-                        hub = int(bytes(conn.get(_HUB, _SLICE)))
+                        hub = parse_lease(bytes(conn.get(_HUB, _SLICE)))
                     conn.wait([_END], _SLICE)
                     conn.set(f"{_BYE}{self._lease}", b"1")  # the hub retires its store
                     return

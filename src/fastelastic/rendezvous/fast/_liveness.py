@@ -15,7 +15,17 @@ from typing import Any, Protocol
 from fastelastic.errors import StoreError
 
 from ._requests import Add, Append, Check, MultiGet, MultiSet, Proto
-from ._schema import SEAL, RoundKeys, host_finished, parse_gone, who_node, who_parts
+from ._schema import (
+    PRESENT,
+    SEAL,
+    RoundKeys,
+    encode_gone,
+    encode_number,
+    host_finished,
+    parse_gone,
+    who_node,
+    who_parts,
+)
 
 # a child of fast_rendezvous's logger: logging configs written for that name keep working
 log = logging.getLogger("fastelastic.rendezvous.fast_rendezvous.liveness")
@@ -131,8 +141,8 @@ def lost_members(w: Watch, cfg: Any, spare_ready: bool, clock: Callable[[], floa
         if rank not in gone:
             log.warning("rendezvous %s: rank %d sent no keep-alive for %.1fs; dropping it",
                         cfg.run_id, rank, still)
-            yield Append(w.k.gone, b"%d:silent;" % rank)
-            yield MultiSet([w.k.left(rank), w.k.broken], [b"silent", b"1"])
+            yield Append(w.k.gone, encode_gone(rank, "silent"))
+            yield MultiSet([w.k.left(rank), w.k.broken], [b"silent", PRESENT])
             gone[rank] = "silent"
     fresh = [(r, why) for r, why in gone.items() if r not in w.reported and why != "done"]
     if not fresh:
@@ -237,7 +247,7 @@ class KeepAlive:
                 self._due[hid] = (ref, now + handler.keep_alive_interval, key, last_ok)
             beat = next(self._beats)
             try:  # outside the lock: a slow store must not block add/remove
-                handler.beat(key, b"%d" % beat)
+                handler.beat(key, encode_number(beat))
                 ok = True
             except (StoreError, OSError) as e:
                 ok = False

@@ -66,8 +66,8 @@ class MemberOps:
         self.leaving = False
         q, rank, _ = self.member
         k = self.keys.round(q)
-        yield MultiSet([k.left(rank), k.broken], [b"1", b"1"])
-        yield Append(k.gone, b"%d:%s;" % (rank, b"quit" if for_good else b"left"))
+        yield MultiSet([k.left(rank), k.broken], [sc.PRESENT, sc.PRESENT])
+        yield Append(k.gone, sc.encode_gone(rank, "quit" if for_good else "left"))
 
     def moving(self) -> Proto[None]:
         """Before a node that moves to another candidate closes anything: ``<rank>:moved;`` in
@@ -75,19 +75,20 @@ class MemberOps:
         not taken for a death (``_majority.proof_candidates``)."""
         if self.member is not None:
             q, rank, _ = self.member
-            yield Append(self.keys.round(q).gone, b"%d:moved;" % rank)
+            yield Append(self.keys.round(q).gone, sc.encode_gone(rank, "moved"))
 
     def mark_done(self, hosting: bool = False) -> Proto[None]:
         """Tells the others this node's workers finished: its later exit is no loss.
         ``hosting``: it hosts the store, which ends with it (``host`` follows ``done``)."""
         if self.watch is not None:
             rank = self.watch.rank
-            yield Append(self.watch.k.gone,
-                         b"%d:done;%d:host;" % (rank, rank) if hosting else b"%d:done;" % rank)
+            done = sc.encode_gone(rank, "done")
+            yield Append(self.watch.k.gone, done + sc.encode_gone(rank, "host") if hosting
+                         else done)
 
     def set_closed(self) -> Proto[None]:
         """Sets ``closed`` and wakes every node waiting in a forming round or as a spare."""
-        yield Set(self.keys.closed, b"1")
+        yield Set(self.keys.closed, sc.PRESENT)
         cur = int((yield Add(self.keys.open, 0)))
         rounds = {cur, cur + 1}
         if self.member is not None:

@@ -197,7 +197,8 @@ class Machine(MemberOps):
                 k = a.k
                 if self.cfg.hooks:  # our death: we left, the round is over, and why
                     yield OnDisconnect([k.left(seat.rank), k.broken, k.gone],
-                                       [b"1", b"1", b"%d:closed;" % seat.rank])
+                                       [sc.PRESENT, sc.PRESENT,
+                                        sc.encode_gone(seat.rank, "closed")])
                 self.watch = Watch(k, seat.rank, seat.world, seat.peers, self.cfg.window,
                                    self.cfg.ka_interval / 2)
                 return seat
@@ -248,7 +249,7 @@ class Machine(MemberOps):
         # decides res; and the keep-alive counter, bumped from the ticket on.
         rec = sc.encode_record(pref, addr, pid, wstore, self.quorum, member_of, self.proposed,
                                self.world_id, node)
-        yield MultiSet([k.record(t), k.seat(t), k.beat(t)], [rec, b"-1", b"0"])
+        yield MultiSet([k.record(t), k.seat(t), k.beat(t)], [rec, sc.UNSEATED, sc.FIRST_BEAT])
         yield Beat(k.beat(t))
         if t == cfg.max_nodes:
             a.count = t
@@ -308,7 +309,8 @@ class Machine(MemberOps):
         world = res.world
         if res.identity:  # the fast path: no request
             rank = a.ticket - 1 if a.ticket <= world else -1
-            peers = [b"%d" % ((rank + i) % world + 1) for i in range(1, _watched(world) + 1)]
+            peers = [sc.encode_number((rank + i) % world + 1)
+                     for i in range(1, _watched(world) + 1)]
         else:
             rank, peers = sc.parse_seat(bytes((yield Get(a.k.seat(a.ticket), None))))
         if rank < 0:  # not admitted (round full, or our record came too late)
@@ -417,7 +419,7 @@ class Machine(MemberOps):
             # The job ended (closed, or a member finished its work): spares go home before
             # the job's store does.
             gone = sc.parse_gone(bytes((yield Get(lk.gone, None))))
-            if sc.BROKEN_CLOSED in bytes(why) or "done" in gone.values():
+            if sc.broken_by_close(bytes(why)) or "done" in gone.values():
                 raise self.closed_error()
             a.deadline = self.clock() + self.cfg.join
         return True
@@ -455,7 +457,7 @@ class Machine(MemberOps):
             for rank, still in beats.observe(counters, self.clock()).items():
                 log.warning("rendezvous %s: member rank %d of round %d was lost (silent: no "
                             "keep-alive for %.1fs); dropping it", cfg.run_id, rank, q, still)
-                yield MultiSet([lk.left(rank), lk.broken], [b"hung", b"1"])
+                yield MultiSet([lk.left(rank), lk.broken], [b"hung", sc.PRESENT])
                 gone[rank] = "silent"
             missing = [i for i in missing if i not in gone]
             if not missing:
@@ -511,10 +513,10 @@ class Machine(MemberOps):
         # world: it forms no round (each passes the rule), and the rule found a majority here.
         if epoch:
             keys.append(self.keys.epoch)
-            vals.append(b"%d" % epoch)
+            vals.append(sc.encode_number(epoch))
         for rank, ticket in enumerate(by_rank):
             keys.append(k.who(rank))
-            vals.append(b"%d|%s" % (ticket, record_of[ticket]))
+            vals.append(sc.encode_who(ticket, record_of[ticket]))
             if not identity:
                 keys.append(k.seat(ticket))
                 vals.append(sc.encode_seat(rank, [by_rank[(rank + i) % world]
@@ -524,5 +526,5 @@ class Machine(MemberOps):
         wid = sc.world_id(gen, self._identity[4], k.p, self.clock())
         blob = sc.encode_outcome(world, sc.record_wstore(record_of[by_rank[0]]), identity, wid)
         if bytes((yield CompareSet(k.outcome, "", blob))) == blob:
-            yield Set(self.keys.open, b"%d" % (k.r + 1))
+            yield Set(self.keys.open, sc.encode_number(k.r + 1))
         return E.DONE

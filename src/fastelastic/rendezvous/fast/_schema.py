@@ -134,6 +134,29 @@ class RoundKeys:
 
 # ---------------------------------------------------------------------- values
 
+PRESENT = b"1"  # a key whose presence alone counts (``closed``, ``left/<rank>``, ``broken``)
+UNSEATED = b"-1"  # ``rank/<ticket>`` until the publisher writes the seat
+FIRST_BEAT = b"0"  # ``hb/t<ticket>`` as its holder writes it with its record
+
+
+def encode_number(n: int) -> bytes:
+    """A value that is one decimal integer: ``open`` (a round), ``epoch``, ``behind``, a
+    keep-alive counter's bump, a ticket in a seat's peer list. The store's ``add`` reads and
+    writes the same form."""
+    return b"%d" % n
+
+
+def parse_wstore(raw: bytes) -> tuple[str, int]:
+    """A workers' store address, ``<host>:<port>`` (an IPv6 host keeps its colons)."""
+    host, _, port = raw.decode().rpartition(":")
+    return host, int(port)
+
+
+def encode_wstore(host: str, port: int) -> bytes:
+    """The inverse of :func:`parse_wstore`: in a record, in ``res`` and in ``wstore``."""
+    return f"{host}:{port}".encode()
+
+
 
 def node_id(host: str, pid: int, nonce: int) -> str:
     """A node's identity in every record, ``who`` entry, mark and fence:
@@ -227,6 +250,11 @@ def record_wstore(raw: bytes) -> bytes:
     """The workers' store address in a node's record (b"" for none)."""
     parts = raw.split(b"|")
     return parts[3] if len(parts) > 3 else b""
+
+
+def encode_who(ticket: int, record: bytes) -> bytes:
+    """A member's ``who/<rank>`` entry: ``<ticket>|<record>`` (:func:`encode_record`)."""
+    return b"%d|%s" % (ticket, record)
 
 
 def who_parts(raw: bytes) -> tuple[str, str, str]:
@@ -352,6 +380,17 @@ def parse_gone(raw: bytes) -> dict[int, str]:
         if r not in out or (reason in FOR_GOOD and out[r] not in FOR_GOOD):
             out[r] = reason
     return out
+
+
+def encode_gone(rank: int, why: str) -> bytes:
+    """One ``gone`` entry, ``<rank>:<why>;`` (``why``: ``closed``, ``done``, ``left``,
+    ``quit``, ``silent``, ``moved`` or ``host``; see the module doc)."""
+    return b"%d:%s;" % (rank, why.encode("ascii"))
+
+
+def broken_by_close(raw: bytes) -> bool:
+    """True when a round's ``broken`` says the rendezvous closed (:data:`BROKEN_CLOSED`)."""
+    return BROKEN_CLOSED in raw
 
 
 def host_finished(raw: bytes) -> bool:
@@ -485,3 +524,36 @@ def assign_ranks(prefs: list[int], world_size: int) -> list[int]:
         if ranks[i] < 0:
             ranks[i] = next(free)
     return ranks
+
+
+
+# ------------------------------------------------ the etcd liveness link (on the hub's store)
+
+
+def encode_lease(lease: int) -> bytes:
+    """``fe.etcd.hub``: the hub's etcd lease (:mod:`..etcd_impl.etcd_liveness`)."""
+    return b"%d" % lease
+
+
+def parse_lease(raw: bytes) -> int:
+    """The inverse of :func:`encode_lease`.
+
+    Raises:
+        ValueError: not a lease.
+    """
+    return int(raw)
+
+
+def encode_lost_lease(lease: int) -> bytes:
+    """A member's entry in ``fe.etcd.lost``, appended by the hub's store when its connection
+    closes: ``<lease>;``."""
+    return b"%d;" % lease
+
+
+def parse_lost_leases(raw: bytes) -> set[int]:
+    """The leases in ``fe.etcd.lost`` (:func:`encode_lost_lease` entries).
+
+    Raises:
+        ValueError: an entry that is not a lease.
+    """
+    return {int(x) for x in raw.split(b";") if x.strip()}
