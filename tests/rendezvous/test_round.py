@@ -474,6 +474,28 @@ def test_outcome_kinds_are_an_enum_and_their_bytes_on_the_wire_are_those_of_befo
         sc.parse_outcome(b"X;")
 
 
+def test_the_other_values_the_machine_writes_have_their_bytes_and_parse_back():
+    """Every value the machine and the etcd liveness link write is built in ``_schema``;
+    these are their bytes on the wire (a server, a peer of another version and the traces
+    read them)."""
+    assert sc.encode_gone(3, "closed") == b"3:closed;"
+    assert sc.parse_gone(sc.encode_gone(2, "left") + sc.encode_gone(2, "quit")) == {2: "quit"}
+    assert sc.encode_who(4, b"-1|h|7|h:1|0") == b"4|-1|h|7|h:1|0"
+    assert sc.who_parts(sc.encode_who(4, b"-1|h|7|h:1|0")) == ("4", "h", "7")
+    assert (sc.encode_number(-1), sc.encode_number(12)) == (b"-1", b"12")
+    assert (sc.PRESENT, sc.UNSEATED, sc.FIRST_BEAT) == (b"1", b"-1", b"0")
+    assert sc.parse_seat(sc.UNSEATED) == (-1, [])
+    assert sc.encode_wstore("10.0.0.1", 29500) == b"10.0.0.1:29500"
+    assert sc.parse_wstore(sc.encode_wstore("fe80::1", 7)) == ("fe80::1", 7)
+    assert sc.broken_by_close(b"1" + sc.BROKEN_CLOSED) and not sc.broken_by_close(b"1")
+    assert sc.parse_lease(sc.encode_lease(42)) == 42
+    lost = sc.encode_lost_lease(5) + sc.encode_lost_lease(9) + sc.encode_lost_lease(5)
+    assert lost == b"5;9;5;"
+    assert sc.parse_lost_leases(lost) == {5, 9}
+    with pytest.raises(ValueError):
+        sc.parse_lost_leases(b"5;x;")
+
+
 def test_a_successor_counts_only_carriers_of_the_newest_world():
     """Finding C's rule (``_majority.moved_short``): records name the world they carry; the
     first round on a successor needs a majority of the newest one (highest generation);
