@@ -1,6 +1,7 @@
 """Liveness of the fast rendezvous's members: the keep-alive counters a member bumps
 (``KeepAlive``, one thread per process), the rule by which the others call it silent
-(``Beats``), and what they read to apply it (``Watch``, ``Deciders``)."""
+(``SilenceDetector``), and what they read to apply it (``MemberWatch``,
+``DeciderWatch``)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any, Protocol
 
 from fastelastic.errors import StoreError
 
-from ._requests import Add, Append, Check, MultiGet, MultiSet, Proto
+from ._requests import Add, Append, Check, MultiGet, MultiSet, RequestGen
 from ._schema import (
     PRESENT,
     SEAL,
@@ -30,10 +31,11 @@ from ._schema import (
 # a child of fast_rendezvous's logger: logging configs written for that name keep working
 log = logging.getLogger("fastelastic.rendezvous.fast_rendezvous.liveness")
 
-__all__ = ["BEATER", "Beats", "Deciders", "KeepAlive", "Watch", "lost_members"]
+__all__ = ["BEATER", "DeciderWatch", "KeepAlive", "MemberWatch", "SilenceDetector",
+           "lost_members"]
 
 
-class Beats:
+class SilenceDetector:
     """Keep-alive counters polled now and then; says which stood still for a whole window.
 
     A counter seen changed may have changed at any moment since the previous poll, so the change
@@ -73,7 +75,7 @@ class Beats:
         return silent
 
 
-class Watch:
+class MemberWatch:
     """What a member of a complete round reads to notice a lost peer (``lost_members``)."""
 
     def __init__(self, k: RoundKeys, rank: int, world: int, peer_tickets: list[bytes],
@@ -82,12 +84,12 @@ class Watch:
         self.rank = rank
         self.peers = [(rank + i) % world for i in range(1, len(peer_tickets) + 1)]
         self.keys = [k.gone] + [k.beat(t) for t in peer_tickets]
-        self.beats = Beats(window, slack)  # keyed by rank
+        self.beats = SilenceDetector(window, slack)  # keyed by rank
         self.reported: set[int] = set()
         self.host_done = False  # the store's host finished (read in ``gone``)
 
 
-class Deciders:
+class DeciderWatch:
     """What a ticket holder waiting for an outcome checks each quarter window: the holders of
     the deciding tickets (``min_nodes``: last call; ``max_nodes``: publish) have a record and
     a moving keep-alive counter. One request per check once their records are seen."""
@@ -97,9 +99,9 @@ class Deciders:
         self.roles = [x for x in sorted({cfg.min_nodes, cfg.max_nodes}) if x != ticket]
         self.recorded: set[int] = set()
         self.count = 0
-        self.seen = Beats(cfg.window, cfg.ka_interval / 2)
+        self.seen = SilenceDetector(cfg.window, cfg.ka_interval / 2)
 
-    def stalled(self) -> Proto[bool]:
+    def stalled(self) -> RequestGen[bool]:
         k = self.k
         if any(role > self.count for role in self.roles):
             self.count = int((yield Add(k.tickets, 0)))
@@ -125,8 +127,8 @@ class Deciders:
         return bool(stalled)
 
 
-def lost_members(w: Watch, cfg: Any, spare_ready: bool, clock: Callable[[], float]
-             ) -> Proto[list[tuple[int, str]]]:
+def lost_members(w: MemberWatch, cfg: Any, spare_ready: bool, clock: Callable[[], float]
+                 ) -> RequestGen[list[tuple[int, str]]]:
     """Members of a round lost since the last call, as a member watching ``w`` reads them
     (one ``multi_get``; see ``FastRendezvousHandler.lost_members``)."""
     vals = [bytes(v) for v in (yield MultiGet(w.keys))]
@@ -173,7 +175,7 @@ def lost_members(w: Watch, cfg: Any, spare_ready: bool, clock: Callable[[], floa
     return out
 
 
-class Beating(Protocol):
+class BeatingMember(Protocol):
     """What ``KeepAlive`` needs of a member handler (``FastRendezvousHandler`` is one)."""
 
     @property
@@ -209,11 +211,11 @@ class KeepAlive:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         # id(handler) -> (weak handler, next due, key, last success)
-        self._due: dict[int, tuple[weakref.ref[Beating], float, str, float]] = {}
+        self._due: dict[int, tuple[weakref.ref[BeatingMember], float, str, float]] = {}
         self._thread: threading.Thread | None = None
         self._beats = itertools.count(1)  # a keep-alive writes a value never written before
 
-    def add(self, handler: Beating, key: str) -> None:
+    def add(self, handler: BeatingMember, key: str) -> None:
         now = time.monotonic()
         with self._cond:
             self._due[id(handler)] = (weakref.ref(handler), now + handler.keep_alive_interval,
@@ -224,7 +226,7 @@ class KeepAlive:
                 self._thread.start()
             self._cond.notify()
 
-    def remove(self, handler: Beating) -> None:
+    def remove(self, handler: BeatingMember) -> None:
         with self._cond:
             self._due.pop(id(handler), None)
 

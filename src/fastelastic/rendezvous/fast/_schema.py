@@ -80,12 +80,12 @@ from typing import NamedTuple
 
 from fastelastic.errors import RendezvousStateError
 
-__all__ = ["SEAL", "Keys", "RoundKeys", "assign_ranks"]
+__all__ = ["SEAL", "Keys", "RoundKeys", "RunKeys", "assign_ranks"]
 
 SEAL = 1 << 40
 
 
-class Keys:
+class RunKeys:
     """The run-wide keys, and each round's (:py:meth:`round`)."""
 
     def __init__(self, run_id: str) -> None:
@@ -98,6 +98,9 @@ class Keys:
 
     def round(self, r: int) -> RoundKeys:
         return RoundKeys(self.base, r)
+
+
+Keys = RunKeys  # the name the failover modules import
 
 
 class RoundKeys:
@@ -300,7 +303,7 @@ def parse_seat(raw: bytes) -> tuple[int, list[bytes]]:
         raise RendezvousStateError(f"corrupt rank {raw[:40]!r}") from e
 
 
-class Kind(enum.Enum):
+class OutcomeKind(enum.Enum):
     """What became of a round: the first byte of its outcome (``res``) on the wire."""
 
     COMPLETE = b"M"
@@ -309,7 +312,9 @@ class Kind(enum.Enum):
 
 
 # each kind's byte, read once (an enum's ``value`` is a descriptor call: parse_outcome is hot)
-_COMPLETE, _CLOSED, _ABANDONED = Kind.COMPLETE.value, Kind.CLOSED.value, Kind.ABANDONED.value
+Kind = OutcomeKind  # the name the failover modules may import
+_COMPLETE, _CLOSED, _ABANDONED = (OutcomeKind.COMPLETE.value, OutcomeKind.CLOSED.value,
+                                  OutcomeKind.ABANDONED.value)
 
 
 def encode_outcome(world: int, wstore: bytes, identity: bool, wid: bytes = b"") -> bytes:
@@ -325,7 +330,7 @@ BROKEN_CLOSED = b"C"  # in a round's ``broken``: it is over because the rendezvo
 
 
 class Outcome(NamedTuple):
-    kind: Kind
+    kind: OutcomeKind
     world: int = 0
     wstore: bytes = b""  # rank 0's workers' store address
     identity: bool = False  # every node's rank is its ticket - 1 (no seat to read)
@@ -352,13 +357,13 @@ def parse_outcome(raw: bytes) -> Outcome:
         rest = rest[len(IDENTITY):] if identity else rest
         wid, wnl, _ = rest.partition(b"\n")  # a line of its own: later appends follow it
         wid = wid[1:] if wid.startswith(b"w") and wnl else b""
-        return Outcome(Kind.COMPLETE, world, wstore if nl else b"", identity, wid=wid)
+        return Outcome(OutcomeKind.COMPLETE, world, wstore if nl else b"", identity, wid=wid)
     if _CLOSED in head:  # closed wins over an abandon it was appended to
-        return Outcome(Kind.CLOSED)
+        return Outcome(OutcomeKind.CLOSED)
     if head.startswith(_ABANDONED):
         no_quorum = head.startswith(NO_QUORUM[:2])
         why = rest.partition(b"\n")[0].decode("utf-8", "replace") if no_quorum else ""
-        return Outcome(Kind.ABANDONED, no_quorum=no_quorum, why=why)
+        return Outcome(OutcomeKind.ABANDONED, no_quorum=no_quorum, why=why)
     raise RendezvousStateError(f"corrupt rendezvous outcome {raw[:40]!r}")
 
 
