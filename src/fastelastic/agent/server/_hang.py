@@ -42,7 +42,7 @@ from fastelastic.agent.server._hang_verdict import (
     rank_report,
 )
 from fastelastic.errors import RendezvousError, StoreError
-from fastelastic.progress._launch import PROGRESS_ENV, NativeDumps, Slots
+from fastelastic.progress._launch import PROGRESS_ENV, NativeDumps, ProgressSlots
 
 logger = logging.getLogger("fastelastic.agent.server.api")  # the agent's log
 
@@ -108,7 +108,7 @@ class HangWatch:
         self._warned = False  # the no-progress warning was given, or progress was seen
         self._kept_dir: str | None = None  # the reports' directory when there is no log dir
         self.allowance_s = allowance_s
-        self.slots = Slots()
+        self.slots = ProgressSlots()
         self.verdicts = 0
         self._pids: dict[int, int] = {}
         self._ranks: dict[int, int] = {}
