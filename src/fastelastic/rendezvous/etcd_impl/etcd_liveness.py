@@ -19,7 +19,8 @@ round's store ends (``fe.etcd.end/<run>/<round>``, read by a member only when it
 fails) and sets ``fe.etcd.end`` in its store (every member then says bye and stops). A
 frozen node keeps its connections: its lease and its keep-alive counters tell, as before.
 The lease stays the fallback for everything else (a node lost before the round completed,
-the hub and its connection lost at once).
+the hub and its connection lost at once). The values of ``fe.etcd.hub`` and ``fe.etcd.lost``
+are built and parsed in :mod:`..fast._schema`.
 """
 
 from __future__ import annotations

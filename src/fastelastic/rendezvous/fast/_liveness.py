@@ -38,17 +38,11 @@ __all__ = ["BEATER", "DeciderWatch", "KeepAlive", "MemberWatch", "SilenceDetecto
 class SilenceDetector:
     """Keep-alive counters polled now and then; says which stood still for a whole window.
 
-    A counter seen changed may have changed at any moment since the previous poll, so the change
-    is dated up to ``slack`` seconds before this poll (the earliest it can have happened), and a
-    counter is declared silent at the last poll before its window would end (the gap between
-    polls, again at most ``slack``, is taken as the next gap). So a node that froze right after a
-    beat is dropped within the window of that beat rather than up to a poll interval later. A live
-    node's counter moves every keep-alive interval; ``slack`` is at most half of one.
-
-    A poll that comes more than half a window after the previous one means this process (or
-    the store it reads through) was starved meanwhile, and whatever starved it may have
-    starved the peers' keep-alives too: an unchanged counter then gets a fresh window instead
-    of a verdict, so a loaded machine does not make its members drop each other.
+    A node that froze right after a beat is called silent within that beat's window: a change
+    is dated up to ``slack`` (at most half a keep-alive interval) before the poll that saw it,
+    and a counter is called silent at the last poll before its window ends. A poll more than
+    half a window after the previous one means this process was starved, and maybe its peers'
+    keep-alives too: unchanged counters then get a fresh window, not a verdict.
     """
 
     def __init__(self, window: float, slack: float) -> None:
@@ -60,8 +54,9 @@ class SilenceDetector:
     def observe(self, values: dict[Any, Any], now: float | None = None) -> dict[Any, float]:
         """Records one poll of ``values``; returns ``{key: seconds still}`` of the silent ones."""
         now = time.monotonic() if now is None else now
+        # a change happened at most ``gap`` before now; the next poll is taken as as late
         gap = 0.0 if self._prev is None else min(max(0.0, now - self._prev), self.slack)
-        blackout = self._prev is not None and now - self._prev > self.window / 2
+        blackout = self._prev is not None and now - self._prev > self.window / 2  # starved
         self._prev = now
         silent = {}
         for key, value in values.items():

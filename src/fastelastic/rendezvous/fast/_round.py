@@ -114,12 +114,10 @@ class Machine(MemberOps):
     def moved(self, proposed: int = 0,
               member: Membership | None = None) -> None:
         """The rendezvous moved to a successor store (its host was lost): rounds start over
-        there. This node's world comes along: the first round there needs a majority of it
-        (:mod:`._majority`) and is sealed once all of it but the lost host is back. That round
-        commits ``proposed`` as the store's epoch (in the record: any publisher commits it),
-        once it passed the rule and before its outcome is decided (``_publish``).
-        ``member``: its membership on the lost store, when not the last round it
-        joined through this machine (a node the tests start as a mover)."""
+        there, and this node carries its world. The first round there needs a majority of it
+        (:mod:`.failover._majority`), is sealed once all of it but the lost host is back, and
+        commits ``proposed`` as the store's epoch (``_publish``). ``member``: its membership
+        on the lost store, when not the last round it joined through this machine."""
         if member is not None:
             self.member = member
         if self.member is not None:
@@ -508,9 +506,9 @@ class Machine(MemberOps):
         epoch = max(map(sc.record_epoch, records), default=0)
         if epoch and a.last is not None:  # movers back on a store with history: commit too
             epoch = epoch if epoch > int((yield Add(self.keys.epoch, 0))) else 0
-        # The first round here passing the majority rule: the move commits with its members,
-        # before the compare_set of its outcome. Abandoned in between, the epoch stands with no
-        # world: it forms no round (each passes the rule), and the rule found a majority here.
+        # The move commits with the members of the first round that passed the majority rule,
+        # before its outcome: abandoned in between, the epoch stands with no world (harmless:
+        # the rule found a majority here, and every later round passes the rule too).
         if epoch:
             keys.append(self.keys.epoch)
             vals.append(sc.encode_number(epoch))

@@ -6,14 +6,11 @@ Run-wide:
 
 * ``open``: the round new nodes should join (set by each round's publisher; a hint).
 * ``closed``: exists once the rendezvous is closed.
-* ``epoch``: how many times the rendezvous moved to a successor store (``--rdzv-endpoint``
-  with several candidates): the live store is the reachable one with the highest epoch. It is
-  a commit, not an intention: it rises only once the first round on the successor passed the
-  majority rule (the epoch the movers proposed, from their records), in the ``multi_set`` that
-  writes that round's ``who`` entries and seats, before the ``compare_set`` of its outcome;
-  so a node that moved alone (a cut link) never makes a store look live. A round abandoned
-  between the two leaves it raised with no world: the rule found a majority there, and every
-  round still passes the rule.
+* ``epoch``: how many times the rendezvous moved to a successor store (several
+  ``--rdzv-endpoint`` candidates); the live store is the reachable one with the highest epoch.
+  It rises only with the first round there that passed the majority rule (the epoch its
+  movers proposed; ``_round.Machine._publish``), so a node that moved alone never makes a
+  store look live.
 * ``moving``: the provisional marks of the nodes that moved here, ``<epoch it proposes>|<node>;``
   each (``<node>``: the node's identity, :func:`node_id`); no node follows them. Where a world
   formed, a member whose connection closed and whom no other candidate has a mark of is proven
