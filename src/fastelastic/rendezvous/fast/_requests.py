@@ -142,7 +142,7 @@ class StopBeats:
 @dataclass(frozen=True, slots=True)
 class GoneElsewhere:
     """Whether the other candidates prove these nodes (their identities) gone from
-    ``world`` (its id), fencing them there first (see :mod:`._majority`). Reply: "" when
+    ``world`` (its id), fencing them there first (see :mod:`.failover._majority`). Reply: "" when
     proven, else why not (str)."""
 
     name: ClassVar[str] = "gone_elsewhere"

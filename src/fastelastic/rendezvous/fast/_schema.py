@@ -58,7 +58,7 @@ Round ``r``:
   its later exit is no loss), ``left`` (it re-joins), ``quit`` (it leaves for good: preempted),
   ``silent`` (a peer saw its counter stand still for the detection window), ``moved`` (it
   moves to another candidate on purpose: said before it closes anything, so a ``closed``
-  without it is a death, see :func:`._majority.proof_candidates`), ``host`` (after its
+  without it is a death, see :func:`.failover._majority.proof_candidates`), ``host`` (after its
   ``done``: it hosts the store, which goes when it ends; :func:`host_finished`).
 * ``left/<rank>`` (:py:meth:`RoundKeys.left`): the member left the round (re-joined, left,
   died, or was found silent). The next round is sealed once every member has left.

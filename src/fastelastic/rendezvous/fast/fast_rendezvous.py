@@ -93,7 +93,7 @@ class FastRendezvousHandler(Moves, RoundStores, RendezvousHandler):
         reform_last_call: Wait ``last_call`` also when a round re-forms after a complete one
             (torch's behaviour); by default such a round is sealed once every member of the
             last one is back or lost.
-        candidates: The rendezvous store's candidate endpoints (:mod:`._failover`), when
+        candidates: The rendezvous store's candidate endpoints (:mod:`.failover._failover`), when
             there are several: a lost store host is then survived by moving to the next.
         node_id: This node's identity in the rendezvous (:func:`new_node_id`; default: the
             candidates' ``plan.me`` if set, else a new one). Unique per launcher: the majority
