@@ -17,7 +17,7 @@ Nothing is revoked when a connection ends on purpose: a member that leaves the r
 sets ``fe.etcd.bye/<lease>``; the hub, before it retires its store, records in etcd that the
 round's store ends (``fe.etcd.end/<run>/<round>``, read by a member only when its connection
 fails) and sets ``fe.etcd.end`` in its store (every member then says bye and stops). A
-frozen node keeps its connections: its lease and its keep-alive counters tell, as before.
+frozen node keeps its connections: its lease and its keep-alive counters tell.
 The lease stays the fallback for everything else (a node lost before the round completed,
 the hub and its connection lost at once). The values of ``fe.etcd.hub`` and ``fe.etcd.lost``
 are built and parsed in :mod:`..fast._schema`.

@@ -139,7 +139,7 @@ class Machine(MemberOps):
         """A mover came back to the store where its world formed (that store is live again,
         with the highest epoch): it is a member of that world there again, so the round
         after it counts it back (``_majority.away``), instead of a new node whose world "may
-        be alive elsewhere". False when it has no such world (it is a mover as before)."""
+        be alive elsewhere". False when it has no such world (it stays a mover)."""
         if self.home is None:
             return False
         self.member, self.home = self.home, None
