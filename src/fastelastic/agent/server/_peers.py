@@ -111,7 +111,7 @@ class _AgentPeers:
         host finished its work (the rendezvous read its mark first: ``store_host_finished``).
         Then nothing is left to re-form with: this node monitors its workers to their end
         (``_store_gone``), and says so once. A lost host (no such mark) is False: the
-        failure is handled as any lost member's.
+        caller handles the failed check as it does any other.
         """
         if not isinstance(e, (StoreConnectionError, RendezvousConnectionError, ConnectionError)):
             return False
