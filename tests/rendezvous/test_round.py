@@ -484,6 +484,7 @@ def test_the_other_values_the_machine_writes_have_their_bytes_and_parse_back():
     assert sc.encode_who(4, b"-1|h|7|h:1|0") == b"4|-1|h|7|h:1|0"
     assert sc.who_parts(sc.encode_who(4, b"-1|h|7|h:1|0")) == ("4", "h", "7")
     assert (sc.encode_number(-1), sc.encode_number(12)) == (b"-1", b"12")
+    assert (sc.tickets_taken(3), sc.tickets_taken(sc.SEAL + 3), sc.SEAL) == (3, 3, 1 << 40)
     assert (sc.PRESENT, sc.UNSEATED, sc.FIRST_BEAT) == (b"1", b"-1", b"0")
     assert sc.parse_seat(sc.UNSEATED) == (-1, [])
     assert sc.encode_wstore("10.0.0.1", 29500) == b"10.0.0.1:29500"

@@ -18,12 +18,12 @@ from fastelastic.errors import StoreError
 from ._requests import Add, Append, Check, MultiGet, MultiSet, RequestGen
 from ._schema import (
     PRESENT,
-    SEAL,
     RoundKeys,
     encode_gone,
     encode_number,
     host_finished,
     parse_gone,
+    tickets_taken,
     who_node,
     who_parts,
 )
@@ -99,9 +99,8 @@ class DeciderWatch:
     def stalled(self) -> RequestGen[bool]:
         k = self.k
         if any(role > self.count for role in self.roles):
-            self.count = int((yield Add(k.tickets, 0)))
-            if self.count >= SEAL:  # sealed: the coordinator is publishing
-                self.count -= SEAL
+            # sealed or not (the coordinator is publishing): the tickets taken
+            self.count = tickets_taken(int((yield Add(k.tickets, 0))))
         roles = [x for x in self.roles if x <= self.count]
         states: dict[int, Any] = {}
         for role in roles:

@@ -48,8 +48,7 @@ class MemberOps:
         if self.member is None:
             return 0
         r, _, world = self.member
-        v = int((yield Add(self.keys.round(r + 1).tickets, 0)))
-        v = v - sc.SEAL if v >= sc.SEAL else v
+        v = sc.tickets_taken(int((yield Add(self.keys.round(r + 1).tickets, 0))))
         if world >= self.cfg.max_nodes:
             self.spare_ready = v > 0
             return 0

@@ -282,7 +282,7 @@ class Machine(MemberOps):
         return E.CALL_OVER
 
     def _seal(self, a: _Attempt) -> RequestGen[Event]:
-        a.count = int((yield Add(a.k.tickets, sc.SEAL))) - sc.SEAL
+        a.count = sc.tickets_taken(int((yield Add(a.k.tickets, sc.SEAL))))
         return E.SEALED if a.count < self.cfg.max_nodes else E.FULL
 
     def _await(self, a: _Attempt) -> RequestGen[Event]:

@@ -82,6 +82,11 @@ __all__ = ["SEAL", "Keys", "RoundKeys", "RunKeys", "assign_ranks"]
 SEAL = 1 << 40
 
 
+def tickets_taken(counter: int) -> int:
+    """The tickets a round's counter ``t`` counts, whether sealed (``SEAL`` added) or not."""
+    return counter - SEAL if counter >= SEAL else counter
+
+
 class RunKeys:
     """The run-wide keys, and each round's (:py:meth:`round`)."""
 
