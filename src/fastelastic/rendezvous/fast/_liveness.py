@@ -54,7 +54,7 @@ class SilenceDetector:
     def observe(self, values: dict[Any, Any], now: float | None = None) -> dict[Any, float]:
         """Records one poll of ``values``; returns ``{key: seconds still}`` of the silent ones."""
         now = time.monotonic() if now is None else now
-        # a change happened at most ``gap`` before now; the next poll is taken as as late
+        # a change seen now happened at most ``gap`` ago; the next poll is taken to be as late
         gap = 0.0 if self._prev is None else min(max(0.0, now - self._prev), self.slack)
         blackout = self._prev is not None and now - self._prev > self.window / 2  # starved
         self._prev = now

@@ -162,7 +162,6 @@ def encode_wstore(host: str, port: int) -> bytes:
     return f"{host}:{port}".encode()
 
 
-
 def node_id(host: str, pid: int, nonce: int) -> str:
     """A node's identity in every record, ``who`` entry, mark and fence:
     ``<host>:<pid>:<nonce>`` (``nonce`` 64 random bits, drawn once per launcher). The nonce
@@ -313,8 +312,9 @@ class OutcomeKind(enum.Enum):
     ABANDONED = b"D"
 
 
-# each kind's byte, read once (an enum's ``value`` is a descriptor call: parse_outcome is hot)
 Kind = OutcomeKind  # the name the failover modules may import
+
+# each kind's byte, read once (an enum's ``value`` is a descriptor call: parse_outcome is hot)
 _COMPLETE, _CLOSED, _ABANDONED = (OutcomeKind.COMPLETE.value, OutcomeKind.CLOSED.value,
                                   OutcomeKind.ABANDONED.value)
 
