@@ -486,6 +486,7 @@ def test_the_other_values_the_machine_writes_have_their_bytes_and_parse_back():
     assert (sc.encode_number(-1), sc.encode_number(12)) == (b"-1", b"12")
     assert (sc.tickets_taken(3), sc.tickets_taken(sc.SEAL + 3), sc.SEAL) == (3, 3, 1 << 40)
     assert (sc.PRESENT, sc.UNSEATED, sc.FIRST_BEAT) == (b"1", b"-1", b"0")
+    assert (sc.LEFT_SILENT, sc.LEFT_HUNG) == (b"silent", b"hung")
     assert sc.parse_seat(sc.UNSEATED) == (-1, [])
     assert sc.encode_wstore("10.0.0.1", 29500) == b"10.0.0.1:29500"
     assert sc.parse_wstore(sc.encode_wstore("fe80::1", 7)) == ("fe80::1", 7)

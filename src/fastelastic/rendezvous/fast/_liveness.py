@@ -17,6 +17,7 @@ from fastelastic.errors import StoreError
 
 from ._requests import Add, Append, Check, MultiGet, MultiSet, RequestGen
 from ._schema import (
+    LEFT_SILENT,
     PRESENT,
     RoundKeys,
     encode_gone,
@@ -138,7 +139,7 @@ def lost_members(w: MemberWatch, cfg: Any, spare_ready: bool, clock: Callable[[]
             log.warning("rendezvous %s: rank %d sent no keep-alive for %.1fs; dropping it",
                         cfg.run_id, rank, still)
             yield Append(w.k.gone, encode_gone(rank, "silent"))
-            yield MultiSet([w.k.left(rank), w.k.broken], [b"silent", PRESENT])
+            yield MultiSet([w.k.left(rank), w.k.broken], [LEFT_SILENT, PRESENT])
             gone[rank] = "silent"
     fresh = [(r, why) for r, why in gone.items() if r not in w.reported and why != "done"]
     if not fresh:

@@ -455,7 +455,7 @@ class Machine(MemberOps):
             for rank, still in beats.observe(counters, self.clock()).items():
                 log.warning("rendezvous %s: member rank %d of round %d was lost (silent: no "
                             "keep-alive for %.1fs); dropping it", cfg.run_id, rank, q, still)
-                yield MultiSet([lk.left(rank), lk.broken], [b"hung", sc.PRESENT])
+                yield MultiSet([lk.left(rank), lk.broken], [sc.LEFT_HUNG, sc.PRESENT])
                 gone[rank] = "silent"
             missing = [i for i in missing if i not in gone]
             if not missing:

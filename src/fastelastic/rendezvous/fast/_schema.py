@@ -142,6 +142,8 @@ class RoundKeys:
 PRESENT = b"1"  # a key whose presence alone counts (``closed``, ``left/<rank>``, ``broken``)
 UNSEATED = b"-1"  # ``rank/<ticket>`` until the publisher writes the seat
 FIRST_BEAT = b"0"  # ``hb/t<ticket>`` as its holder writes it with its record
+LEFT_SILENT = b"silent"  # ``left/<rank>`` of a member a peer found silent (else PRESENT)
+LEFT_HUNG = b"hung"  # ``left/<rank>`` of a member the drain found silent
 
 
 def encode_number(n: int) -> bytes:
