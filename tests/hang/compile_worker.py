@@ -11,9 +11,9 @@ MARKS = sys.argv[1] == "1"
 MODE = sys.argv[2]
 if MARKS:  # as a hang-checked worker has them (a real mapped slot)
     from fastelastic.progress import _worker as w
-    from fastelastic.progress._launch import Slots
+    from fastelastic.progress._launch import ProgressSlots
 
-    slots = Slots()
+    slots = ProgressSlots()
     w.install(slots.prepare([0])[0])
 from torch._dynamo.utils import counters  # noqa: E402
 

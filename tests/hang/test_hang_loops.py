@@ -29,7 +29,7 @@ from fastelastic.agent.server._hang_verdict import (
     floor_scale,
 )
 from fastelastic.progress import _worker as w
-from fastelastic.progress._launch import PROGRESS_ENV, Slots, plain_start_env
+from fastelastic.progress._launch import PROGRESS_ENV, ProgressSlots, plain_start_env
 from fastelastic.store import PrefixStore, TCPStore
 
 REPO = HERE.parents[1]
@@ -39,7 +39,7 @@ S = 1_000_000_000
 
 @pytest.fixture
 def slots():
-    s = Slots()
+    s = ProgressSlots()
     yield s
     s.close()
 

@@ -8,6 +8,8 @@ from fastelastic.agent.server._hang import AUTO, parse_hang_timeout
 from fastelastic.agent.server._hang_verdict import (
     Intervals,
     RankReport,
+    decode_reports,
+    encode_reports,
     judge,
     main_stack,
     node_stalled,
@@ -92,6 +94,19 @@ def test_report_roundtrip_and_ranges() -> None:
     assert RankReport.from_json(r.to_json()) == r
     assert ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
     assert ranges([]) == ""
+
+
+def test_a_node_s_reports_are_one_store_value_that_reads_back() -> None:
+    """The summary and the frames a node publishes: a JSON list of each rank's fields, in
+    order (a peer of the same job reads it); a value that is not one is a ValueError."""
+    reports = [rep(0, "f", where="a.py:1"), rep(1, "g", coll=False)]
+    raw = encode_reports(reports)
+    assert raw.startswith('[[0, "') and raw.count("], [") == 1, raw
+    assert decode_reports(raw) == reports
+    assert decode_reports(raw.encode()) == reports  # as the store returns it
+    assert decode_reports(encode_reports([])) == []
+    with pytest.raises(ValueError):
+        decode_reports(b"not json")
 
 
 @pytest.mark.parametrize(("value", "seconds"), [(None, 0.0), ("", 0.0), ("0", 0.0),

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from fastelastic.progress import _worker as w
-from fastelastic.progress._launch import PROGRESS_ENV, Slots, plain_start_env
+from fastelastic.progress._launch import PROGRESS_ENV, ProgressSlots, plain_start_env
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -36,7 +36,7 @@ SHOW = textwrap.dedent("""
 
 @pytest.fixture
 def slots():
-    s = Slots()
+    s = ProgressSlots()
     yield s
     s.close()
 

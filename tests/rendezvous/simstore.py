@@ -137,7 +137,7 @@ class Sim:
         self._stop(node)
         self.call(node, node.m.leave(for_good=True))
 
-    def call(self, node: Node, gen: rq.Proto[Any]) -> Any:
+    def call(self, node: Node, gen: rq.RequestGen[Any]) -> Any:
         """Runs an operation that never waits (set_closed, leave, ...) at once."""
         reply = None
         for _ in range(10_000):
@@ -185,7 +185,7 @@ class Sim:
             self._fire()
         raise AssertionError("the simulation did not settle")
 
-    def _agent(self, node: Node) -> Generator[rq.Op | Sleep, Any, None]:
+    def _agent(self, node: Node) -> Generator[rq.Request | Sleep, Any, None]:
         m = node.m
         addr = f"10.0.0.{node.id}" if node.addr is None else node.addr
         while True:

@@ -1,4 +1,5 @@
-"""The silence rule of the fast rendezvous's keep-alive watch (``Beats``), on a simulated clock.
+"""The silence rule of the fast rendezvous's keep-alive watch (``SilenceDetector``), on a
+simulated clock.
 
 A node beats every ``interval``; a watcher polls its counter every ``poll`` seconds. A frozen
 node must be declared silent no later than ``window`` after its last beat, and a live node, even
@@ -9,12 +10,12 @@ from __future__ import annotations
 
 import pytest
 
-from fastelastic.rendezvous.fast._liveness import Beats
+from fastelastic.rendezvous.fast._liveness import SilenceDetector
 
 
 def _simulate(interval, window, poll, freeze_at, jitter=0.0, end=60.0, phase=0.037):
     """Returns (last beat time, detection time or None)."""
-    beats = Beats(window, interval / 2)
+    beats = SilenceDetector(window, interval / 2)
     counter, last_beat = 0, None
     next_beat = phase
     k = 0
@@ -50,7 +51,7 @@ def test_a_live_node_with_late_beats_is_never_dropped(poll):
 
 
 def test_a_long_pause_between_polls_does_not_date_a_change_back_to_the_last_poll():
-    beats = Beats(5.0, 0.5)
+    beats = SilenceDetector(5.0, 0.5)
     assert beats.observe({"p": 1}, now=0.0) == {}
     assert beats.observe({"p": 2}, now=30.0) == {}  # changed some time in the 30 s
     assert beats.observe({"p": 2}, now=30.1) == {}  # not 30 s of silence
@@ -65,7 +66,7 @@ def test_a_starved_watcher_gives_its_peers_a_fresh_window_instead_of_a_verdict()
     """A poll 3 s after the previous one (window 5 s): this process, or the store, was starved,
     and the peer's keep-alives may have been too. No verdict then; a peer that stays silent is
     still dropped one window later."""
-    beats = Beats(5.0, 0.5)
+    beats = SilenceDetector(5.0, 0.5)
     assert beats.observe({"p": 1}, now=0.0) == {}
     assert beats.observe({"p": 1}, now=1.0) == {}
     assert beats.observe({"p": 1}, now=4.0) == {}  # starved 3 s; 4 s still would be close

@@ -261,7 +261,7 @@ def test_a_fenced_mover_does_not_count_as_a_carrier_on_the_successor(nodes, fenc
                    if s1.check([K + f"0/n/{t}"])]
         assert records and all(r.split(b"|")[1] == b"127.0.0.1" for r in records), records
         out = sc.parse_outcome(bytes(s1.get(K + "0/res")))
-        assert out.kind is not sc.Kind.COMPLETE, out
+        assert out.kind is not sc.OutcomeKind.COMPLETE, out
         assert not s1.check([K + "epoch"]) or s1.get(K + "epoch") == b"0"
         assert sc.fenced(bytes(s1.get(K + "moving")), me, wid)  # its mark after the fence
     finally:

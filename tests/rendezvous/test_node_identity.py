@@ -17,7 +17,7 @@ from fastelastic.rendezvous.fast import fast_rendezvous as fr
 from fastelastic.rendezvous.fast.failover import _majority
 
 RUN = "ident"
-K = sc.Keys(RUN)
+K = sc.RunKeys(RUN)
 
 
 def _pods(monkeypatch: Any, n: int) -> list[str]:
@@ -29,7 +29,7 @@ def _pods(monkeypatch: Any, n: int) -> list[str]:
     return ids
 
 
-def _drive(gen: rq.Proto[Any], data: dict[str, bytes],
+def _drive(gen: rq.RequestGen[Any], data: dict[str, bytes],
            elsewhere: Callable[[rq.GoneElsewhere], str] = lambda op: "") -> Any:
     """Runs a majority-rule operation on a dict (every key it reads is there); ``elsewhere``
     answers its ``GoneElsewhere`` (the other candidates' proof)."""

@@ -420,7 +420,7 @@ def test_the_epoch_stands_when_the_round_that_raised_it_is_abandoned_before_its_
     sim._apply = abandon_first  # type: ignore[method-assign]
     sim.run(60)
     assert raced == [b"3"]  # raised before the outcome was decided
-    assert sc.parse_outcome(sim.data["fe.rdzv.sim/0/res"]).kind is sc.Kind.ABANDONED
+    assert sc.parse_outcome(sim.data["fe.rdzv.sim/0/res"]).kind is sc.OutcomeKind.ABANDONED
     assert sim.rounds()[0][:2] == (1, 3), sim.rounds()  # the next round: the same 3 movers
     assert sim.data["fe.rdzv.sim/epoch"] == b"3"
 
@@ -458,20 +458,45 @@ def test_outcome_kinds_are_an_enum_and_their_bytes_on_the_wire_are_those_of_befo
     assert (sc.ABANDONED, sc.NO_QUORUM, sc.CLOSED) == (b"D;", b"DQ;", b"C;")
     assert sc.encode_no_quorum("a\nb") == b"DQ;\na b\n"
     assert sc.BROKEN_CLOSED == b"C"
+    K = sc.OutcomeKind
     cases = {
-        b"M3\n10.0.0.1:29500\n=\n": (sc.Kind.COMPLETE, 3, b"10.0.0.1:29500", True, False, ""),
-        b"M12\nh:1\n": (sc.Kind.COMPLETE, 12, b"h:1", False, False, ""),
-        b"D;": (sc.Kind.ABANDONED, 0, b"", False, False, ""),
-        b"D;D;": (sc.Kind.ABANDONED, 0, b"", False, False, ""),
-        b"DQ;\nwhy\nD;": (sc.Kind.ABANDONED, 0, b"", False, True, "why"),
-        b"C;": (sc.Kind.CLOSED, 0, b"", False, False, ""),
-        b"D;C;": (sc.Kind.CLOSED, 0, b"", False, False, ""),
+        b"M3\n10.0.0.1:29500\n=\n": (K.COMPLETE, 3, b"10.0.0.1:29500", True, False, ""),
+        b"M12\nh:1\n": (K.COMPLETE, 12, b"h:1", False, False, ""),
+        b"D;": (K.ABANDONED, 0, b"", False, False, ""),
+        b"D;D;": (K.ABANDONED, 0, b"", False, False, ""),
+        b"DQ;\nwhy\nD;": (K.ABANDONED, 0, b"", False, True, "why"),
+        b"C;": (K.CLOSED, 0, b"", False, False, ""),
+        b"D;C;": (K.CLOSED, 0, b"", False, False, ""),
     }
     for raw, want in cases.items():
         assert tuple(sc.parse_outcome(raw))[:6] == want, raw
-    assert [k.value for k in sc.Kind] == [b"M", b"C", b"D"]
+    assert [k.value for k in sc.OutcomeKind] == [b"M", b"C", b"D"]
     with pytest.raises(RendezvousError, match="corrupt"):
         sc.parse_outcome(b"X;")
+
+
+def test_the_other_values_the_machine_writes_have_their_bytes_and_parse_back():
+    """Every value the machine and the etcd liveness link write is built in ``_schema``;
+    these are their bytes on the wire (a server, a peer of another version and the traces
+    read them)."""
+    assert sc.encode_gone(3, "closed") == b"3:closed;"
+    assert sc.parse_gone(sc.encode_gone(2, "left") + sc.encode_gone(2, "quit")) == {2: "quit"}
+    assert sc.encode_who(4, b"-1|h|7|h:1|0") == b"4|-1|h|7|h:1|0"
+    assert sc.who_parts(sc.encode_who(4, b"-1|h|7|h:1|0")) == ("4", "h", "7")
+    assert (sc.encode_number(-1), sc.encode_number(12)) == (b"-1", b"12")
+    assert (sc.tickets_taken(3), sc.tickets_taken(sc.SEAL + 3), sc.SEAL) == (3, 3, 1 << 40)
+    assert (sc.PRESENT, sc.UNSEATED, sc.FIRST_BEAT) == (b"1", b"-1", b"0")
+    assert (sc.LEFT_SILENT, sc.LEFT_HUNG) == (b"silent", b"hung")
+    assert sc.parse_seat(sc.UNSEATED) == (-1, [])
+    assert sc.encode_wstore("10.0.0.1", 29500) == b"10.0.0.1:29500"
+    assert sc.parse_wstore(sc.encode_wstore("fe80::1", 7)) == ("fe80::1", 7)
+    assert sc.broken_by_close(b"1" + sc.BROKEN_CLOSED) and not sc.broken_by_close(b"1")
+    assert sc.parse_lease(sc.encode_lease(42)) == 42
+    lost = sc.encode_lost_lease(5) + sc.encode_lost_lease(9) + sc.encode_lost_lease(5)
+    assert lost == b"5;9;5;"
+    assert sc.parse_lost_leases(lost) == {5, 9}
+    with pytest.raises(ValueError):
+        sc.parse_lost_leases(b"5;x;")
 
 
 def test_a_successor_counts_only_carriers_of_the_newest_world():
@@ -493,5 +518,6 @@ def test_a_successor_counts_only_carriers_of_the_newest_world():
     assert moved_short([rec(0, b""), rec(0, b"")]) is None          # nobody carries a world
     assert sc.record_world(b"0|a|1|w|0|-1|0") == b""                # a 7-field record
     out = sc.parse_outcome(sc.encode_outcome(3, b"h:1", True, b"7.cafe") + b"C;")
-    assert (out.kind, out.world, out.identity, out.wid) == (sc.Kind.COMPLETE, 3, True, b"7.cafe")
+    assert (out.kind, out.world, out.identity, out.wid) == (sc.OutcomeKind.COMPLETE, 3, True,
+                                                            b"7.cafe")
     assert sc.parse_outcome(b"M3\nh:1\n").wid == b""               # an older publisher's

@@ -72,7 +72,7 @@ def plain_start_env(env: dict[str, str], inherited: dict[str, str]) -> dict[str,
     return out
 
 
-class Slots:
+class ProgressSlots:
     """The progress slots of one agent: a directory, and one slot per worker per attempt."""
 
     def __init__(self) -> None:

@@ -5,7 +5,7 @@ This is the compatibility path for users who bring their own :class:`RendezvousB
 (min/max nodes, last call, join timeout, wait and redundancy lists, closing, heartbeats) but
 never sleeps a fixed second between syncs: when a backend offers ``wait_for_change(token,
 timeout)`` the handler blocks on it, else it backs off from 10 ms. The registry's ``c10d`` and
-``etcd`` names use the faster ticket protocol of :mod:`.fast_rendezvous` instead.
+``etcd`` names use the faster ticket protocol of :mod:`.fast.fast_rendezvous` instead.
 """
 
 from __future__ import annotations

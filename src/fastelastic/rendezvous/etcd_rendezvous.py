@@ -1,12 +1,12 @@
-"""The ``etcd`` rendezvous: the ticket protocol of :mod:`.fast_rendezvous` on etcd v3.
+"""The ``etcd`` rendezvous: the ticket protocol of :mod:`.fast.fast_rendezvous` on etcd v3.
 
 Rendezvous state lives in etcd (transactions for compare-and-set, a lease per node for
-liveness, watches for waiting; see :mod:`.etcd_kv`), outside any training node. The store
-handed to workers is still fastelastic's TCPStore: each round's rank 0 hosts a fresh one and
-its address travels in the round's outcome, so a round after rank 0's node was lost is hosted
-by a survivor and nobody is given the lost one's. A member's death is known through its
-connection to that store at once, and the others end its lease (:mod:`.etcd_liveness`); the
-lease expiring is the fallback.
+liveness, watches for waiting; see :mod:`.etcd_impl.etcd_kv`), outside any training node. The
+store handed to workers is still fastelastic's TCPStore: each round's rank 0 hosts a fresh one
+and its address travels in the round's outcome, so a round after rank 0's node was lost is
+hosted by a survivor and nobody is given the lost one's. A member's death is known through its
+connection to that store at once, and the others end its lease
+(:mod:`.etcd_impl.etcd_liveness`); the lease expiring is the fallback.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class EtcdFastRendezvousHandler(FastRendezvousHandler):
 
     Each round's members are linked through rank 0's workers' store, so that a member's
     death is known at once rather than when its etcd lease expires (see
-    :mod:`.etcd_liveness`).
+    :mod:`.etcd_impl.etcd_liveness`).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

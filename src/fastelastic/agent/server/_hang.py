@@ -20,7 +20,6 @@ its restarts (as for a crash); the others restart as survivors do.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import socket
@@ -35,6 +34,8 @@ from fastelastic.agent.server._hang_verdict import (
     Intervals,
     RankReport,
     Verdict,
+    decode_reports,
+    encode_reports,
     end_bound_s,
     floor_scale,
     judge,
@@ -42,7 +43,7 @@ from fastelastic.agent.server._hang_verdict import (
     rank_report,
 )
 from fastelastic.errors import RendezvousError, StoreError
-from fastelastic.progress._launch import PROGRESS_ENV, NativeDumps, Slots
+from fastelastic.progress._launch import PROGRESS_ENV, NativeDumps, ProgressSlots
 
 logger = logging.getLogger("fastelastic.agent.server.api")  # the agent's log
 
@@ -108,7 +109,7 @@ class HangWatch:
         self._warned = False  # the no-progress warning was given, or progress was seen
         self._kept_dir: str | None = None  # the reports' directory when there is no log dir
         self.allowance_s = allowance_s
-        self.slots = Slots()
+        self.slots = ProgressSlots()
         self.verdicts = 0
         self._pids: dict[int, int] = {}
         self._ranks: dict[int, int] = {}
@@ -231,7 +232,7 @@ class HangWatch:
                 # the ranks as they are, untouched: no stacks before the verdict
                 reports = [rank_report(self._ranks[lr], self._host, views[lr], now, "")
                            for lr in sorted(self._pids) if lr in views]
-                store.set(key, json.dumps([r.to_json() for r in reports]))
+                store.set(key, encode_reports(reports))
                 logger.info("hang: no progress on ranks %s for %.1f s; reported",
                             sorted(self._ranks.values()), idle)
                 self._published = True
@@ -244,8 +245,7 @@ class HangWatch:
             self._published = False
             logger.info("hang: every node reported no progress: the job is hung")
             reports = self._dump(views, now, idle)
-            store.set(f"{prefix}/frames/{group_rank}",
-                      json.dumps([r.to_json() for r in reports]))
+            store.set(f"{prefix}/frames/{group_rank}", encode_reports(reports))
             self._judging_until = time.monotonic() + FRAMES_WAIT_S
             return self._judge(store, frame_keys, prefix, group_rank, log_dir, restarts_left)
         except (StoreError, RendezvousError, OSError, ValueError) as e:
@@ -269,7 +269,7 @@ class HangWatch:
                     values.append(got[0])
             logger.warning("hang: frames of %d of %d nodes after %.0f s; judging from those",
                            len(values), len(frame_keys), FRAMES_WAIT_S)
-        reports = [RankReport.from_json(item) for v in values for item in json.loads(v)]
+        reports = [r for v in values for r in decode_reports(v)]
         verdict = judge(reports)
         token = hashlib.sha1(
             ",".join(f"{r.rank}:{r.pid}" for r in sorted(reports, key=lambda r: r.rank))

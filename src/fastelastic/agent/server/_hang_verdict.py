@@ -6,6 +6,7 @@ No I/O and no clock here (``_hang.py`` is the I/O around them), so each is teste
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Iterable
@@ -170,6 +171,21 @@ class RankReport:
         r, host, pid, steps, idle, func, where, coll = item[:8]
         return cls(int(r), str(host), int(pid), int(steps), float(idle), str(func), str(where),
                    bool(coll), bool(item[8]) if len(item) > 8 else False)
+
+
+def encode_reports(reports: list[RankReport]) -> str:
+    """A node's summary or frames as one store value: a JSON list of
+    :py:meth:`RankReport.to_json` items (read back by :func:`decode_reports`)."""
+    return json.dumps([r.to_json() for r in reports])
+
+
+def decode_reports(raw: str | bytes) -> list[RankReport]:
+    """The reports in a value of :func:`encode_reports`.
+
+    Raises:
+        ValueError: not such a value.
+    """
+    return [RankReport.from_json(item) for item in json.loads(raw)]
 
 
 def rank_report(rank: int, host: str, view: SlotView, now_ns: int, stacks: str) -> RankReport:

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from fastelastic.agent.server._states import WorkerState
     from fastelastic.agent.server._workers import WorkerGroup, WorkerSpec
 
-logger = logging.getLogger("fastelastic.agent.server.api")  # the agent's log, as before
+logger = logging.getLogger("fastelastic.agent.server.api")  # the agent's one logger name
 
 
 class _AgentPeers:
@@ -110,7 +110,8 @@ class _AgentPeers:
         """After a membership check failed with ``e``: True when the store is gone because its
         host finished its work (the rendezvous read its mark first: ``store_host_finished``).
         Then nothing is left to re-form with: this node monitors its workers to their end
-        (``_store_gone``), and says so once. A lost host (no such mark) is False: as before.
+        (``_store_gone``), and says so once. A lost host (no such mark) is False: the
+        caller handles the failed check as it does any other.
         """
         if not isinstance(e, (StoreConnectionError, RendezvousConnectionError, ConnectionError)):
             return False

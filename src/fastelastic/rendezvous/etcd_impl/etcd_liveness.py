@@ -17,9 +17,10 @@ Nothing is revoked when a connection ends on purpose: a member that leaves the r
 sets ``fe.etcd.bye/<lease>``; the hub, before it retires its store, records in etcd that the
 round's store ends (``fe.etcd.end/<run>/<round>``, read by a member only when its connection
 fails) and sets ``fe.etcd.end`` in its store (every member then says bye and stops). A
-frozen node keeps its connections: its lease and its keep-alive counters tell, as before.
+frozen node keeps its connections: its lease and its keep-alive counters tell.
 The lease stays the fallback for everything else (a node lost before the round completed,
-the hub and its connection lost at once).
+the hub and its connection lost at once). The values of ``fe.etcd.hub`` and ``fe.etcd.lost``
+are built and parsed in :mod:`..fast._schema`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from datetime import timedelta
 from typing import Any
 
 from fastelastic.errors import StoreConnectionError, StoreError, StoreTimeoutError
+
+from ..fast._schema import encode_lease, encode_lost_lease, parse_lease, parse_lost_leases
 
 __all__ = ["RoundLiveness"]
 
@@ -64,10 +67,10 @@ class RoundLiveness:
         self._stop = threading.Event()
         self._lease = int(kv.lease())
         if hub:
-            conn.set(_HUB, b"%d" % self._lease)
+            conn.set(_HUB, encode_lease(self._lease))
             target = self._relay
         else:
-            conn.append_on_disconnect_many([_LOST, _TICK], [b"%d;" % self._lease, b"1"])
+            conn.append_on_disconnect_many([_LOST, _TICK], [encode_lost_lease(self._lease), b"1"])
             target = self._watch_hub
         self._thread = threading.Thread(target=self._run, args=(target,), daemon=True,
                                         name="fe-etcd-liveness")
@@ -119,7 +122,7 @@ class RoundLiveness:
                 return  # our store was retired
             try:
                 conn.delete_key(_TICK)
-                lost = {int(x) for x in bytes(conn.get(_LOST)).split(b";") if x.strip()}
+                lost = parse_lost_leases(bytes(conn.get(_LOST)))
                 for lease in sorted(lost - done):
                     done.add(lease)
                     if self._stop.is_set() or conn.check([f"{_BYE}{lease}"]):
@@ -144,7 +147,7 @@ class RoundLiveness:
                     return
                 try:
                     if hub is None:
-                        hub = int(bytes(conn.get(_HUB, _SLICE)))
+                        hub = parse_lease(bytes(conn.get(_HUB, _SLICE)))
                     conn.wait([_END], _SLICE)
                     conn.set(f"{_BYE}{self._lease}", b"1")  # the hub retires its store
                     return

@@ -20,7 +20,8 @@ The round machine, transport-free (no I/O; an injected clock):
 - ``_phases``: the phases of an attempt and the one rule between them (no cycle).
 - ``_members``: a member's operations between rounds (membership checks, leave, done, close).
 - ``_liveness``: keep-alive counters, and the rule that calls a member silent.
-- ``_schema``: every key, what it holds, and its codec; a byte format is parsed here alone.
+- ``_schema``: every key, what it holds, and its codec; a byte format is built and parsed
+  here alone (also the values of ``etcd_impl.etcd_liveness``'s link).
 - ``_requests``: the closed set of typed requests the machine yields; imports nothing.
 - ``_config``: :class:`Config`, what a node's machine is configured with (a leaf).
 

@@ -1,6 +1,7 @@
 """Liveness of the fast rendezvous's members: the keep-alive counters a member bumps
 (``KeepAlive``, one thread per process), the rule by which the others call it silent
-(``Beats``), and what they read to apply it (``Watch``, ``Deciders``)."""
+(``SilenceDetector``), and what they read to apply it (``MemberWatch``,
+``DeciderWatch``)."""
 
 from __future__ import annotations
 
@@ -14,29 +15,35 @@ from typing import Any, Protocol
 
 from fastelastic.errors import StoreError
 
-from ._requests import Add, Append, Check, MultiGet, MultiSet, Proto
-from ._schema import SEAL, RoundKeys, host_finished, parse_gone, who_node, who_parts
+from ._requests import Add, Append, Check, MultiGet, MultiSet, RequestGen
+from ._schema import (
+    LEFT_SILENT,
+    PRESENT,
+    RoundKeys,
+    encode_gone,
+    encode_number,
+    host_finished,
+    parse_gone,
+    tickets_taken,
+    who_node,
+    who_parts,
+)
 
 # a child of fast_rendezvous's logger: logging configs written for that name keep working
 log = logging.getLogger("fastelastic.rendezvous.fast_rendezvous.liveness")
 
-__all__ = ["BEATER", "Beats", "Deciders", "KeepAlive", "Watch", "lost_members"]
+__all__ = ["BEATER", "DeciderWatch", "KeepAlive", "MemberWatch", "SilenceDetector",
+           "lost_members"]
 
 
-class Beats:
+class SilenceDetector:
     """Keep-alive counters polled now and then; says which stood still for a whole window.
 
-    A counter seen changed may have changed at any moment since the previous poll, so the change
-    is dated up to ``slack`` seconds before this poll (the earliest it can have happened), and a
-    counter is declared silent at the last poll before its window would end (the gap between
-    polls, again at most ``slack``, is taken as the next gap). So a node that froze right after a
-    beat is dropped within the window of that beat rather than up to a poll interval later. A live
-    node's counter moves every keep-alive interval; ``slack`` is at most half of one.
-
-    A poll that comes more than half a window after the previous one means this process (or
-    the store it reads through) was starved meanwhile, and whatever starved it may have
-    starved the peers' keep-alives too: an unchanged counter then gets a fresh window instead
-    of a verdict, so a loaded machine does not make its members drop each other.
+    A node that froze right after a beat is called silent within that beat's window: a change
+    is dated up to ``slack`` (at most half a keep-alive interval) before the poll that saw it,
+    and a counter is called silent at the last poll before its window ends. A poll more than
+    half a window after the previous one means this process was starved, and maybe its peers'
+    keep-alives too: unchanged counters then get a fresh window, not a verdict.
     """
 
     def __init__(self, window: float, slack: float) -> None:
@@ -48,8 +55,9 @@ class Beats:
     def observe(self, values: dict[Any, Any], now: float | None = None) -> dict[Any, float]:
         """Records one poll of ``values``; returns ``{key: seconds still}`` of the silent ones."""
         now = time.monotonic() if now is None else now
+        # a change seen now happened at most ``gap`` ago; the next poll is taken to be as late
         gap = 0.0 if self._prev is None else min(max(0.0, now - self._prev), self.slack)
-        blackout = self._prev is not None and now - self._prev > self.window / 2
+        blackout = self._prev is not None and now - self._prev > self.window / 2  # starved
         self._prev = now
         silent = {}
         for key, value in values.items():
@@ -63,7 +71,7 @@ class Beats:
         return silent
 
 
-class Watch:
+class MemberWatch:
     """What a member of a complete round reads to notice a lost peer (``lost_members``)."""
 
     def __init__(self, k: RoundKeys, rank: int, world: int, peer_tickets: list[bytes],
@@ -72,12 +80,12 @@ class Watch:
         self.rank = rank
         self.peers = [(rank + i) % world for i in range(1, len(peer_tickets) + 1)]
         self.keys = [k.gone] + [k.beat(t) for t in peer_tickets]
-        self.beats = Beats(window, slack)  # keyed by rank
+        self.beats = SilenceDetector(window, slack)  # keyed by rank
         self.reported: set[int] = set()
         self.host_done = False  # the store's host finished (read in ``gone``)
 
 
-class Deciders:
+class DeciderWatch:
     """What a ticket holder waiting for an outcome checks each quarter window: the holders of
     the deciding tickets (``min_nodes``: last call; ``max_nodes``: publish) have a record and
     a moving keep-alive counter. One request per check once their records are seen."""
@@ -87,14 +95,13 @@ class Deciders:
         self.roles = [x for x in sorted({cfg.min_nodes, cfg.max_nodes}) if x != ticket]
         self.recorded: set[int] = set()
         self.count = 0
-        self.seen = Beats(cfg.window, cfg.ka_interval / 2)
+        self.seen = SilenceDetector(cfg.window, cfg.ka_interval / 2)
 
-    def stalled(self) -> Proto[bool]:
+    def stalled(self) -> RequestGen[bool]:
         k = self.k
         if any(role > self.count for role in self.roles):
-            self.count = int((yield Add(k.tickets, 0)))
-            if self.count >= SEAL:  # sealed: the coordinator is publishing
-                self.count -= SEAL
+            # sealed or not (the coordinator is publishing): the tickets taken
+            self.count = tickets_taken(int((yield Add(k.tickets, 0))))
         roles = [x for x in self.roles if x <= self.count]
         states: dict[int, Any] = {}
         for role in roles:
@@ -115,8 +122,8 @@ class Deciders:
         return bool(stalled)
 
 
-def lost_members(w: Watch, cfg: Any, spare_ready: bool, clock: Callable[[], float]
-             ) -> Proto[list[tuple[int, str]]]:
+def lost_members(w: MemberWatch, cfg: Any, spare_ready: bool, clock: Callable[[], float]
+                 ) -> RequestGen[list[tuple[int, str]]]:
     """Members of a round lost since the last call, as a member watching ``w`` reads them
     (one ``multi_get``; see ``FastRendezvousHandler.lost_members``)."""
     vals = [bytes(v) for v in (yield MultiGet(w.keys))]
@@ -131,8 +138,8 @@ def lost_members(w: Watch, cfg: Any, spare_ready: bool, clock: Callable[[], floa
         if rank not in gone:
             log.warning("rendezvous %s: rank %d sent no keep-alive for %.1fs; dropping it",
                         cfg.run_id, rank, still)
-            yield Append(w.k.gone, b"%d:silent;" % rank)
-            yield MultiSet([w.k.left(rank), w.k.broken], [b"silent", b"1"])
+            yield Append(w.k.gone, encode_gone(rank, "silent"))
+            yield MultiSet([w.k.left(rank), w.k.broken], [LEFT_SILENT, PRESENT])
             gone[rank] = "silent"
     fresh = [(r, why) for r, why in gone.items() if r not in w.reported and why != "done"]
     if not fresh:
@@ -163,7 +170,7 @@ def lost_members(w: Watch, cfg: Any, spare_ready: bool, clock: Callable[[], floa
     return out
 
 
-class Beating(Protocol):
+class BeatingMember(Protocol):
     """What ``KeepAlive`` needs of a member handler (``FastRendezvousHandler`` is one)."""
 
     @property
@@ -199,11 +206,11 @@ class KeepAlive:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         # id(handler) -> (weak handler, next due, key, last success)
-        self._due: dict[int, tuple[weakref.ref[Beating], float, str, float]] = {}
+        self._due: dict[int, tuple[weakref.ref[BeatingMember], float, str, float]] = {}
         self._thread: threading.Thread | None = None
         self._beats = itertools.count(1)  # a keep-alive writes a value never written before
 
-    def add(self, handler: Beating, key: str) -> None:
+    def add(self, handler: BeatingMember, key: str) -> None:
         now = time.monotonic()
         with self._cond:
             self._due[id(handler)] = (weakref.ref(handler), now + handler.keep_alive_interval,
@@ -214,7 +221,7 @@ class KeepAlive:
                 self._thread.start()
             self._cond.notify()
 
-    def remove(self, handler: Beating) -> None:
+    def remove(self, handler: BeatingMember) -> None:
         with self._cond:
             self._due.pop(id(handler), None)
 
@@ -237,7 +244,7 @@ class KeepAlive:
                 self._due[hid] = (ref, now + handler.keep_alive_interval, key, last_ok)
             beat = next(self._beats)
             try:  # outside the lock: a slow store must not block add/remove
-                handler.beat(key, b"%d" % beat)
+                handler.beat(key, encode_number(beat))
                 ok = True
             except (StoreError, OSError) as e:
                 ok = False

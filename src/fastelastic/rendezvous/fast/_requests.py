@@ -1,9 +1,11 @@
 """The requests the rendezvous machine (:mod:`._round`) yields: a closed set of typed values.
 
-Each is a frozen dataclass; :data:`Op` is their union. Whatever runs the machine (the handler's
-I/O layer in :mod:`.fast_rendezvous`, on a TCPStore or etcd; the simulations in the tests)
-dispatches with ``match`` on the type and rejects anything else with a ``TypeError`` naming it
-(:func:`unknown`). The reply each one gets is in its docstring. This module imports nothing.
+Each is a frozen dataclass; :data:`Request` is their union, and an operation of the machine
+is a :data:`RequestGen` (it yields requests and is sent their replies). Whatever runs the
+machine (the handler's I/O layer in :mod:`.fast_rendezvous`, on a TCPStore or etcd; the
+simulations in the tests) dispatches with ``match`` on the type and rejects anything else with
+a ``TypeError`` naming it (:func:`unknown`). The reply each one gets is in its docstring. This
+module imports nothing.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any, ClassVar, TypeVar
 __all__ = [
     "Add", "Append", "AppendOnDisconnect", "Beat", "Check", "CompareSet", "Get",
     "GoneElsewhere", "MovedElsewhere", "MultiGet", "MultiSet", "OnDisconnect", "Op", "Proto",
-    "Set", "StopBeats", "Wait", "unknown",
+    "Request", "RequestGen", "Set", "StopBeats", "Wait", "unknown",
 ]
 
 
@@ -140,7 +142,7 @@ class StopBeats:
 @dataclass(frozen=True, slots=True)
 class GoneElsewhere:
     """Whether the other candidates prove these nodes (their identities) gone from
-    ``world`` (its id), fencing them there first (see :mod:`._majority`). Reply: "" when
+    ``world`` (its id), fencing them there first (see :mod:`.failover._majority`). Reply: "" when
     proven, else why not (str)."""
 
     name: ClassVar[str] = "gone_elsewhere"
@@ -156,11 +158,13 @@ class MovedElsewhere:
     name: ClassVar[str] = "moved_elsewhere"
 
 
-Op = (Add | Get | Wait | Check | MultiGet | MultiSet | Set | Append | CompareSet
-      | AppendOnDisconnect | OnDisconnect | Beat | StopBeats | GoneElsewhere | MovedElsewhere)
+Request = (Add | Get | Wait | Check | MultiGet | MultiSet | Set | Append | CompareSet
+           | AppendOnDisconnect | OnDisconnect | Beat | StopBeats | GoneElsewhere | MovedElsewhere)
 
 T = TypeVar("T")
-Proto = Generator[Op, Any, T]  # yields a request, is sent its reply
+RequestGen = Generator[Request, Any, T]  # yields a request, is sent its reply; returns a T
+Op = Request  # the names the failover modules import (same types)
+Proto = Generator[Request, Any, T]
 
 
 def unknown(op: object) -> TypeError:

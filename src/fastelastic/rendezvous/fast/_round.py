@@ -29,7 +29,7 @@ from fastelastic.errors import (
 
 from . import _schema as sc
 from ._config import Config
-from ._liveness import Beats, Deciders, Watch
+from ._liveness import DeciderWatch, MemberWatch, SilenceDetector
 from ._members import MemberOps
 from ._phases import FINAL, E, Event, P, Phase, transition
 from ._requests import (
@@ -43,12 +43,12 @@ from ._requests import (
     MultiGet,
     MultiSet,
     OnDisconnect,
-    Proto,
+    RequestGen,
     Set,
     StopBeats,
     Wait,
 )
-from ._schema import Kind, Membership, Seat
+from ._schema import Membership, OutcomeKind, Seat
 from .failover import _majority
 
 __all__ = ["Config", "Event", "Machine", "Phase", "Seat", "transition"]
@@ -87,10 +87,10 @@ class Machine(MemberOps):
     def __init__(self, cfg: Config, clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
         self.clock = clock
-        self.keys = sc.Keys(cfg.run_id)
+        self.keys = sc.RunKeys(cfg.run_id)
         self.member: Membership | None = None  # of the last round it joined here
-        self.watch: Watch | None = None
-        self.prev_watch: Watch | None = None  # the last round's, for the drain
+        self.watch: MemberWatch | None = None
+        self.prev_watch: MemberWatch | None = None  # the last round's, for the drain
         self.last_seen: tuple[int, int] | None = None  # see _last_complete
         self.last_gen = 0  # the generation of last_seen's world (sc.world_gen)
         self.waited_as_spare = False  # this node waited behind a full, running round
@@ -103,7 +103,7 @@ class Machine(MemberOps):
         self.objected = ""  # why the last round this node waited for failed that rule
         self.home: Membership | None = None  # its world before it moved (returned)
         self.world_id = b""  # of the world it is a member of, or carries (_majority)
-        self._phases: dict[Phase, Callable[[_Attempt], Proto[Event]]] = {
+        self._phases: dict[Phase, Callable[[_Attempt], RequestGen[Event]]] = {
             P.TICKET: self._ticket, P.RECORD: self._record, P.PUBLISH_GATE: self._full_gate,
             P.COORD_GATE: self._gate, P.DRAIN: self._drain, P.LAST_CALL: self._last_call,
             P.SEAL: self._seal, P.PUBLISH: self._publish, P.AWAIT: self._await,
@@ -114,12 +114,10 @@ class Machine(MemberOps):
     def moved(self, proposed: int = 0,
               member: Membership | None = None) -> None:
         """The rendezvous moved to a successor store (its host was lost): rounds start over
-        there. This node's world comes along: the first round there needs a majority of it
-        (:mod:`._majority`) and is sealed once all of it but the lost host is back. That round
-        commits ``proposed`` as the store's epoch (in the record: any publisher commits it),
-        once it passed the rule and before its outcome is decided (``_publish``).
-        ``member``: its membership on the lost store, when not the last round it
-        joined through this machine (a node the tests start as a mover)."""
+        there, and this node carries its world. The first round there needs a majority of it
+        (:mod:`.failover._majority`), is sealed once all of it but the lost host is back, and
+        commits ``proposed`` as the store's epoch (``_publish``). ``member``: its membership
+        on the lost store, when not the last round it joined through this machine."""
         if member is not None:
             self.member = member
         if self.member is not None:
@@ -141,7 +139,7 @@ class Machine(MemberOps):
         """A mover came back to the store where its world formed (that store is live again,
         with the highest epoch): it is a member of that world there again, so the round
         after it counts it back (``_majority.away``), instead of a new node whose world "may
-        be alive elsewhere". False when it has no such world (it is a mover as before)."""
+        be alive elsewhere". False when it has no such world (it stays a mover)."""
         if self.home is None:
             return False
         self.member, self.home = self.home, None
@@ -158,7 +156,7 @@ class Machine(MemberOps):
     # ------------------------------------------------------------------ joining
 
     def join(self, node_rank: int, addr: str, pid: int, wstore: bytes,
-             node: str) -> Proto[Seat]:
+             node: str) -> RequestGen[Seat]:
         """Joins the next round this node can be a member of; its :class:`Seat`. ``node``:
         this node's identity (:func:`._schema.node_id`, as its marks name it), which the
         majority rules count by; ``addr`` and ``pid`` only inform.
@@ -197,9 +195,10 @@ class Machine(MemberOps):
                 k = a.k
                 if self.cfg.hooks:  # our death: we left, the round is over, and why
                     yield OnDisconnect([k.left(seat.rank), k.broken, k.gone],
-                                       [b"1", b"1", b"%d:closed;" % seat.rank])
-                self.watch = Watch(k, seat.rank, seat.world, seat.peers, self.cfg.window,
-                                   self.cfg.ka_interval / 2)
+                                       [sc.PRESENT, sc.PRESENT,
+                                        sc.encode_gone(seat.rank, "closed")])
+                self.watch = MemberWatch(k, seat.rank, seat.world, seat.peers,
+                                         self.cfg.window, self.cfg.ka_interval / 2)
                 return seat
             r += 1
         raise self.timeout_error()
@@ -213,7 +212,7 @@ class Machine(MemberOps):
             return RendezvousTimeoutError(f"{text}: {self.objected}. {_majority.WAY_OUT}")
         return RendezvousTimeoutError(text + ".")
 
-    def _attempt(self, a: _Attempt) -> Proto[Seat | None]:
+    def _attempt(self, a: _Attempt) -> RequestGen[Seat | None]:
         phase = P.TICKET
         self.path = []
         for _ in range(len(Phase)):  # each phase runs at most once per attempt
@@ -230,14 +229,14 @@ class Machine(MemberOps):
             return a.seat
         return None
 
-    def _ticket(self, a: _Attempt) -> Proto[Event]:
+    def _ticket(self, a: _Attempt) -> RequestGen[Event]:
         a.ticket = int((yield Add(a.k.tickets, 1)))
         # Only now that our ticket is counted: a coordinator that sees every member of the
         # last round back seals at once, and must not seal before our ticket.
         yield from self.leave()
         return E.FULL if a.ticket > self.cfg.max_nodes else E.TICKET
 
-    def _record(self, a: _Attempt) -> Proto[Event]:
+    def _record(self, a: _Attempt) -> RequestGen[Event]:
         k, t, cfg = a.k, a.ticket, self.cfg
         if cfg.hooks:  # our death abandons the round while it forms, and says we are gone
             yield OnDisconnect([k.outcome, k.gone], [sc.ABANDONED, sc.ticket_closed(t)])
@@ -248,7 +247,7 @@ class Machine(MemberOps):
         # decides res; and the keep-alive counter, bumped from the ticket on.
         rec = sc.encode_record(pref, addr, pid, wstore, self.quorum, member_of, self.proposed,
                                self.world_id, node)
-        yield MultiSet([k.record(t), k.seat(t), k.beat(t)], [rec, b"-1", b"0"])
+        yield MultiSet([k.record(t), k.seat(t), k.beat(t)], [rec, sc.UNSEATED, sc.FIRST_BEAT])
         yield Beat(k.beat(t))
         if t == cfg.max_nodes:
             a.count = t
@@ -258,17 +257,17 @@ class Machine(MemberOps):
         yield from self._note_spare(a.k.r)
         return E.WAITER
 
-    def _full_gate(self, a: _Attempt) -> Proto[Event]:
+    def _full_gate(self, a: _Attempt) -> RequestGen[Event]:
         # A full round has no room for the last round's members still coming, so it waits
         # for nobody once that round is over.
         return E.OVER if (yield from self._after_last_round(a)) else E.DECIDED
 
-    def _gate(self, a: _Attempt) -> Proto[Event]:
+    def _gate(self, a: _Attempt) -> RequestGen[Event]:
         if not (yield from self._after_last_round(a)):
             return E.DECIDED
         return E.FIRST if a.last is None else E.OVER
 
-    def _last_call(self, a: _Attempt) -> Proto[Event]:
+    def _last_call(self, a: _Attempt) -> RequestGen[Event]:
         # A round that re-forms after a complete one needs no last call: every member of
         # that round is back (or lost), and a node that comes later joins the next round.
         wait = min(self.cfg.last_call, a.deadline - self.clock())
@@ -282,15 +281,15 @@ class Machine(MemberOps):
                 return E.DECIDED  # max reached, closed or abandoned meanwhile
         return E.CALL_OVER
 
-    def _seal(self, a: _Attempt) -> Proto[Event]:
-        a.count = int((yield Add(a.k.tickets, sc.SEAL))) - sc.SEAL
+    def _seal(self, a: _Attempt) -> RequestGen[Event]:
+        a.count = sc.tickets_taken(int((yield Add(a.k.tickets, sc.SEAL))))
         return E.SEALED if a.count < self.cfg.max_nodes else E.FULL
 
-    def _await(self, a: _Attempt) -> Proto[Event]:
+    def _await(self, a: _Attempt) -> RequestGen[Event]:
         a.res, a.deadline = yield from self._wait_outcome(a.k, a.deadline, mine=True,
                                                           ticket=a.ticket)
         kind = a.res.kind
-        if kind is Kind.ABANDONED:
+        if kind is OutcomeKind.ABANDONED:
             self.no_quorum |= a.res.no_quorum
             if a.res.no_quorum:  # not before the last call: a full round would spin
                 self.objected = a.res.why or self.objected
@@ -300,15 +299,16 @@ class Machine(MemberOps):
                            max(0.001, min(self.cfg.last_call, a.deadline - self.clock())))
             log.info("rendezvous %s round %d abandoned; re-joining", self.cfg.run_id, a.k.r)
             return E.ABANDONED
-        return E.COMPLETE if kind is Kind.COMPLETE else E.CLOSED
+        return E.COMPLETE if kind is OutcomeKind.COMPLETE else E.CLOSED
 
-    def _seat(self, a: _Attempt) -> Proto[Event]:
+    def _seat(self, a: _Attempt) -> RequestGen[Event]:
         res = a.res
         assert res is not None  # _await set it
         world = res.world
         if res.identity:  # the fast path: no request
             rank = a.ticket - 1 if a.ticket <= world else -1
-            peers = [b"%d" % ((rank + i) % world + 1) for i in range(1, _watched(world) + 1)]
+            peers = [sc.encode_number((rank + i) % world + 1)
+                     for i in range(1, _watched(world) + 1)]
         else:
             rank, peers = sc.parse_seat(bytes((yield Get(a.k.seat(a.ticket), None))))
         if rank < 0:  # not admitted (round full, or our record came too late)
@@ -319,7 +319,7 @@ class Machine(MemberOps):
     # ------------------------------------------------------------------ deciding
 
     def _wait_outcome(self, k: sc.RoundKeys, deadline: float, mine: bool = True,
-                      ticket: int = 0) -> Proto[tuple[sc.Outcome, float]]:
+                      ticket: int = 0) -> RequestGen[tuple[sc.Outcome, float]]:
         """Round ``k.r``'s outcome, and the deadline kept.
 
         A node holding ``ticket`` checks every quarter window that the holders of the deciding
@@ -327,7 +327,7 @@ class Machine(MemberOps):
         starts only when the full round it waits behind is over.
         """
         cfg = self.cfg
-        watch = Deciders(cfg, self.clock, k, ticket) if ticket else None
+        watch = DeciderWatch(cfg, self.clock, k, ticket) if ticket else None
         slices = Slices(deadline, math.inf if watch is None else cfg.window / 4,
                         clock=self.clock, floor=0.001)
         for _ in range(MAX_SPARE_WAITS):  # a spare's join timeout starts over while it is one
@@ -345,7 +345,7 @@ class Machine(MemberOps):
             yield Append(k.outcome, sc.ABANDONED)
         raise self.timeout_error()
 
-    def _spare(self, r: int) -> Proto[bool]:
+    def _spare(self, r: int) -> RequestGen[bool]:
         """True while the last round before ``r`` is complete, full and not over: a node
         waiting for ``r`` is then a spare (torch's redundancy list), whom no join timeout
         applies to."""
@@ -355,7 +355,7 @@ class Machine(MemberOps):
         return not (yield Check([self.keys.round(last[0]).broken]))
 
     def _last_complete(self, r: int,
-                       deadline: float | None) -> Proto[tuple[int, int] | None]:
+                       deadline: float | None) -> RequestGen[tuple[int, int] | None]:
         """Walks back from ``r - 1`` to the last complete round: (round, world). Waits for
         each round's outcome until ``deadline``; with None, waits for none and walks past a
         round still forming."""
@@ -371,14 +371,14 @@ class Machine(MemberOps):
                 res = sc.parse_outcome(bytes(raw))
             else:
                 res, _ = yield from self._wait_outcome(k, deadline, mine=False)
-            if res.kind is Kind.COMPLETE:
+            if res.kind is OutcomeKind.COMPLETE:
                 self.last_seen, self.last_gen = (q, res.world), sc.world_gen(res.wid)
                 return self.last_seen
-            if res.kind is Kind.CLOSED:
+            if res.kind is OutcomeKind.CLOSED:
                 raise self.closed_error()
         return None
 
-    def _note_spare(self, r: int) -> Proto[None]:
+    def _note_spare(self, r: int) -> RequestGen[None]:
         """Marks a new node a spare (torch's redundancy list) when the last complete round
         before ``r`` is full and still running: decided as it starts waiting, without waiting
         (the job may end before a wait's first slice passes, and it is a spare all the same).
@@ -389,7 +389,7 @@ class Machine(MemberOps):
         if last is not None and last[1] >= self.cfg.max_nodes:
             self.waited_as_spare = not (yield Check([self.keys.round(last[0]).broken]))
 
-    def _after_last_round(self, a: _Attempt) -> Proto[bool]:
+    def _after_last_round(self, a: _Attempt) -> RequestGen[bool]:
         """Before a decider decides: waits until the last complete round is over.
 
         While it runs, everyone waiting for this round is a spare, and a round of spares must
@@ -417,12 +417,12 @@ class Machine(MemberOps):
             # The job ended (closed, or a member finished its work): spares go home before
             # the job's store does.
             gone = sc.parse_gone(bytes((yield Get(lk.gone, None))))
-            if sc.BROKEN_CLOSED in bytes(why) or "done" in gone.values():
+            if sc.broken_by_close(bytes(why)) or "done" in gone.values():
                 raise self.closed_error()
             a.deadline = self.clock() + self.cfg.join
         return True
 
-    def _drain(self, a: _Attempt) -> Proto[Event]:
+    def _drain(self, a: _Attempt) -> RequestGen[Event]:
         """Waits until every member of the last complete round left.
 
         A member whose keep-alive counter stands still for the detection window is dropped
@@ -434,7 +434,7 @@ class Machine(MemberOps):
         cfg, (q, world) = self.cfg, a.last
         lk = self.keys.round(q)
         missing = list(range(world))
-        beats = Beats(cfg.window, cfg.ka_interval / 2)
+        beats = SilenceDetector(cfg.window, cfg.ka_interval / 2)
         prev = self.prev_watch
         if prev is not None and prev.k.p == lk.p:
             beats.since.update(prev.beats.since)
@@ -455,7 +455,7 @@ class Machine(MemberOps):
             for rank, still in beats.observe(counters, self.clock()).items():
                 log.warning("rendezvous %s: member rank %d of round %d was lost (silent: no "
                             "keep-alive for %.1fs); dropping it", cfg.run_id, rank, q, still)
-                yield MultiSet([lk.left(rank), lk.broken], [b"hung", b"1"])
+                yield MultiSet([lk.left(rank), lk.broken], [sc.LEFT_HUNG, sc.PRESENT])
                 gone[rank] = "silent"
             missing = [i for i in missing if i not in gone]
             if not missing:
@@ -464,7 +464,7 @@ class Machine(MemberOps):
             return E.DECIDED  # the wait for the outcome reports the timeout
         return E.DRAINED
 
-    def _publish(self, a: _Attempt) -> Proto[Event]:
+    def _publish(self, a: _Attempt) -> RequestGen[Event]:
         """Decides the round with ``a.count`` tickets: ranks, seats, then one compare_set."""
         k, cfg = a.k, self.cfg
         tickets = list(range(1, a.count + 1))
@@ -506,15 +506,15 @@ class Machine(MemberOps):
         epoch = max(map(sc.record_epoch, records), default=0)
         if epoch and a.last is not None:  # movers back on a store with history: commit too
             epoch = epoch if epoch > int((yield Add(self.keys.epoch, 0))) else 0
-        # The first round here passing the majority rule: the move commits with its members,
-        # before the compare_set of its outcome. Abandoned in between, the epoch stands with no
-        # world: it forms no round (each passes the rule), and the rule found a majority here.
+        # The move commits with the members of the first round that passed the majority rule,
+        # before its outcome: abandoned in between, the epoch stands with no world (harmless:
+        # the rule found a majority here, and every later round passes the rule too).
         if epoch:
             keys.append(self.keys.epoch)
-            vals.append(b"%d" % epoch)
+            vals.append(sc.encode_number(epoch))
         for rank, ticket in enumerate(by_rank):
             keys.append(k.who(rank))
-            vals.append(b"%d|%s" % (ticket, record_of[ticket]))
+            vals.append(sc.encode_who(ticket, record_of[ticket]))
             if not identity:
                 keys.append(k.seat(ticket))
                 vals.append(sc.encode_seat(rank, [by_rank[(rank + i) % world]
@@ -524,5 +524,5 @@ class Machine(MemberOps):
         wid = sc.world_id(gen, self._identity[4], k.p, self.clock())
         blob = sc.encode_outcome(world, sc.record_wstore(record_of[by_rank[0]]), identity, wid)
         if bytes((yield CompareSet(k.outcome, "", blob))) == blob:
-            yield Set(self.keys.open, b"%d" % (k.r + 1))
+            yield Set(self.keys.open, sc.encode_number(k.r + 1))
         return E.DONE

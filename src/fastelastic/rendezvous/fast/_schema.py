@@ -6,14 +6,11 @@ Run-wide:
 
 * ``open``: the round new nodes should join (set by each round's publisher; a hint).
 * ``closed``: exists once the rendezvous is closed.
-* ``epoch``: how many times the rendezvous moved to a successor store (``--rdzv-endpoint``
-  with several candidates): the live store is the reachable one with the highest epoch. It is
-  a commit, not an intention: it rises only once the first round on the successor passed the
-  majority rule (the epoch the movers proposed, from their records), in the ``multi_set`` that
-  writes that round's ``who`` entries and seats, before the ``compare_set`` of its outcome;
-  so a node that moved alone (a cut link) never makes a store look live. A round abandoned
-  between the two leaves it raised with no world: the rule found a majority there, and every
-  round still passes the rule.
+* ``epoch``: how many times the rendezvous moved to a successor store (several
+  ``--rdzv-endpoint`` candidates); the live store is the reachable one with the highest epoch.
+  It rises only with the first round there that passed the majority rule (the epoch its
+  movers proposed; ``_round.Machine._publish``), so a node that moved alone never makes a
+  store look live.
 * ``moving``: the provisional marks of the nodes that moved here, ``<epoch it proposes>|<node>;``
   each (``<node>``: the node's identity, :func:`node_id`); no node follows them. Where a world
   formed, a member whose connection closed and whom no other candidate has a mark of is proven
@@ -64,7 +61,7 @@ Round ``r``:
   its later exit is no loss), ``left`` (it re-joins), ``quit`` (it leaves for good: preempted),
   ``silent`` (a peer saw its counter stand still for the detection window), ``moved`` (it
   moves to another candidate on purpose: said before it closes anything, so a ``closed``
-  without it is a death, see :func:`._majority.proof_candidates`), ``host`` (after its
+  without it is a death, see :func:`.failover._majority.proof_candidates`), ``host`` (after its
   ``done``: it hosts the store, which goes when it ends; :func:`host_finished`).
 * ``left/<rank>`` (:py:meth:`RoundKeys.left`): the member left the round (re-joined, left,
   died, or was found silent). The next round is sealed once every member has left.
@@ -83,12 +80,17 @@ from typing import NamedTuple
 
 from fastelastic.errors import RendezvousStateError
 
-__all__ = ["SEAL", "Keys", "RoundKeys", "assign_ranks"]
+__all__ = ["SEAL", "Keys", "RoundKeys", "RunKeys", "assign_ranks"]
 
 SEAL = 1 << 40
 
 
-class Keys:
+def tickets_taken(counter: int) -> int:
+    """The tickets a round's counter ``t`` counts, whether sealed (``SEAL`` added) or not."""
+    return counter - SEAL if counter >= SEAL else counter
+
+
+class RunKeys:
     """The run-wide keys, and each round's (:py:meth:`round`)."""
 
     def __init__(self, run_id: str) -> None:
@@ -101,6 +103,9 @@ class Keys:
 
     def round(self, r: int) -> RoundKeys:
         return RoundKeys(self.base, r)
+
+
+Keys = RunKeys  # the name the failover modules import
 
 
 class RoundKeys:
@@ -136,6 +141,30 @@ class RoundKeys:
 
 
 # ---------------------------------------------------------------------- values
+
+PRESENT = b"1"  # a key whose presence alone counts (``closed``, ``left/<rank>``, ``broken``)
+UNSEATED = b"-1"  # ``rank/<ticket>`` until the publisher writes the seat
+FIRST_BEAT = b"0"  # ``hb/t<ticket>`` as its holder writes it with its record
+LEFT_SILENT = b"silent"  # ``left/<rank>`` of a member a peer found silent (else PRESENT)
+LEFT_HUNG = b"hung"  # ``left/<rank>`` of a member the drain found silent
+
+
+def encode_number(n: int) -> bytes:
+    """A value that is one decimal integer: ``open`` (a round), ``epoch``, ``behind``, a
+    keep-alive counter's bump, a ticket in a seat's peer list. The store's ``add`` reads and
+    writes the same form."""
+    return b"%d" % n
+
+
+def parse_wstore(raw: bytes) -> tuple[str, int]:
+    """A workers' store address, ``<host>:<port>`` (an IPv6 host keeps its colons)."""
+    host, _, port = raw.decode().rpartition(":")
+    return host, int(port)
+
+
+def encode_wstore(host: str, port: int) -> bytes:
+    """The inverse of :func:`parse_wstore`: in a record, in ``res`` and in ``wstore``."""
+    return f"{host}:{port}".encode()
 
 
 def node_id(host: str, pid: int, nonce: int) -> str:
@@ -232,6 +261,11 @@ def record_wstore(raw: bytes) -> bytes:
     return parts[3] if len(parts) > 3 else b""
 
 
+def encode_who(ticket: int, record: bytes) -> bytes:
+    """A member's ``who/<rank>`` entry: ``<ticket>|<record>`` (:func:`encode_record`)."""
+    return b"%d|%s" % (ticket, record)
+
+
 def who_parts(raw: bytes) -> tuple[str, str, str]:
     """A member's ``who`` entry: (ticket, address, pid), as text ("" when absent)."""
     ticket, _, addr, pid = (raw.decode("utf-8", "replace").split("|") + ["", "", ""])[:4]
@@ -275,7 +309,7 @@ def parse_seat(raw: bytes) -> tuple[int, list[bytes]]:
         raise RendezvousStateError(f"corrupt rank {raw[:40]!r}") from e
 
 
-class Kind(enum.Enum):
+class OutcomeKind(enum.Enum):
     """What became of a round: the first byte of its outcome (``res``) on the wire."""
 
     COMPLETE = b"M"
@@ -283,8 +317,11 @@ class Kind(enum.Enum):
     ABANDONED = b"D"
 
 
+Kind = OutcomeKind  # the name the failover modules may import
+
 # each kind's byte, read once (an enum's ``value`` is a descriptor call: parse_outcome is hot)
-_COMPLETE, _CLOSED, _ABANDONED = Kind.COMPLETE.value, Kind.CLOSED.value, Kind.ABANDONED.value
+_COMPLETE, _CLOSED, _ABANDONED = (OutcomeKind.COMPLETE.value, OutcomeKind.CLOSED.value,
+                                  OutcomeKind.ABANDONED.value)
 
 
 def encode_outcome(world: int, wstore: bytes, identity: bool, wid: bytes = b"") -> bytes:
@@ -300,7 +337,7 @@ BROKEN_CLOSED = b"C"  # in a round's ``broken``: it is over because the rendezvo
 
 
 class Outcome(NamedTuple):
-    kind: Kind
+    kind: OutcomeKind
     world: int = 0
     wstore: bytes = b""  # rank 0's workers' store address
     identity: bool = False  # every node's rank is its ticket - 1 (no seat to read)
@@ -327,13 +364,13 @@ def parse_outcome(raw: bytes) -> Outcome:
         rest = rest[len(IDENTITY):] if identity else rest
         wid, wnl, _ = rest.partition(b"\n")  # a line of its own: later appends follow it
         wid = wid[1:] if wid.startswith(b"w") and wnl else b""
-        return Outcome(Kind.COMPLETE, world, wstore if nl else b"", identity, wid=wid)
+        return Outcome(OutcomeKind.COMPLETE, world, wstore if nl else b"", identity, wid=wid)
     if _CLOSED in head:  # closed wins over an abandon it was appended to
-        return Outcome(Kind.CLOSED)
+        return Outcome(OutcomeKind.CLOSED)
     if head.startswith(_ABANDONED):
         no_quorum = head.startswith(NO_QUORUM[:2])
         why = rest.partition(b"\n")[0].decode("utf-8", "replace") if no_quorum else ""
-        return Outcome(Kind.ABANDONED, no_quorum=no_quorum, why=why)
+        return Outcome(OutcomeKind.ABANDONED, no_quorum=no_quorum, why=why)
     raise RendezvousStateError(f"corrupt rendezvous outcome {raw[:40]!r}")
 
 
@@ -355,6 +392,17 @@ def parse_gone(raw: bytes) -> dict[int, str]:
         if r not in out or (reason in FOR_GOOD and out[r] not in FOR_GOOD):
             out[r] = reason
     return out
+
+
+def encode_gone(rank: int, why: str) -> bytes:
+    """One ``gone`` entry, ``<rank>:<why>;`` (``why``: ``closed``, ``done``, ``left``,
+    ``quit``, ``silent``, ``moved`` or ``host``; see the module doc)."""
+    return b"%d:%s;" % (rank, why.encode("ascii"))
+
+
+def broken_by_close(raw: bytes) -> bool:
+    """True when a round's ``broken`` says the rendezvous closed (:data:`BROKEN_CLOSED`)."""
+    return BROKEN_CLOSED in raw
 
 
 def host_finished(raw: bytes) -> bool:
@@ -523,3 +571,36 @@ def assign_ranks(prefs: list[int], world_size: int) -> list[int]:
         if ranks[i] < 0:
             ranks[i] = next(free)
     return ranks
+
+
+
+# ------------------------------------------------ the etcd liveness link (on the hub's store)
+
+
+def encode_lease(lease: int) -> bytes:
+    """``fe.etcd.hub``: the hub's etcd lease (:mod:`..etcd_impl.etcd_liveness`)."""
+    return b"%d" % lease
+
+
+def parse_lease(raw: bytes) -> int:
+    """The inverse of :func:`encode_lease`.
+
+    Raises:
+        ValueError: not a lease.
+    """
+    return int(raw)
+
+
+def encode_lost_lease(lease: int) -> bytes:
+    """A member's entry in ``fe.etcd.lost``, appended by the hub's store when its connection
+    closes: ``<lease>;``."""
+    return b"%d;" % lease
+
+
+def parse_lost_leases(raw: bytes) -> set[int]:
+    """The leases in ``fe.etcd.lost`` (:func:`encode_lost_lease` entries).
+
+    Raises:
+        ValueError: an entry that is not a lease.
+    """
+    return {int(x) for x in raw.split(b";") if x.strip()}

@@ -27,7 +27,7 @@ from . import _requests as rq
 T = TypeVar("T")
 
 
-def apply(store: Any, op: rq.Op, bounded: float = 0.0) -> Any:
+def apply(store: Any, op: rq.Request, bounded: float = 0.0) -> Any:
     """Runs one of the machine's store requests on ``store``: its reply (see
     :mod:`._requests`); waits in slices of at most ``bounded`` seconds (:func:`wait`).
 
@@ -62,7 +62,7 @@ def apply(store: Any, op: rq.Op, bounded: float = 0.0) -> Any:
             raise rq.unknown(op)
 
 
-def run_all(store: Any, gen: rq.Proto[T]) -> T:
+def run_all(store: Any, gen: rq.RequestGen[T]) -> T:
     """Runs a machine operation that makes only plain store requests on ``store``."""
     reply: Any = None
     for _ in range(1_000_000):  # an operation's requests

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from fastelastic.errors import StoreError
 
 from ..api import RendezvousStoreInfo
+from ._schema import encode_wstore, parse_wstore
 
 __all__ = ["RoundStores", "WorkerStoreHost", "is_ip"]
 
@@ -81,7 +82,7 @@ class WorkerStoreHost:
         """
         if self._sock is None:
             self._sock = self._listen()
-        return f"{self.addr}:{self._sock.getsockname()[1]}".encode()
+        return encode_wstore(self.addr, self._sock.getsockname()[1])
 
     def _listen(self) -> socket.socket:
         addr = self.addr
@@ -132,15 +133,14 @@ class WorkerStoreHost:
         if rank == 0:
             server = self.host(timeout)
             if not addr:
-                addr = f"{self.addr}:{server.port}".encode()
+                addr = encode_wstore(self.addr, server.port)
                 meet.set(key, addr)
         else:
             self.retire()
             if not addr:
                 wait(meet, [key], time.monotonic() + timeout.total_seconds())
                 addr = bytes(meet.get(key))
-        host, _, port = addr.decode().rpartition(":")
-        return host, int(port)
+        return parse_wstore(addr)
 
     def retire(self) -> None:
         """Stops the last round's server (its workers were stopped before re-joining)."""

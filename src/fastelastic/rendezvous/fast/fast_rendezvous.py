@@ -93,7 +93,7 @@ class FastRendezvousHandler(Moves, RoundStores, RendezvousHandler):
         reform_last_call: Wait ``last_call`` also when a round re-forms after a complete one
             (torch's behaviour); by default such a round is sealed once every member of the
             last one is back or lost.
-        candidates: The rendezvous store's candidate endpoints (:mod:`._failover`), when
+        candidates: The rendezvous store's candidate endpoints (:mod:`.failover._failover`), when
             there are several: a lost store host is then survived by moving to the next.
         node_id: This node's identity in the rendezvous (:func:`new_node_id`; default: the
             candidates' ``plan.me`` if set, else a new one). Unique per launcher: the majority
@@ -172,7 +172,7 @@ class FastRendezvousHandler(Moves, RoundStores, RendezvousHandler):
 
     # ------------------------------------------------------------------ running the protocol
 
-    def _run(self, gen: rq.Proto[T], store: Any) -> T:
+    def _run(self, gen: rq.RequestGen[T], store: Any) -> T:
         """Runs one of the machine's operations on ``store``: sends each request, feeds the
         reply back. A connection failure ends it as ``RendezvousConnectionError``."""
         reply: Any = None
@@ -189,7 +189,7 @@ class FastRendezvousHandler(Moves, RoundStores, RendezvousHandler):
         finally:
             gen.close()
 
-    def _do(self, store: Any, op: rq.Op) -> Any:
+    def _do(self, store: Any, op: rq.Request) -> Any:
         """One request of the machine on ``store``; its reply (see :mod:`._requests`)."""
         match op:
             case rq.Beat(key):
@@ -244,11 +244,11 @@ class FastRendezvousHandler(Moves, RoundStores, RendezvousHandler):
             with contextlib.suppress(Exception):
                 side.close()
 
-    def _side_call(self, gen: rq.Proto[T]) -> T:
+    def _side_call(self, gen: rq.RequestGen[T]) -> T:
         with self._conn() as store:
             return self._run(gen, store)
 
-    def _watchful(self, gen: rq.Proto[T]) -> T:
+    def _watchful(self, gen: rq.RequestGen[T]) -> T:
         """``_side_call`` for a membership check with several candidates: a store that does
         not answer within the detection window is as lost as one whose connection closed."""
         assert self._candidates is not None
@@ -364,7 +364,7 @@ class FastRendezvousHandler(Moves, RoundStores, RendezvousHandler):
         """See base class."""
         return self._run_id
 
-    # ------------------------------------------------------------------ keep-alives (Beating)
+    # ------------------------------------------------------------- keep-alives (BeatingMember)
 
     @property
     def run_id(self) -> str:
@@ -410,7 +410,7 @@ class FastRendezvousHandler(Moves, RoundStores, RendezvousHandler):
                 f"the rendezvous moved to {where}" if self._m.carried or self._m.member else
                 f"this node was proven gone from its world first: it follows ({where})"))]
 
-    def _member_check(self, gen: rq.Proto[T]) -> T:
+    def _member_check(self, gen: rq.RequestGen[T]) -> T:
         """A membership check on the one endpoint. Once the store's host finished, a store
         that cannot be reached is the job's end there: no keep-alive is sent to it again."""
         try:
@@ -561,7 +561,7 @@ class FastRendezvousHandler(Moves, RoundStores, RendezvousHandler):
         BEATER.remove(self)
 
 
-def _check(key: str) -> rq.Proto[bool]:
+def _check(key: str) -> rq.RequestGen[bool]:
     return bool((yield rq.Check([key])))
 
 
