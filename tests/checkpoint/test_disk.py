@@ -224,3 +224,53 @@ def test_a_bad_drain_timeout_is_one_line_and_status_2(tmp_path: Path) -> None:
              timeout=60)
     assert r.returncode == 2, r.stdout
     assert "--checkpoint-drain-timeout 'soon': expected seconds" in r.stdout, r.stdout
+
+
+def test_the_metadata_joins_ranks_with_keys_of_their_own(tmp_path: Path, need_torch) -> None:
+    # two ranks' plans laid out as the workers lay them out, written as the agent writes them:
+    # torch's dcp.load reads the shared key and each rank's own key (DCP keeps one item per key:
+    # per-rank state needs per-rank keys)
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from fastelastic.checkpoint import _dcp, _format, _worker
+
+    def lay_out(sd: dict, rank: int) -> tuple[bytearray, dict]:
+        tensors: list = []
+        ids: dict = {}
+        _worker._flatten(sd, tensors, ids)
+        plan = _dcp.plan(sd, tensors, ids, rank, 2, str(tmp_path / "step-7"))
+        entries = [[str(t.dtype), list(t.shape), 0, t.numel() * t.element_size()]
+                   for t in tensors]
+        off = 0
+        for e in entries:
+            e[2] = off
+            off = _format.align(off + e[3])
+        end = plan.place(off, entries)
+        buf = bytearray(end)
+        for t, e in zip(tensors, entries, strict=True):
+            buf[e[2]:e[2] + e[3]] = t.contiguous().view(torch.uint8).numpy().tobytes()
+        buf[plan.blob_off:plan.blob_off + len(plan.blob)] = plan.blob
+        return buf, plan.table()
+
+    shared = torch.arange(5000, dtype=torch.float64)
+    files, metas = {}, {}
+    for rank in (0, 1):
+        sd = {"w": shared, f"rng.{rank}": torch.full((3000,), rank, dtype=torch.int32),
+              f"loader.{rank}": {"pos": 10 + rank}}
+        buf, table = lay_out(sd, rank)
+        files[rank] = [(buf, a, n) for a, n in table["file"]]
+        metas[rank] = tuple(bytes(buf[a:a + n]) for a, n in table["meta"])
+    _disk.write_step(7, str(tmp_path / "step-7"), 2, table["version"], files, metas,
+                     lambda n: None)
+    assert fc.latest(tmp_path) == (7, str(tmp_path / "step-7"))
+    back = {"w": torch.zeros(5000, dtype=torch.float64),
+            "rng.0": torch.zeros(3000, dtype=torch.int32),
+            "rng.1": torch.zeros(3000, dtype=torch.int32),
+            "loader.0": {"pos": -1}, "loader.1": {"pos": -1}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(back, storage_reader=dcp.FileSystemReader(str(tmp_path / "step-7")))
+    assert torch.equal(back["w"], shared)
+    assert back["rng.0"].eq(0).all() and back["rng.1"].eq(1).all()
+    assert back["loader.0"] == {"pos": 10} and back["loader.1"] == {"pos": 11}
