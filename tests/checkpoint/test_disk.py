@@ -274,3 +274,23 @@ def test_the_metadata_joins_ranks_with_keys_of_their_own(tmp_path: Path, need_to
     assert torch.equal(back["w"], shared)
     assert back["rng.0"].eq(0).all() and back["rng.1"].eq(1).all()
     assert back["loader.0"] == {"pos": 10} and back["loader.1"] == {"pos": 11}
+
+
+def test_a_dead_agent_s_temporary_directory_goes_at_the_next_write(tmp_path: Path) -> None:
+    # a pid that is surely not alive: a child we started and reaped
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, check=True)
+    dead = int(child.stdout)
+    stale = tmp_path / f"{_disk.TMP_PREFIX}step-1-1-{dead}"
+    stale.mkdir()
+    (stale / "__0_0.distcp").write_bytes(b"half")
+    live = tmp_path / f"{_disk.TMP_PREFIX}step-1-1-{os.getppid()}"  # an agent still writing
+    live.mkdir()
+    meta = (b"", b"", b"")
+    _disk.write_step(2, str(tmp_path / "step-2"), 1, "1.0.0", {0: [(b"abc", 0, 3)]},
+                     {0: meta}, lambda n: None)
+    assert not stale.exists() and live.exists()
+    assert (tmp_path / "step-2" / "__0_0.distcp").read_bytes() == b"abc"
+    assert fc.latest(tmp_path) == (2, str(tmp_path / "step-2"))
+    assert fc.latest(tmp_path / "step-2") == (2, str(tmp_path / "step-2"))
+    assert fc.latest(tmp_path / "nothing-here") is None

@@ -209,6 +209,7 @@ class MemoryOwner:
             self._abort = threading.Event()
             if self._pending is not None:
                 self._protect = True
+            self._queued = -1  # the new round may save a step again (one it could not restore)
             self._fixed = not any(b.valid() for bufs in self._ranks.values() for b in bufs)
             rnd = self._round
             self._cond.notify_all()
@@ -410,7 +411,7 @@ class MemoryOwner:
     def _queue_disk(self, step: int) -> None:
         """Gives ``step`` to the disk once every local rank's shard of it is sealed (lock held).
         A step still waiting for the disk is skipped for it."""
-        if step <= self._queued or step in self._disk:
+        if step <= self._queued:
             return
         picks: dict[int, int] = {}
         for lr in range(self._local_world):
@@ -420,6 +421,7 @@ class MemoryOwner:
                 return
             picks[lr] = idx
         plans = [self._ranks[lr][i].dcp for lr, i in picks.items()]
+        self._disk.pop(step, None)  # a step saved again (a new round): this save's status
         if all(p is None for p in plans):
             self._set_status(step, MEMORY)
             return
@@ -678,11 +680,15 @@ class MemoryOwner:
     def _disk_reply(self, step: int, timeout: float) -> tuple[dict[str, Any], int]:
         """Waits until the disk is done with ``step``: written, skipped, memory only (saved
         with no checkpoint_id) or failed."""
-        if not self._cond.wait_for(lambda: self._closed or step in self._disk, timeout):
+        # a newer step given to the disk: this one never will be (a local rank did not save it)
+        if not self._cond.wait_for(
+                lambda: self._closed or step in self._disk or self._queued > step, timeout):
             raise CheckpointError(f"step {step} was not written to disk within {timeout:.0f} s")
-        if step not in self._disk:
+        if step in self._disk:
+            return {"step": step, "status": self._disk[step]}, -1
+        if self._closed:
             raise CheckpointError("the agent is shutting down")
-        return {"step": step, "status": self._disk[step]}, -1
+        return {"step": step, "status": SKIPPED}, -1
 
     def _restore_reply(self, lr: int) -> tuple[dict[str, Any], int]:
         if self._restore is None:
