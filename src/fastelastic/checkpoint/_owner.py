@@ -448,8 +448,10 @@ class MemoryOwner:
     def _write_loop(self) -> None:
         from fastelastic.checkpoint import _disk
 
-        while True:
-            with self._cond:
+        # The lock is held from a write's end to the next write's start: the step waiting for
+        # the disk is taken before a save woken by the pins' release can make it skipped.
+        with self._cond:
+            while True:
                 self._cond.wait_for(lambda: self._closed or self._pending is not None)
                 if self._closed or self._pending is None:
                     return
@@ -470,32 +472,33 @@ class MemoryOwner:
                 self._abort = abort = threading.Event()
                 if self._protect:
                     abort = threading.Event()  # never set: this write is not given up
-            t0 = time.monotonic()
-            status, nbytes = WRITTEN, 0
-            try:
-                pacer = _disk.Pacer(self._rate, abort, self._stop)
-                nbytes = _disk.write_step(step, plan["path"], plan["world"], plan["version"],
-                                          files, metas, pacer)
-            except _disk.Skipped:
-                status = SKIPPED
-            except OSError as e:
-                status = f"failed: {plan['path']}: {e.strerror or e}"
-            dt = time.monotonic() - t0
-            with self._cond:
+                t0 = time.monotonic()
+                status, nbytes = WRITTEN, 0
+                self._cond.release()
+                try:
+                    pacer = _disk.Pacer(self._rate, abort, self._stop)
+                    nbytes = _disk.write_step(step, plan["path"], plan["world"],
+                                              plan["version"], files, metas, pacer)
+                except _disk.Skipped:
+                    status = SKIPPED
+                except OSError as e:
+                    status = f"failed: {plan['path']}: {e.strerror or e}"
+                finally:
+                    self._cond.acquire()
+                dt = time.monotonic() - t0
                 self._pins.difference_update((lr, idx) for lr, idx in picks.items())
                 self._writing = None
                 self._protect = status == SKIPPED
                 self._set_status(step, status)
                 if status == WRITTEN:
                     self.last_write = {"step": step, "bytes": nbytes, "seconds": dt}
-            if status == WRITTEN:
-                logger.info("checkpoint disk: step %s written to %s (%s in %.2f s)", step,
-                            plan["path"], _room.fmt_bytes(nbytes), dt)
-            elif status == SKIPPED:
-                logger.info("checkpoint disk: step %s skipped after %.2f s: a newer step needs "
-                            "its memory", step, dt)
-            else:
-                logger.error("checkpoint disk: step %s %s", step, status)
+                    logger.info("checkpoint disk: step %s written to %s (%s in %.2f s)", step,
+                                plan["path"], _room.fmt_bytes(nbytes), dt)
+                elif status == SKIPPED:
+                    logger.info("checkpoint disk: step %s skipped after %.2f s: a newer step "
+                                "needs its memory", step, dt)
+                else:
+                    logger.error("checkpoint disk: step %s %s", step, status)
 
     # ------------------------------------------------------------------ the channel
 
@@ -680,9 +683,14 @@ class MemoryOwner:
     def _disk_reply(self, step: int, timeout: float) -> tuple[dict[str, Any], int]:
         """Waits until the disk is done with ``step``: written, skipped, memory only (saved
         with no checkpoint_id) or failed."""
-        # a newer step given to the disk: this one never will be (a local rank did not save it)
-        if not self._cond.wait_for(
-                lambda: self._closed or step in self._disk or self._queued > step, timeout):
+        def done() -> bool:
+            # once a newer step went to the disk, a step neither written nor waiting never will
+            # be (a local rank did not save it)
+            return self._closed or step in self._disk or (
+                self._queued > step and self._writing != step
+                and (self._pending is None or self._pending[0] != step))
+
+        if not self._cond.wait_for(done, timeout):
             raise CheckpointError(f"step {step} was not written to disk within {timeout:.0f} s")
         if step in self._disk:
             return {"step": step, "status": self._disk[step]}, -1
