@@ -263,8 +263,12 @@ def test_the_metadata_joins_ranks_with_keys_of_their_own(tmp_path: Path, need_to
     shared = torch.arange(5000, dtype=torch.float64)
     files, metas = {}, {}
     for rank in (0, 1):
+        # tiny and empty tensors (their records made from zeros, or with no data), and a
+        # second layout of the same state (the records reused)
         sd = {"w": shared, f"rng.{rank}": torch.full((3000,), rank, dtype=torch.int32),
-              f"loader.{rank}": {"pos": 10 + rank}}
+              f"loader.{rank}": {"pos": 10 + rank}, "empty": torch.zeros(0),
+              f"tiny.{rank}": torch.tensor([rank + 0.5, 0.0, -1.0])}
+        lay_out(sd, rank)
         buf, table = lay_out(sd, rank)
         files[rank] = [(buf, a, n) for a, n in table["file"]]
         metas[rank] = tuple(bytes(buf[a:a + n]) for a, n in table["meta"])
@@ -274,13 +278,15 @@ def test_the_metadata_joins_ranks_with_keys_of_their_own(tmp_path: Path, need_to
     back = {"w": torch.zeros(5000, dtype=torch.float64),
             "rng.0": torch.zeros(3000, dtype=torch.int32),
             "rng.1": torch.zeros(3000, dtype=torch.int32),
-            "loader.0": {"pos": -1}, "loader.1": {"pos": -1}}
+            "loader.0": {"pos": -1}, "loader.1": {"pos": -1}, "empty": torch.ones(0),
+            "tiny.0": torch.ones(3), "tiny.1": torch.ones(3)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.load(back, storage_reader=dcp.FileSystemReader(str(tmp_path / "step-7")))
     assert torch.equal(back["w"], shared)
     assert back["rng.0"].eq(0).all() and back["rng.1"].eq(1).all()
     assert back["loader.0"] == {"pos": 10} and back["loader.1"] == {"pos": 11}
+    assert back["tiny.0"].tolist() == [0.5, 0.0, -1.0] and back["tiny.1"].tolist() == [1.5, 0, -1]
 
 
 def test_a_dead_agent_s_temporary_directory_goes_at_the_next_write(tmp_path: Path) -> None:

@@ -27,14 +27,17 @@ import torch
 
 from fastelastic.checkpoint._owner import CheckpointError
 
-_SMALL = 4096  # a tensor this small goes into the blob whole (its record is not looked for)
+_SMALL = 4096  # below: the data record is told from the zip's padding field by its content
+_RECORDS: dict[tuple[str, tuple[int, ...]], tuple[bytes, bytes]] = {}  # see _records
+_RECORDS_MAX = 4096
 _DICT_HEAD = b"\x80\x02}q\x00"  # pickle.dumps({...}, protocol=2) opens with these bytes
 _BIG = 1 << 45  # larger than any offset: sizes the table before the layout is known
 
 
 class _Capture:
     """A file-like ``torch.save`` writes into: small writes go to the blob; the data record of
-    tensor ``index`` (``nbytes`` at least ``_SMALL``) becomes a reference to the tensor."""
+    tensor ``index`` (``nbytes`` long; below ``_SMALL``, all zeros) becomes a reference to the
+    tensor."""
 
     def __init__(self, blob: bytearray, segs: list[list], index: int = -1,
                  nbytes: int = 0) -> None:
@@ -46,7 +49,8 @@ class _Capture:
     def write(self, b: Any) -> int:
         n = memoryview(b).nbytes
         self.pos += n
-        if not self.found and 0 <= self.after_name <= 1 and n == self.nbytes:
+        if (not self.found and 0 <= self.after_name <= 1 and n == self.nbytes
+                and (n >= _SMALL or not any(bytes(b)))):  # the padding field opens with "FB"
             self.found = True
             self.segs.append(["t", self.index, n])
             return n
@@ -105,6 +109,7 @@ class Plan:
                 if item.type == WriteItemType.BYTE_IO:
                     cap = _Capture(self.blob, self.segs)
                     torch.save(obj, cap)  # type: ignore[arg-type]
+                    length = cap.pos
                 else:
                     i = ids.get(id(obj))
                     if i is None or type(obj) is not torch.Tensor:
@@ -113,13 +118,15 @@ class Plan:
                             "the agent yet (plain tensors and picklable items only)")
                     t = tensors[i]
                     nbytes = t.numel() * t.element_size()
-                    cap = _Capture(self.blob, self.segs, i if nbytes >= _SMALL else -1, nbytes)
-                    torch.save(_stand_in(t) if nbytes >= _SMALL else t.cpu(), cap)  # type: ignore[arg-type]
-                    if not cap.found:
-                        raise CheckpointError(f"{item.index.fqn}: torch.save wrote no data "
-                                              "record this version of fastelastic knows")
-                storage[item.index] = _StorageInfo(name, pos, cap.pos)
-                pos += cap.pos
+                    pre, post = _records(t, item.index.fqn)
+                    length = len(pre) + nbytes + len(post)
+                    self.segs.append(["b", len(self.blob), len(pre)])
+                    self.blob += pre
+                    self.segs.append(["t", i, nbytes])
+                    self.segs.append(["b", len(self.blob), len(post)])
+                    self.blob += post
+                storage[item.index] = _StorageInfo(name, pos, length)
+                pos += length
         finally:
             config.save.compute_crc32 = crc
         frags = [_fragment(md.state_dict_metadata), _fragment(md.planner_data or {}),
@@ -159,14 +166,38 @@ class Plan:
         return self._obj()
 
 
-def _stand_in(t: torch.Tensor) -> torch.Tensor:
-    """A CPU tensor whose ``torch.save`` has ``t``'s records: one contiguous storage of exactly
-    its bytes (its data is never read: the capture leaves the data record out)."""
+def _records(t: torch.Tensor, fqn: str) -> tuple[bytes, bytes]:
+    """The bytes ``torch.save`` writes before and after the data of a tensor of ``t``'s dtype
+    and shape (contiguous, on the CPU, its own storage), as DCP writes each tensor.
+
+    They depend on the dtype and the shape only (the zip's CRC fields are 0, its offsets start
+    at the zip's own start), so they are made once per dtype and shape, by saving a stand-in:
+    an untouched ``empty`` (its data record is never read) or, below ``_SMALL`` bytes, zeros
+    (whose record is told from the padding field by its content).
+    """
+    key = (str(t.dtype), tuple(t.shape))
+    got = _RECORDS.get(key)
+    if got is not None:
+        return got
     nbytes = t.numel() * t.element_size()
-    if (t.device.type == "cpu" and t.is_contiguous() and t.storage_offset() == 0
-            and t.untyped_storage().nbytes() == nbytes):
-        return t
-    return torch.empty(t.shape, dtype=t.dtype)
+    blob: bytearray = bytearray()
+    segs: list[list] = []
+    cap = _Capture(blob, segs, 0 if nbytes else -1, nbytes)
+    stand_in = (torch.empty if nbytes >= _SMALL else torch.zeros)(t.shape, dtype=t.dtype)
+    torch.save(stand_in, cap)  # type: ignore[arg-type]
+    if not nbytes:  # no data: all of it is records
+        segs.append(["t", 0, 0])
+    kinds = [s[0] for s in segs]
+    if not cap.found or kinds.count("t") != 1 or len(segs) > 3:
+        raise CheckpointError(f"{fqn}: torch.save wrote no data record this version of "
+                              "fastelastic knows")
+    k = kinds.index("t")
+    pre = bytes(blob[:segs[k - 1][1] + segs[k - 1][2]]) if k else b""
+    got = (pre, bytes(blob[len(pre):]))
+    if len(_RECORDS) >= _RECORDS_MAX:
+        _RECORDS.clear()
+    _RECORDS[key] = got
+    return got
 
 
 def plan(state_dict: dict[str, Any], tensors: list[torch.Tensor], ids: dict[int, int],
