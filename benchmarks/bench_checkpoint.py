@@ -18,6 +18,12 @@ the neighbours), under fastrun, ``benchmarks/ckpt_bench_worker.py``:
   zygote's fork, load), and one copy of the same bytes into pre-faulted memory. Target: load
   <= 1.5x the copy.
 
+* disk behind training: steps that sleep 1 s (``FE_CKPT_STEP_S``), 10 per variant
+  (``FE_CKPT_STEPS``), one rank: the seconds per step with no save, ``fc.save`` every step to
+  memory, ``fc.save`` with a ``checkpoint_id`` every step and every 10th step (the agent writes
+  the directory in DCP's format behind training; the stall per save and how many steps were
+  written or skipped), and ``dcp.save`` with ``FileSystemWriter`` every step.
+
 Run: ``FE_CKPT_TABLE=benchmarks/results/checkpoint.md python -m pytest
 benchmarks/bench_checkpoint.py --benchmark-only -q -s -p no:randomly`` (a few minutes).
 ``FE_CKPT_ROUNDS`` (default 5) stall rounds, ``FE_CKPT_RESTORES`` (default 3) crashes per size.
@@ -51,7 +57,7 @@ def _sizes(smoke: bool) -> tuple[list[int], int]:
     return ([8], 1) if smoke else ([64, 256], int(os.environ.get("FE_CKPT_ROUNDS", "5")))
 
 
-def _job(tmp: Path, mode: str, sizes: list[int], rounds: int) -> str:
+def _job(tmp: Path, mode: str, sizes: list[int], rounds: int, **extra: str) -> str:
     out = tmp / mode
     out.mkdir(exist_ok=True)
     env = {k: v for k, v in os.environ.items()
@@ -59,6 +65,7 @@ def _job(tmp: Path, mode: str, sizes: list[int], rounds: int) -> str:
     env.update(PYTHONPATH=str(REPO / "src"), LOGLEVEL="INFO", OMP_NUM_THREADS="1",
                CKPT_BENCH_MODE=mode, CKPT_BENCH_OUT=str(out), CKPT_BENCH_DISK=str(tmp),
                CKPT_BENCH_SIZES_MB=",".join(map(str, sizes)), CKPT_BENCH_ROUNDS=str(rounds))
+    env.update(extra)
     preload = ["--preload", "torch"] if mode.startswith("restore") else []
     r = subprocess.run([sys.executable, "-m", "fastelastic.run", "--standalone",
                         "--nproc-per-node", "1", "--max-restarts", "1", *preload, WORKER],
@@ -117,6 +124,25 @@ def test_restore_after_crash(benchmark, request, tmp):
             benchmark.extra_info[f"{mb}MB:{k}"] = v
 
 
+@pytest.mark.timeout(3600)
+def test_disk_behind_training(benchmark, request, tmp):
+    smoke = request.config.getoption("benchmark_disable", False)
+    sizes = [8] if smoke else [int(x) for x in os.environ.get("FE_CKPT_DISK_MB", "64").split(",")]
+    extra = {"CKPT_BENCH_STEP_S": "0.1" if smoke else os.environ.get("FE_CKPT_STEP_S", "1"),
+             "CKPT_BENCH_STEPS": "2" if smoke else os.environ.get("FE_CKPT_STEPS", "10")}
+
+    def run() -> None:
+        _job(tmp, "disk", sizes, 1, **extra)
+
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    got = json.loads((tmp / "disk" / "disk.json").read_text())
+    for mb, by in got.items():
+        assert by["fc.save+disk"]["written"] >= 1, by  # the newest step at least lands
+        _RESULTS[f"disk:{mb}"] = by
+        for how, x in by.items():
+            benchmark.extra_info[f"{mb}MB:{how}:step_s"] = x["step_s"]
+
+
 def _table() -> str:
     load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
     lines = ["# Checkpoints in the agent's memory (benchmarks/bench_checkpoint.py)", "",
@@ -139,6 +165,20 @@ def _table() -> str:
                      f"{r['memcpy_s'] * 1e3:.1f}"
                      f" ms | {r['load_s'] / r['memcpy_s']:.2f} | {r['verify_s'] * 1e3:.0f} ms | "
                      f"{r['crash_to_restored_s']:.2f} s |")
+    disk = sorted((k for k in _RESULTS if k.startswith("disk:")), key=lambda k: int(k[5:]))
+    if disk:
+        lines += ["", "| per rank | saves | s per step | of the no-save rate | stall per save "
+                  "(median) | written / skipped | wait after the last |",
+                  "|---|---|---|---|---|---|---|"]
+    for key in disk:
+        r = _RESULTS[key]
+        base = r["none"]["step_s"]
+        for how, x in r.items():
+            stall = (f"{statistics.median(x['stalls']) * 1e3:.1f} ms" if x["stalls"] else "")
+            wr = f"{x['written']} / {x['skipped']}" if "disk" in how else ""
+            drain = f"{x['drain_s']:.2f} s" if "disk" in how else ""
+            lines.append(f"| {key[5:]} MB | {how} | {x['step_s']:.3f} | {base / x['step_s']:.1%}"
+                         f" | {stall} | {wr} | {drain} |")
     return "\n".join(lines) + "\n"
 
 

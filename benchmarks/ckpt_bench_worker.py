@@ -6,6 +6,10 @@ to a local file, ``dcp.save`` with ``FileSystemWriter`` and ``dcp.async_save`` (
 default thread stager); seconds per call to ``$CKPT_BENCH_OUT/stall.json``.
 ``restore``: the first life saves two steps and SIGKILLs itself; the second restores and
 records the load's seconds, the crash-to-restored wall time and one copy of the same bytes.
+``disk``: training steps that sleep ``$CKPT_BENCH_STEP_S`` (1 s) and save every step: with no
+save, ``fc.save`` to memory, ``fc.save`` with a ``checkpoint_id`` (the agent writes it behind),
+the same every 10th step, and ``dcp.save`` every step; seconds per step, the stall per save and
+what ``wait()`` said of each step (written or skipped), to ``$CKPT_BENCH_OUT/disk.json``.
 """
 
 import json
@@ -86,6 +90,53 @@ def stall_one(mb: int, step: int) -> tuple[dict[str, list[float]], int]:
     return got, step
 
 
+def disk_one(mb: int, step: int) -> tuple[dict, int]:
+    sd = make_state(mb)
+    steps = int(os.environ.get("CKPT_BENCH_STEPS", "10"))
+    step_s = float(os.environ.get("CKPT_BENCH_STEP_S", "1"))
+    for _ in range(2):  # both buffers reserved and mapped
+        step += 1
+        fc.save(sd, step=step)
+    got: dict = {}
+    for how in ("none", "fc.save", "fc.save+disk", "fc.save+disk/10", "dcp.save"):
+        stalls, handles = [], []
+        t0 = time.perf_counter()
+        for i in range(steps):
+            time.sleep(step_s)  # the step's compute
+            step += 1
+            t = time.perf_counter()
+            if how == "fc.save":
+                fc.save(sd, step=step)
+            elif how == "fc.save+disk" or (how == "fc.save+disk/10" and i % 10 == 9):
+                handles.append(fc.save(sd, step=step, checkpoint_id=os.path.join(
+                    DISK, f"disk{mb}", f"step-{step}")))
+            elif how == "dcp.save":
+                dcp.save(sd, storage_writer=dcp.FileSystemWriter(
+                    os.path.join(DISK, f"dcp{mb}", f"step-{step}")))
+            else:
+                continue
+            stalls.append(time.perf_counter() - t)
+        wall = time.perf_counter() - t0
+        t = time.perf_counter()
+        statuses = [h.wait(600) for h in handles]
+        got[how] = {"step_s": wall / steps, "stalls": stalls, "drain_s": time.perf_counter() - t,
+                    "written": statuses.count("written"), "skipped": statuses.count("skipped")}
+        for d in (f"disk{mb}", f"dcp{mb}"):
+            shutil.rmtree(os.path.join(DISK, d), ignore_errors=True)
+    return got, step
+
+
+def disk() -> None:
+    dist.init_process_group("gloo")
+    results: dict = {}
+    step = 0
+    for mb in SIZES:
+        results[str(mb)], step = disk_one(mb, step)
+    with open(os.path.join(OUT, "disk.json"), "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
 def stall() -> None:
     dist.init_process_group("gloo")  # dcp.async_save needs a group; the others use it too
     results: dict = {}
@@ -124,4 +175,4 @@ def restore() -> None:
 
 if __name__ == "__main__":
     torch.manual_seed(0)
-    stall() if MODE == "stall" else restore()
+    {"stall": stall, "disk": disk}.get(MODE, restore)()

@@ -163,6 +163,7 @@ def _validate(args: Namespace) -> None:
     _local_ranks(args.local_ranks_filter)
     _preload(args)
     _hang_timeout(args)
+    _checkpoint_drain(args)
     _parse_rdzv_conf(args.rdzv_conf)
     determine_local_world_size(args.nproc_per_node)
     _check_script(args)
@@ -194,6 +195,26 @@ def _hang_timeout(args: Namespace) -> float | str | None:
         return None
     seconds = parse_hang_timeout(value)
     return "auto" if seconds == AUTO else seconds
+
+
+def _checkpoint_drain(args: Namespace) -> None:
+    """``--checkpoint-drain-timeout``, checked and handed to the agent (in this process) as
+    ``$FASTELASTIC_CHECKPOINT_DRAIN_TIMEOUT``."""
+    from fastelastic.checkpoint._owner import DRAIN_ENV
+
+    value = getattr(args, "checkpoint_drain_timeout", None)
+    name = "--checkpoint-drain-timeout"
+    if value is None:
+        value, name = os.environ.get(DRAIN_ENV), DRAIN_ENV
+        if value is None:
+            return
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0 or seconds == float("inf"):
+        raise ValueError(f"{name} {value!r}: expected seconds (a number, 0 or more)")
+    os.environ[DRAIN_ENV] = repr(seconds)
 
 
 def _local_ranks(text: str) -> set[int] | None:

@@ -28,6 +28,10 @@ CRASH_RANK = int(os.environ.get("CKPT_CRASH_RANK", "0"))
 CRASH_HOW = os.environ.get("CKPT_CRASH_HOW", "after_save")  # | mid_save | hang
 TRIPWIRE_AT = int(os.environ.get("CKPT_TRIPWIRE_AT", "-1"))
 ASYNC = os.environ.get("CKPT_ASYNC") == "1"
+DISK = os.environ.get("CKPT_DISK")  # a root: step N is saved with checkpoint_id=<root>/step-N
+DISK_WAIT = os.environ.get("CKPT_DISK_WAIT", "")  # "each": wait() after each save; "end"
+BALLAST = {int(a): int(b) for a, b in (x.split(":") for x in
+                                       os.environ.get("CKPT_BALLAST", "").split(",") if x)}
 
 
 class Tripwire:
@@ -63,7 +67,18 @@ def state(model, opt, step):
     sd = {"model": model.state_dict(), "optim": opt.state_dict(), "extra": {"step": step}}
     if step == TRIPWIRE_AT:
         sd["extra"]["tripwire"] = Tripwire()
+    if step in BALLAST:  # MB of bytes whose disk write takes long under a paced agent
+        sd["ballast"] = torch.full((BALLAST[step] << 18,), float(step))
     return sd
+
+
+def save(sd, step):
+    cid = None if DISK is None else os.path.join(DISK, f"step-{step}")
+    if ASYNC:
+        fut = fc.async_save(sd, step=step, checkpoint_id=cid)
+        fut.result()
+        return fut
+    return fc.save(sd, step=step, checkpoint_id=cid)
 
 
 def crash_mid_save():
@@ -92,7 +107,13 @@ def main():
         model.load_state_dict(sd["model"])
         opt.load_state_dict(sd["optim"])
         assert sd["extra"]["step"] == restored, (sd["extra"], restored)
-    note(event="restored", step=restored, digest=digest(model, opt), load_s=load_s)
+    on_disk = fc.latest(DISK) if DISK else None
+    note(event="restored", step=restored, digest=digest(model, opt), load_s=load_s,
+         latest=None if on_disk is None else on_disk.step)
+    if restored is not None and DISK and DISK_WAIT:
+        # the step of the failure, written behind this restart
+        note(event="disk", step=restored, status=_worker.disk_wait(restored, 120))
+    handles = {}
     if restored is None:  # step 0: Adam holds no state yet (it appears at the first step)
         fc.save(state(model, opt, 0), step=0)
         note(event="saved", step=0, digest=digest(model, opt))
@@ -108,15 +129,17 @@ def main():
         crash_here = RESTART == 0 and RANK == CRASH_RANK and step == CRASH_AT
         if crash_here and CRASH_HOW == "mid_save":
             crash_mid_save()
-        if ASYNC:
-            fc.async_save(state(model, opt, step), step=step).result()
-        else:
-            fc.save(state(model, opt, step), step=step)
+        handles[step] = save(state(model, opt, step), step)
         note(event="saved", step=step, digest=digest(model, opt))
+        if DISK_WAIT == "each":
+            note(event="disk", step=step, status=handles[step].wait(120))
         if crash_here and CRASH_HOW == "after_save":
             os.kill(os.getpid(), signal.SIGKILL)
         if crash_here and CRASH_HOW == "hang":
             time.sleep(3600)
+    if DISK_WAIT == "end":
+        for step, h in handles.items():
+            note(event="disk", step=step, status=h.wait(120))
     note(event="done", step=STEPS)
 
 

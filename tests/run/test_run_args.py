@@ -14,7 +14,8 @@ from fastelastic.launcher.args import (
     parse_min_max_nnodes,
 )
 
-NEW_DESTS = {"exit_barrier_timeout", "events_endpoint", "preload", "hang_timeout"}
+NEW_DESTS = {"exit_barrier_timeout", "events_endpoint", "preload", "hang_timeout",
+             "checkpoint_drain_timeout"}
 
 
 @pytest.fixture(scope="module")

@@ -143,12 +143,25 @@ def compute_mac(key: bytes, buf: Any, total: int, pool: Optional[Executor] = Non
         mv.release()
 
 
-def encode_table(entries: list[list]) -> bytes:
-    return json.dumps(entries, separators=(",", ":")).encode()
+def encode_table(entries: list[list], dcp: Optional[dict[str, Any]] = None) -> bytes:
+    """The tensor table; with ``dcp`` (the disk copy's plan, see ``_dcp``) an object
+    ``{"t": entries, "dcp": dcp}``."""
+    obj: Any = entries if dcp is None else {"t": entries, "dcp": dcp}
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def decode_full(raw: bytes) -> tuple[list[list], Optional[dict[str, Any]]]:
+    """(tensor table, the disk copy's plan or None)."""
+    table = json.loads(raw)
+    if isinstance(table, dict):
+        entries, dcp = table.get("t"), table.get("dcp")
+        if not isinstance(entries, list) or not isinstance(dcp, dict):
+            raise ShardError("tensor table holds no list and plan")
+        return entries, dcp
+    if not isinstance(table, list):
+        raise ShardError("tensor table is not a list")
+    return table, None
 
 
 def decode_table(raw: bytes) -> list[list]:
-    table = json.loads(raw)
-    if not isinstance(table, list):
-        raise ShardError("tensor table is not a list")
-    return table
+    return decode_full(raw)[0]

@@ -17,6 +17,15 @@ buffers travel as file descriptors (``SCM_RIGHTS``). Requests: ``reserve``, ``co
 (optionally waiting as ``wait`` does), ``wait`` (until every local rank committed a step),
 ``restore``.
 
+Disk: a step saved with a ``checkpoint_id`` is written there behind training, in torch DCP's
+format, once every local rank's shard of it is sealed (``_disk``: the workers laid the files
+out; this side moves the bytes). One write at a time, newest step first: a step still waiting
+when a newer one is whole is skipped, and so is a write under way when a worker needs its
+buffer for a newer save, unless the write before it was skipped too (so at least every other
+write lands and a save waits for the disk at most every other write). A worker's crash, a hang
+verdict or a restart do not stop the write; the agent's exit waits for it up to
+``drain_timeout`` (``--checkpoint-drain-timeout``).
+
 Round: each start of the workers begins a round. The round's restore step is fixed once, before
 any request of the round is answered: the newest step for which every local rank holds a sealed
 shard whose MAC still checks (the one-step rule on one node).
@@ -39,8 +48,8 @@ from typing import Any, Optional
 from fastelastic.checkpoint import _format, _room
 from fastelastic.checkpoint._format import ShardError
 
-__all__ = ["SOCKET_ENV", "ENABLE_ENV", "CheckpointError", "MemoryOwner", "from_env",
-           "find_agent"]
+__all__ = ["SOCKET_ENV", "ENABLE_ENV", "DRAIN_ENV", "RATE_ENV", "CheckpointError",
+           "MemoryOwner", "from_env", "find_agent"]
 
 logger = logging.getLogger("fastelastic.checkpoint")
 
@@ -50,6 +59,11 @@ ENABLE_ENV = "FASTELASTIC_CHECKPOINT"  # "0": the agent offers no checkpoint mem
 _MAX_PACKET = 64 << 10
 _MB = 1 << 20
 _WAIT_S = 600.0  # bound on a request that waits for the round, a seal or the other ranks
+DRAIN_ENV = "FASTELASTIC_CHECKPOINT_DRAIN_TIMEOUT"  # seconds the exit waits for the disk write
+DRAIN_DEFAULT = 300.0
+RATE_ENV = "FASTELASTIC_CHECKPOINT_WRITE_RATE"  # bytes a second the disk writes may take
+_STATUS_KEEP = 256  # disk states kept (the newest steps)
+WRITTEN, SKIPPED, MEMORY = "written", "skipped", "memory"  # and "failed: <why>"
 
 EMPTY, WRITING, COMMITTED, SEALED, BAD = "empty", "writing", "committed", "sealed", "bad"
 
@@ -71,6 +85,7 @@ class _Buf:
         self.gen = 0
         self.total = 0
         self.mac = b""
+        self.dcp: Optional[dict[str, Any]] = None  # the step's disk plan (``_dcp``), if any
 
     def release(self) -> None:
         if self.mm is not None:
@@ -131,7 +146,8 @@ class MemoryOwner:
     """
 
     def __init__(self, token: Optional[bytes] = None, limit: Optional[int] = None,
-                 name: Optional[str] = None) -> None:
+                 name: Optional[str] = None, drain_timeout: float = DRAIN_DEFAULT,
+                 write_rate: float = 0.0) -> None:
         self._key = _format.mac_key(token)
         self._limit = limit
         self._cond = threading.Condition()
@@ -147,6 +163,17 @@ class MemoryOwner:
         self._conns: set[socket.socket] = set()
         self._seals: queue.Queue[Optional[tuple[int, int, int]]] = queue.Queue()
         self.last_restore: Optional[dict[str, Any]] = None  # step and seconds of the last fix
+        self.drain_timeout = drain_timeout
+        self._rate = write_rate
+        self._disk: dict[int, str] = {}  # step -> written, skipped, memory or failed: why
+        self._queued = -1  # the newest step given to the disk
+        self._pending: Optional[tuple[int, dict[int, int]]] = None  # (step, {lr: buffer})
+        self._writing: Optional[int] = None
+        self._pins: set[tuple[int, int]] = set()  # (lr, buffer) the write under way reads
+        self._abort = threading.Event()  # gives the write under way up (a new one per write)
+        self._stop = threading.Event()  # the agent's end: every write stops
+        self._protect = False  # the last write was skipped: the next one is not given up
+        self.last_write: Optional[dict[str, Any]] = None  # step, bytes, seconds of the last
         self.name = name or f"{NAME_PREFIX}{os.getpid()}"
         self.path = "\0" + self.name
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -159,6 +186,7 @@ class MemoryOwner:
         self._threads = [
             threading.Thread(target=self._accept_loop, name="fe-ckpt-accept", daemon=True),
             threading.Thread(target=self._seal_loop, name="fe-ckpt-seal", daemon=True),
+            threading.Thread(target=self._write_loop, name="fe-ckpt-disk", daemon=True),
         ]
         for t in self._threads:
             t.start()
@@ -176,6 +204,12 @@ class MemoryOwner:
                     if b.state == WRITING:  # its writer is gone: half a shard
                         b.state = BAD
             self._restore = None
+            # the write under way and the step waiting for the disk hold the step of the
+            # failure: the new round's saves never give them up
+            self._abort = threading.Event()
+            if self._pending is not None:
+                self._protect = True
+            self._queued = -1  # the new round may save a step again (one it could not restore)
             self._fixed = not any(b.valid() for bufs in self._ranks.values() for b in bufs)
             rnd = self._round
             self._cond.notify_all()
@@ -204,8 +238,42 @@ class MemoryOwner:
         with self._cond:
             return [(b.state, b.step, b.gen, b.mm) for b in self._ranks.get(local_rank, [])]
 
-    def close(self) -> None:
-        """Ends the channel and frees every buffer (the agent's end)."""
+    def disk_status(self, step: int) -> Optional[str]:
+        with self._cond:
+            return self._disk.get(step)
+
+    def drain(self, timeout: float) -> bool:
+        """Waits up to ``timeout`` s for every sealed step given to the disk to be written
+        (or skipped, or failed); True when none is left."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._cond.wait_for(self._all_sealed, max(0.0, deadline - time.monotonic()))
+            return self._cond.wait_for(
+                lambda: self._closed or (self._pending is None and self._writing is None),
+                max(0.0, deadline - time.monotonic()))
+
+    def close(self, drain_timeout: Optional[float] = None) -> None:
+        """Waits up to ``drain_timeout`` s (default: the owner's) for the disk write under way
+        and the newest step waiting for it, then ends the channel and frees every buffer (the
+        agent's end)."""
+        budget = self.drain_timeout if drain_timeout is None else drain_timeout
+        with self._cond:
+            busy = self._pending is not None or self._writing is not None or not self._all_sealed()
+        if busy and budget > 0:
+            t0 = time.monotonic()
+            logger.info("checkpoint disk: the exit waits up to %.0f s for the write of the newest "
+                        "step (%s)", budget, DRAIN_ENV)
+            if self.drain(budget):
+                logger.info("checkpoint disk: written before the exit (%.1f s)",
+                            time.monotonic() - t0)
+        with self._cond:
+            left = self._writing if self._writing is not None else (
+                self._pending[0] if self._pending else None)
+            if left is not None:
+                logger.error("checkpoint disk: step %s not written: the exit's budget of %.0f s "
+                             "ran out (--checkpoint-drain-timeout / %s); the disk keeps the last "
+                             "step written whole", left, budget, DRAIN_ENV)
+        self._stop.set()
         with self._cond:
             if self._closed:
                 return
@@ -329,7 +397,108 @@ class MemoryOwner:
                     mm[_format.MAC_OFFSET:_format.MAC_OFFSET + _format.MAC_SIZE] = mac
                     b.mac = mac
                     b.state = SEALED
+                    self._queue_disk(b.step)
                     self._cond.notify_all()
+
+    # ------------------------------------------------------------------ the disk
+
+    def _set_status(self, step: int, status: str) -> None:
+        self._disk[step] = status
+        while len(self._disk) > _STATUS_KEEP:
+            del self._disk[min(self._disk)]
+        self._cond.notify_all()
+
+    def _queue_disk(self, step: int) -> None:
+        """Gives ``step`` to the disk once every local rank's shard of it is sealed (lock held).
+        A step still waiting for the disk is skipped for it."""
+        if step <= self._queued:
+            return
+        picks: dict[int, int] = {}
+        for lr in range(self._local_world):
+            idx = next((i for i, x in enumerate(self._ranks.get(lr, []))
+                        if x.state == SEALED and x.step == step), None)
+            if idx is None:
+                return
+            picks[lr] = idx
+        plans = [self._ranks[lr][i].dcp for lr, i in picks.items()]
+        self._disk.pop(step, None)  # a step saved again (a new round): this save's status
+        if all(p is None for p in plans):
+            self._set_status(step, MEMORY)
+            return
+        self._queued = step
+        why = None
+        if any(p is None for p in plans):
+            why = "not every local rank gave a checkpoint_id"
+        elif len({(p["path"], p["world"], p["version"]) for p in plans if p}) != 1:
+            why = "the local ranks gave different checkpoint_ids"
+        elif plans[0] and plans[0]["world"] != self._local_world:
+            why = (f"the world has {plans[0]['world']} ranks and this node {self._local_world}: "
+                   "a job of several nodes is written to disk by a later fastelastic")
+        if why is not None:
+            logger.error("checkpoint disk: step %s not written: %s", step, why)
+            self._set_status(step, f"failed: {why}")
+            return
+        if self._pending is not None:
+            self._set_status(self._pending[0], SKIPPED)
+            logger.info("checkpoint disk: step %s skipped: step %s is whole first",
+                        self._pending[0], step)
+        self._pending = (step, picks)
+        self._cond.notify_all()
+
+    def _write_loop(self) -> None:
+        from fastelastic.checkpoint import _disk
+
+        # The lock is held from a write's end to the next write's start: the step waiting for
+        # the disk is taken before a save woken by the pins' release can make it skipped.
+        with self._cond:
+            while True:
+                self._cond.wait_for(lambda: self._closed or self._pending is not None)
+                if self._closed or self._pending is None:
+                    return
+                step, picks = self._pending
+                self._pending = None
+                files: dict[int, list[tuple[Any, int, int]]] = {}
+                metas: dict[int, tuple[bytes, bytes, bytes]] = {}
+                plan: dict[str, Any] = {}
+                for lr, idx in picks.items():
+                    b = self._ranks[lr][idx]
+                    assert b.mm is not None and b.dcp is not None
+                    plan = b.dcp
+                    files[plan["rank"]] = [(b.mm, off, n) for off, n in plan["file"]]
+                    m0, m1, m2 = (bytes(b.mm[off:off + n]) for off, n in plan["meta"])
+                    metas[plan["rank"]] = (m0, m1, m2)
+                    self._pins.add((lr, idx))
+                self._writing = step
+                self._abort = abort = threading.Event()
+                if self._protect:
+                    abort = threading.Event()  # never set: this write is not given up
+                t0 = time.monotonic()
+                status, nbytes = WRITTEN, 0
+                self._cond.release()
+                try:
+                    pacer = _disk.Pacer(self._rate, abort, self._stop)
+                    nbytes = _disk.write_step(step, plan["path"], plan["world"],
+                                              plan["version"], files, metas, pacer)
+                except _disk.Skipped:
+                    status = SKIPPED
+                except OSError as e:
+                    status = f"failed: {plan['path']}: {e.strerror or e}"
+                finally:
+                    self._cond.acquire()
+                dt = time.monotonic() - t0
+                self._pins.difference_update((lr, idx) for lr, idx in picks.items())
+                self._writing = None
+                self._protect = status == SKIPPED
+                self._set_status(step, status)
+                if status == WRITTEN:
+                    self.last_write = {"step": step, "bytes": nbytes, "seconds": dt}
+                    logger.info("checkpoint disk: step %s written to %s (%s in %.2f s)", step,
+                                plan["path"], _room.fmt_bytes(nbytes), dt)
+                elif status == SKIPPED:
+                    logger.info("checkpoint disk: step %s skipped after %.2f s: a newer step "
+                                "needs its memory", step, dt)
+                else:
+                    logger.error("checkpoint disk: step %s %s", step, status)
 
     # ------------------------------------------------------------------ the channel
 
@@ -397,6 +566,8 @@ class MemoryOwner:
                 return self._wait_step(int(req["step"]), float(req.get("timeout", _WAIT_S)))
             if op == "restore":
                 return self._restore_reply(int(req["local_rank"]))
+            if op == "disk":
+                return self._disk_reply(int(req["step"]), float(req.get("timeout", _WAIT_S)))
         raise CheckpointError(f"unknown checkpoint request {op!r}")
 
     def _reserve(self, lr: int, step: int, nbytes: int,
@@ -412,6 +583,16 @@ class MemoryOwner:
         # a committed shard is read by the seal: wait for its MAC before overwriting it
         if not self._cond.wait_for(lambda: b.state != COMMITTED or self._closed, _WAIT_S):
             raise CheckpointError("the previous shard was not sealed in time")
+        if self._pending is not None and self._pending[1].get(lr) == idx:
+            self._set_status(self._pending[0], SKIPPED)  # its memory is about to be reused
+            logger.info("checkpoint disk: step %s skipped: step %s needs its memory",
+                        self._pending[0], step)
+            self._pending = None
+        if (lr, idx) in self._pins:  # the disk write reads it: give that write up, or wait
+            self._abort.set()
+            if not self._cond.wait_for(lambda: (lr, idx) not in self._pins or self._closed,
+                                       _WAIT_S):
+                raise CheckpointError("the disk write of an older step did not end in time")
         if self._closed:
             raise CheckpointError("the agent is shutting down")
         if b.capacity < nbytes:
@@ -468,6 +649,11 @@ class MemoryOwner:
         except ShardError as e:
             b.state = BAD
             raise CheckpointError(f"local rank {lr}: malformed shard: {e}") from None
+        try:
+            b.dcp = _plan_of(b.mm, h)
+        except ShardError as e:
+            b.state = BAD
+            raise CheckpointError(f"local rank {lr}: malformed shard: {e}") from None
         b.total = h.total
         b.state = COMMITTED
         self._seals.put((lr, idx, gen))
@@ -494,6 +680,24 @@ class MemoryOwner:
                                   f"{timeout:.0f} s (every rank must call save)")
         return {"step": step}, -1
 
+    def _disk_reply(self, step: int, timeout: float) -> tuple[dict[str, Any], int]:
+        """Waits until the disk is done with ``step``: written, skipped, memory only (saved
+        with no checkpoint_id) or failed."""
+        def done() -> bool:
+            # once a newer step went to the disk, a step neither written nor waiting never will
+            # be (a local rank did not save it)
+            return self._closed or step in self._disk or (
+                self._queued > step and self._writing != step
+                and (self._pending is None or self._pending[0] != step))
+
+        if not self._cond.wait_for(done, timeout):
+            raise CheckpointError(f"step {step} was not written to disk within {timeout:.0f} s")
+        if step in self._disk:
+            return {"step": step, "status": self._disk[step]}, -1
+        if self._closed:
+            raise CheckpointError("the agent is shutting down")
+        return {"step": step, "status": SKIPPED}, -1
+
     def _restore_reply(self, lr: int) -> tuple[dict[str, Any], int]:
         if self._restore is None:
             return {"step": None}, -1
@@ -502,6 +706,23 @@ class MemoryOwner:
         if b.state != SEALED or b.step != step:  # the rank saved over it before loading
             return {"step": None}, -1
         return {"step": step, "slot": picks[lr], "capacity": b.capacity}, b.fd
+
+
+def _plan_of(mm: mmap.mmap, h: _format.Header) -> Optional[dict[str, Any]]:
+    """The shard's disk plan, its byte ranges checked against the shard (None: no plan)."""
+    _entries, dcp = _format.decode_full(mm[h.meta_off:h.meta_off + h.meta_len])
+    if dcp is None:
+        return None
+    try:
+        ranges = [(int(a), int(n)) for a, n in dcp["file"]] + [
+            (int(a), int(n)) for a, n in dcp["meta"]]
+        ok = (isinstance(dcp["path"], str) and isinstance(dcp["version"], str)
+              and 0 <= int(dcp["rank"]) < int(dcp["world"]) and len(dcp["meta"]) == 3)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ShardError(f"its disk plan is malformed: {e!r}") from None
+    if not ok or any(a < h.data_off or n < 0 or a + n > h.total for a, n in ranges):
+        raise ShardError("its disk plan points outside the shard")
+    return dcp
 
 
 def from_env() -> Optional[MemoryOwner]:
@@ -514,8 +735,16 @@ def from_env() -> Optional[MemoryOwner]:
         return None
     from fastelastic.store.auth import token_from_env
 
+    raw = os.environ.get(DRAIN_ENV, "").strip()
     try:
-        return MemoryOwner(token=token_from_env(), limit=_room.limit_from_env())
+        drain = float(raw) if raw else DRAIN_DEFAULT
+    except ValueError:
+        raise ValueError(f"{DRAIN_ENV}={raw!r}: expected seconds") from None
+    rate = os.environ.get(RATE_ENV, "").strip()
+    try:
+        return MemoryOwner(token=token_from_env(), limit=_room.limit_from_env(),
+                           drain_timeout=drain,
+                           write_rate=float(_room.parse_bytes(rate)) if rate else 0.0)
     except OSError as e:
         logger.warning("no checkpoint memory for this agent: %s", e)
         return None

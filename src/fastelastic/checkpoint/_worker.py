@@ -99,18 +99,22 @@ def channel() -> _Channel:
 # ---------------------------------------------------------------------- save
 
 
-def _flatten(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    """``obj`` with each strided tensor in dicts, lists and tuples replaced by a TensorRef."""
+def _flatten(obj: Any, tensors: list[torch.Tensor], ids: dict[int, int]) -> Any:
+    """``obj`` with each strided tensor in dicts, lists and tuples replaced by a TensorRef;
+    ``ids`` maps each original tensor's id to its index (a tensor met twice is stored once)."""
     if isinstance(obj, torch.Tensor) and type(obj) is torch.Tensor and obj.layout == torch.strided:
-        tensors.append(obj.detach())
-        return TensorRef(len(tensors) - 1)
+        i = ids.get(id(obj))
+        if i is None:
+            tensors.append(obj.detach())
+            i = ids[id(obj)] = len(tensors) - 1
+        return TensorRef(i)
     t = type(obj)
     if t is dict or t is OrderedDict:
-        return t((k, _flatten(v, tensors)) for k, v in obj.items())
+        return t((k, _flatten(v, tensors, ids)) for k, v in obj.items())
     if t is list:
-        return [_flatten(v, tensors) for v in obj]
+        return [_flatten(v, tensors, ids) for v in obj]
     if t is tuple:
-        return tuple(_flatten(v, tensors) for v in obj)
+        return tuple(_flatten(v, tensors, ids) for v in obj)
     return obj
 
 
@@ -118,24 +122,38 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def stage(state_dict: dict[str, Any], step: int, wait: bool = False) -> int:
+def stage(state_dict: dict[str, Any], step: int, wait: bool = False,
+          checkpoint_id: Any = None) -> int:
     """Copies ``state_dict`` into this rank's free agent buffer and commits it; returns step.
 
-    With ``wait``, returns once every local rank committed ``step`` (as ``wait_all``).
+    With ``wait``, returns once every local rank committed ``step`` (as ``wait_all``). With
+    ``checkpoint_id``, the shard also carries this rank's DCP file and metadata (``_dcp``), for
+    the agent to write to that directory behind training.
     """
     ch = channel()
     tensors: list[torch.Tensor] = []
-    skel = pickle.dumps(_flatten(state_dict, tensors), protocol=5)
+    ids: dict[int, int] = {}
+    skel = pickle.dumps(_flatten(state_dict, tensors, ids), protocol=5)
+    rank = int(os.environ.get("RANK", "0"))
+    dcp = None
+    if checkpoint_id is not None:
+        from fastelastic.checkpoint import _dcp
+
+        dcp = _dcp.plan(state_dict, tensors, ids, rank,
+                        int(os.environ.get("WORLD_SIZE", "1")), os.fspath(checkpoint_id))
     # the table's length depends on the offsets in it: lay out with a bound on its size first
     entries: list[list] = [[_dtype_name(t.dtype), list(t.shape), 0, t.numel() * t.element_size()]
                            for t in tensors]
-    bound = len(_format.encode_table(entries)) + 24 * len(entries) + 16
+    extra = 0 if dcp is None else dcp.table_bound()
+    bound = len(_format.encode_table(entries)) + 24 * len(entries) + 16 + extra
     off = _format.align(HEADER_SIZE + bound + len(skel))
     data_off = off
     for e in entries:
         e[2] = off
         off = _format.align(off + e[3])
-    table = _format.encode_table(entries)
+    if dcp is not None:  # the DCP file's small pieces and the metadata, after the tensors
+        off = dcp.place(off, entries)
+    table = _format.encode_table(entries, None if dcp is None else dcp.table())
     assert len(table) <= bound
     total = off
     reply, fd = ch.call(op="reserve", step=step, nbytes=total,
@@ -143,7 +161,6 @@ def stage(state_dict: dict[str, Any], step: int, wait: bool = False) -> int:
     slot, gen = reply["slot"], reply["gen"]
     m = ch.mapping(slot, reply["capacity"], fd)
     mm = m.mm
-    rank = int(os.environ.get("RANK", "0"))
     h = Header(step=step, generation=gen, rank=rank, local_rank=ch.local_rank,
                meta_len=len(table), skel_len=len(skel), data_off=data_off,
                data_len=total - data_off, total=total)
@@ -152,6 +169,8 @@ def stage(state_dict: dict[str, Any], step: int, wait: bool = False) -> int:
     for t, (_dtype, shape, offset, nbytes) in zip(tensors, entries, strict=True):
         if nbytes:
             _copy_tensor(m.view(offset, nbytes, t.dtype, shape), t)
+    if dcp is not None:
+        mm[dcp.blob_off:dcp.blob_off + len(dcp.blob)] = dcp.blob
     _format.pack_header(mm, h)  # last: the agent reads it at the commit
     ch.call(op="commit", slot=slot, gen=gen, wait=wait)
     ch.last_step = step
@@ -163,9 +182,38 @@ def wait_all(step: int) -> None:
     channel().call(op="wait", step=step)
 
 
+def disk_wait(step: int, timeout: Optional[float] = None) -> str:
+    """Waits until the agent is done with ``step``'s disk copy: "written", "skipped" (a newer
+    step was whole first) or "memory" (saved with no checkpoint_id).
+
+    Raises:
+        CheckpointError: the write failed (the message says why), or ``timeout`` ran out.
+    """
+    own = _Channel(channel().path, channel().local_rank)  # a wait never holds up a save
+    try:
+        req: dict[str, Any] = {"op": "disk", "step": int(step)}
+        if timeout is not None:
+            req["timeout"] = float(timeout)
+        reply, _fd = own.call(**req)
+    finally:
+        own.sock.close()
+    status = str(reply["status"])
+    if status.startswith("failed"):
+        raise CheckpointError(f"step {step} was not written to disk: {status[8:]}")
+    return status
+
+
+class SaveFuture(Future):
+    """``async_save``'s Future: ``result()`` is the step once every local rank's state is in
+    the agent's memory; ``wait()`` then waits for its disk copy (as ``disk_wait``)."""
+
+    def wait(self, timeout: Optional[float] = None) -> str:
+        return disk_wait(self.result(timeout), timeout)
+
+
 def wait_future(step: int) -> Future:
     """A Future resolved (with ``step``) once every local rank committed ``step``."""
-    fut: Future = Future()
+    fut: Future = SaveFuture()
     path = channel().path
 
     def run() -> None:

@@ -237,6 +237,11 @@ def get_args_parser(prog: str = "fastrun") -> ArgumentParser:
       "the hung rank is named and every rank's stacks go to the log directory. auto: at "
       "least 30 s and 5x the longest interval between steps seen. 0 is off (default: "
       "$FASTELASTIC_HANG_TIMEOUT, else off).")
+    a("--checkpoint-drain-timeout", "--checkpoint_drain_timeout", type=str, default=None,
+      help="SECONDS: how long the agent's exit waits for fastelastic.checkpoint's disk write "
+      "of the newest step (the one under way and the one waiting for it; after a crash, a "
+      "hang verdict or SIGTERM). 0: no wait (default: "
+      "$FASTELASTIC_CHECKPOINT_DRAIN_TIMEOUT, else 300).")
     a("training_script", type=str,
       help="The program to launch in every worker, followed by its own arguments.")
     a("training_script_args", nargs=REMAINDER)
