@@ -192,18 +192,9 @@ def test_pods_node_0_isolated_by_drop_trains_one_world_and_re_forms(tmp_path):
     assert r["zombies"] == [set(), set(), set(), set()], r["zombies"]
 
 
-REFUSALS_PROVE_NOTHING = pytest.mark.xfail(strict=True, reason=(
-    "issue 36 item 2 (not built yet): _hops.prove_gone counts a candidate that refuses the "
-    "connection as nowhere the lost members could be, and an ICMP port-unreachable refuses "
-    "from a live host: node 0 proves nodes 1-3 gone and trains alone beside their world of 6 "
-    "(measured: worlds of 2 and 6 at once from 7.0 s after the cut to the end, no world of 8 "
-    "within 40 s of the heal)"))
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(480)
-@pytest.mark.parametrize("kind", ["reject-tcp-reset",
-                                  pytest.param("reject-icmp", marks=REFUSALS_PROVE_NOTHING)])
+@pytest.mark.parametrize("kind", ["reject-tcp-reset", "reject-icmp"])
 def test_node_0_isolated_by_reject_with_distinct_addresses(tmp_path, kind):
     """The same cut by REJECT (each side's INPUT and OUTPUT), distinct ``--local-addr``s.
     With a TCP reset, one world at a time and a world of 8 1.4-2.1 s after the heal (three
