@@ -14,11 +14,11 @@ followed it there and formed a world of 2 of its own, training beside the world 
 0's store until the end of the watch. Now: never two worlds training at once (from the
 workers' own steps), and the replacement trains in a world of 8 within 45 s of its start.
 
-The rack loss (same setup): nodes 1-3 are SIGKILLed at once (their hosts stay up) and three
-replacements start on new hosts. Before, node 0 and the replacements waited for the join
-timeout ("may be alive elsewhere" every 5 s); now the lost members are proven gone (their
-connections closed on node 0's store, the other candidates refuse the connection) and a world
-of 8 with the replacements trains within 60 s of their start.
+The rack loss (issue 36): nodes 1-3 are lost at once. Holding a minority of the candidates (2
+of 5), they are proven gone (their connections closed on node 0's store, the proof's fences read
+back from a majority of the candidates) and three replacements train in a world of 8 within 60 s
+of their start. Holding 2 of 3, nothing can prove them gone (a refusal is no answer): node 0 says
+why once, in an error line naming the rule, and re-forms once their candidates come back.
 """
 
 from __future__ import annotations
