@@ -437,6 +437,24 @@ def test_a_blocked_proof_names_the_rule_and_the_way_out():
     assert "restart the job with the nodes that are left" in err, err
 
 
+def test_a_blocked_round_says_its_objection_once_as_an_error_with_the_way_out(caplog):
+    """Every round of the 600 s join timeout fails the rule (a warning each), but the node
+    says why, with the way out, once: soon after the loss, not only when the job ends."""
+    sim = Sim(1, 4, can_move=True)
+    nodes = [sim.start(0, node_rank=i) for i in range(4)]
+    for i in (1, 2, 3):
+        sim.kill(100, nodes[i])
+    with caplog.at_level("WARNING", logger="fastelastic.rendezvous.fast_rendezvous.round"):
+        sim.run(800)
+    said = [r for r in caplog.records if "no round can form while" in r.getMessage()]
+    per_round = [r for r in caplog.records if "abandoning the round" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelname == "ERROR", [r.getMessage() for r in said]
+    assert len(per_round) > 10, len(per_round)  # the rule failed round after round
+    msg = said[0].getMessage()
+    assert "ranks [1, 2, 3] of round 0" in msg and "majority rule" in msg, msg
+    assert "restart the job with the nodes that are left" in msg, msg
+
+
 def test_the_simulated_stores_reject_a_request_that_is_not_a_typed_op():
     from multisim import MultiSim
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,6 +56,7 @@ __all__ = ["Config", "Event", "Machine", "Phase", "Seat", "transition"]
 
 # a child of fast_rendezvous's logger: logging configs written for that name keep working
 log = logging.getLogger("fastelastic.rendezvous.fast_rendezvous.round")
+MAX_SAID = 16  # distinct majority-rule objections a node logs as errors (_say_objection)
 
 SLICE = 1.0  # seconds: how often a blocked decider re-checks whether the round was decided
 MAX_WALK = 10_000  # bound on rounds walked forward/back
@@ -101,6 +103,7 @@ class Machine(MemberOps):
         self.proposed = 0  # the epoch this node proposes here after a move (see moved)
         self.no_quorum = False  # a round here failed the majority rule: no early seal now
         self.objected = ""  # why the last round this node waited for failed that rule
+        self._said: set[str] = set()  # the objections logged as errors (see _say_objection)
         self.home: Membership | None = None  # its world before it moved (returned)
         self.world_id = b""  # of the world it is a member of, or carries (_majority)
         self._phases: dict[Phase, Callable[[_Attempt], RequestGen[Event]]] = {
@@ -293,6 +296,7 @@ class Machine(MemberOps):
             self.no_quorum |= a.res.no_quorum
             if a.res.no_quorum:  # not before the last call: a full round would spin
                 self.objected = a.res.why or self.objected
+                self._say_objection(a.res.why)
                 if self.cfg.can_move:  # did the majority move (on)? (raises if so)
                     yield MovedElsewhere()
                 yield Wait([self.keys.round(a.k.r + 1).outcome],
@@ -300,6 +304,24 @@ class Machine(MemberOps):
             log.info("rendezvous %s round %d abandoned; re-joining", self.cfg.run_id, a.k.r)
             return E.ABANDONED
         return E.COMPLETE if kind is OutcomeKind.COMPLETE else E.CLOSED
+
+    def _say_objection(self, why: str) -> None:
+        """Logs, once per kind, why rounds fail the majority rule and the way out: the
+        publisher's warning comes every round (a spam an operator learns to skip), and the
+        join timeout's error comes only when it ends the job, up to 600 s later. A kind is
+        the text without its parenthesised details (each candidate's answer, which vary from
+        round to round) and numbers; at most ``MAX_SAID`` kinds are said per node."""
+        kind = why
+        for _ in range(8):  # nested parentheses, innermost first
+            kind, n = re.subn(r"\([^()]*\)", "", kind)
+            if not n:
+                break
+        kind = re.sub(r"\d+", "#", kind)
+        if not why or kind in self._said or len(self._said) >= MAX_SAID:
+            return
+        self._said.add(kind)
+        log.error("rendezvous %s: no round can form while %s. %s", self.cfg.run_id, why,
+                  _majority.WAY_OUT)
 
     def _seat(self, a: _Attempt) -> RequestGen[Event]:
         res = a.res
