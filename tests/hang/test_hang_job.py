@@ -176,13 +176,15 @@ def test_auto_healthy_job_has_no_verdict(tmp_path: Path, need_torch) -> None:
 
 
 def test_native_frames_with_py_spy(tmp_path: Path, need_torch) -> None:
-    """With py-spy installed (fastelastic[debug]) the culprit's dump has its native frames."""
+    """With py-spy installed (fastelastic[debug]) the culprit's dump has its native frames.
+    With no restart left the run ends, so it waits for them whatever the load (a restart
+    waits ``NATIVE_RESTART_WAIT_S`` at most: test_hang_watch)."""
     if shutil.which("py-spy") is None:
         pytest.skip("!!! py-spy is not installed (pip install 'fastelastic[debug]'): "
                     "native frames untested")
     results = run_job(tmp_path, nproc=2, hang_timeout=2, preload=True, how="native",
-                      hang_rank=1, hang_step=5, steps=10)
-    assert results[0].returncode == 0, results[0].stdout[-3000:]
+                      hang_rank=1, hang_step=5, steps=10, max_restarts=0)
+    assert results[0].returncode == 1, results[0].stdout[-3000:]
     text = next(tmp_path.glob("logs0/*/hang_1/rank1.stacks.txt")).read_text()
     assert "--- py-spy dump --native ---" in text
     native = text.split("--- py-spy dump --native ---")[1]

@@ -50,6 +50,9 @@ HANG_TIMEOUT_ENV = "FASTELASTIC_HANG_TIMEOUT"
 SUSPEND_ALLOWANCE_S = 600.0  # the longest a save, load or evaluation suspends the verdict
 _KEY = "fastelastic/hang"
 FRAMES_WAIT_S = 10.0  # after the verdict, the longest a node waits for its peers' frames
+# the longest a restart waits for py-spy's native frames, counted from their begin at the
+# verdict (a run that ends waits for them fully): a torch process takes 0.3 s on an idle host
+NATIVE_RESTART_WAIT_S = 0.4
 AUTO = -1.0  # parse_hang_timeout's value for "auto"
 
 
@@ -116,6 +119,7 @@ class HangWatch:
         self._judging_until: float | None = None  # after the verdict: frames published
         self._stacks: dict[int, str] = {}
         self._native: NativeDumps | None = None  # py-spy, begun at the verdict
+        self._native_begun = 0.0  # when (time.monotonic())
         self._published_steps = 0
         self.last_verdict = ""  # the line of the last verdict (for its event)
         # this node's ranks the last verdict blamed: {local_rank: (what it hung in, the path
@@ -176,6 +180,7 @@ class HangWatch:
         reports = {lr: rank_report(self._ranks[lr], self._host, views[lr], now,
                                    self._stacks.get(lr, ""))
                    for lr in sorted(self._pids) if lr in views}
+        self._native_begun = time.monotonic()
         self._native = NativeDumps(
             {lr: self._pids[lr] for lr, r in reports.items() if not r.collective},
             self.slots.dir)
@@ -290,16 +295,22 @@ class HangWatch:
             self.last_verdict = "at the end of the run (a rank's program had ended): " + (
                 verdict.line)
         logger.error("hang: %s", self.last_verdict)
+        blamed = culprit_here or (not verdict.culprits and first)
         # native frames (py-spy, when installed) of this node's culprits, or of all its ranks
-        # when none stands out, while the processes still exist
+        # when none stands out, while the processes still exist. A restart waits for them
+        # NATIVE_RESTART_WAIT_S from the verdict at most (what is late is left out: the
+        # restart's downtime stays the verdict's); a run that ends waits for them fully.
+        restarting = not at_end and (not blamed or restarts_left > 0)
         named = {lr: pid for lr, pid in self._pids.items()
                  if not verdict.culprits or self._ranks.get(lr) in verdict.culprits}
         t0 = time.monotonic()
         begun, self._native = self._native, None
+        origin = self._native_begun if begun is not None else t0
+        until = origin + NATIVE_RESTART_WAIT_S if restarting else None
         late = set(named) - (begun.local_ranks if begun is not None else set())
         extra = NativeDumps({lr: named[lr] for lr in late}, self.slots.dir) if late else None
-        native = begun.collect(set(named)) if begun is not None else {}
-        native.update(extra.collect(late) if extra is not None else {})
+        native = begun.collect(set(named), until) if begun is not None else {}
+        native.update(extra.collect(late, until) if extra is not None else {})
         if native:
             logger.info("hang: py-spy dumps of %d ranks collected in %.3f s", len(native),
                         time.monotonic() - t0)
@@ -309,7 +320,6 @@ class HangWatch:
         path = self._write(verdict, reports, first, log_dir)
         if path:
             logger.error("hang: stacks in %s", path)
-        blamed = culprit_here or (not verdict.culprits and first)
         self.blamed = self._blame(verdict, reports, path) if blamed else {}
         if at_end:
             logger.error("hang: stopping the workers still running (group_rank=%s); the run "
