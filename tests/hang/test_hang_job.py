@@ -5,10 +5,14 @@ from __future__ import annotations
 import datetime
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
-from hang_testlib import phases, records, recovery_s, run_job
+from hang_testlib import fastrun_argv, free_port, job_env, phases, records, recovery_s, run_job
+from jobtree import end_job, start_job
+
+from fastelastic.agent.server._hang_verdict import FLOOR_SCALE_ENV
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
@@ -259,3 +263,47 @@ def test_two_nodes_hang_with_no_restart_left_ends_as_a_crash_does(tmp_path: Path
     # it restarted for the verdict, as a survivor does, and re-joined a closed rendezvous
     assert "hang: restarting the worker group" in hang_other[0], hang_other[0][-3000:]
     assert closed in hang_other[0] or "fastrun: error: " in hang_other[0]
+
+
+@pytest.mark.parametrize("host", ["finished", "hung"])
+def test_a_node_finished_while_a_rank_of_the_other_hangs(tmp_path: Path, need_torch,
+                                                         host: str) -> None:
+    """Two nodes, --max-restarts 0: node A's workers finish while local rank 1 of node B
+    deadlocks after its last step (its peers done), the store hosted by the finished node or
+    by the hung one (``is_host``). The finished node says so to the check, so B's stall is
+    judged (with the store's host gone or going, by B alone): B exits 1 with the report (the
+    rank, what it hung in, its stacks), A exits 0 as under torchrun (its workers succeeded),
+    and A's exit barrier ends when B fails, not at its 300 s timeout."""
+    env = job_env(tmp_path, steps=4)
+    env[FLOOR_SCALE_ENV] = "0.01"  # the end's bound: 6 s
+    port = free_port()
+    procs = {}
+    for node in ("finished", "hung"):
+        argv = fastrun_argv(2, 1, True, 2, port, tmp_path / f"logs_{node}", 0)
+        argv[-1:-1] = ["--rdzv-conf", f"is_host={int(node == host)}"]
+        node_env = dict(env)
+        if node == "hung":
+            node_env.update(HANG_END="deadlock_before_end", HANG_END_LOCAL_RANK="1")
+        procs[node] = start_job(argv, env=node_env, cwd=str(tmp_path), text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    outs = {}
+    for node, p in procs.items():
+        try:
+            outs[node], _ = p.communicate(timeout=150)  # the barrier alone would take 300 s
+        except subprocess.TimeoutExpired:
+            end_job(p)
+            pytest.fail(f"the {node} node did not end within 150 s; its job was ended")
+    hung, done = outs["hung"], outs["finished"]
+    assert procs["finished"].returncode == 0, done[-3000:]
+    assert procs["hung"].returncode == 1, hung[-3000:]
+    assert "hang: at the end of the run" in hung, hung[-3000:]
+    assert "hang:" not in done, done[-3000:]
+    report = _report_of(hung)
+    assert "root cause : rank " in report and "(local_rank 1)" in report, hung[-3000:]
+    assert "hung (--hang-timeout): no progress for " in report, report
+    assert "in hung_in_deadlock (hang_worker.py:" in report, report
+    stacks = next(line for line in report.splitlines() if line.startswith("stacks     : "))
+    assert "hung_in_deadlock" in Path(stacks.split(" : ", 1)[1]).read_text()
+    recs = records(tmp_path)
+    assert {r["restart"] for r in recs} == {0}
+    assert len([r for r in recs if r.get("event") == "done"]) == 4  # every last step made

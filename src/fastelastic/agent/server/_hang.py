@@ -257,6 +257,42 @@ class HangWatch:
             logger.warning("hang check: the store did not answer (%s); checking again", e)
             return None
 
+    def finished(self, store: Any, group_rank: int, reused_store: bool = False) -> None:
+        """This node's workers succeeded: it reports no rank, stalled or not (its summary and
+        its frames, both empty), so a verdict on the nodes still running can come without it.
+        Never raises: the store may be gone."""
+        if not self._pids:
+            return
+        prefix = f"{_KEY}/{self.verdicts}" if reused_store else _KEY
+        try:
+            store.set(f"{prefix}/frames/{group_rank}", "[]")
+            store.set(f"{prefix}/node/{group_rank}", "[]")
+        except (StoreError, RendezvousError, OSError, ValueError) as e:
+            logger.warning("hang check: could not say this node finished (%s)", e)
+
+    def check_alone(self, log_dir: str | None, restarts_left: int = 0) -> HangAction | None:
+        """The check of a node left alone: the store's host finished its work (its store goes
+        or went with it), so no peer can report; this node's stall is the job's. One look per
+        tick, as ``check``, with no store."""
+        if not self._pids:
+            return None
+        now = time.monotonic_ns()
+        views = self.slots.read_all()
+        steps = sum(v.steps for v in views.values())
+        if self.auto and views:
+            self.intervals.observe(max(v.last_ns for v in views.values()), steps)
+        timeout = self.intervals.timeout_s() if self.auto else self.timeout_s
+        idle = node_stalled(views.values(), now, timeout, self.allowance_s,
+                            end_bound_s(timeout, self.scale))
+        if idle is None:
+            return None
+        self._published = False
+        self._judging_until = None
+        logger.info("hang: no progress on ranks %s for %.1f s, and every other node finished: "
+                    "the job is hung", sorted(self._ranks.values()), idle)
+        reports = self._dump(views, now, idle)
+        return self._act(judge(reports), reports, True, 0, log_dir, restarts_left)
+
     def _judge(self, store: Any, frame_keys: list[str], prefix: str, group_rank: int,
                log_dir: str | None, restarts_left: int) -> HangAction | None:
         """Once every node's frames are in (or ``FRAMES_WAIT_S`` passed: those present),
