@@ -35,6 +35,8 @@ SAVE_AT, SAVE_S = _at("SAVE")
 END = os.environ.get("HANG_END", "")  # after training: upload (atexit/thread), deadlock
 END_S = float(os.environ.get("HANG_END_S", "0"))
 END_RANK = int(os.environ.get("HANG_END_RANK", "-1"))  # -1: every rank
+# deadlock_before_end: the rank that deadlocks (1), or the local rank given here
+END_LOCAL_RANK = int(os.environ.get("HANG_END_LOCAL_RANK", "-1"))
 EVAL_AT, EVAL_S = _at("EVAL")
 PAUSE_AT, PAUSE_S = _at("PAUSE")
 
@@ -146,7 +148,8 @@ def main():
         opt.zero_grad()
         time.sleep(STEP_S)
     note(event="done")
-    if END == "deadlock_before_end" and RANK == 1:
+    if END == "deadlock_before_end" and (
+            RANK == 1 if END_LOCAL_RANK < 0 else int(os.environ["LOCAL_RANK"]) == END_LOCAL_RANK):
         hung_in_deadlock()  # after the last step, before the program's end (a teardown in it)
     dist.destroy_process_group()
     if END and END_RANK in (-1, RANK):

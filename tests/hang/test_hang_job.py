@@ -5,10 +5,14 @@ from __future__ import annotations
 import datetime
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
-from hang_testlib import phases, records, recovery_s, run_job
+from hang_testlib import fastrun_argv, free_port, job_env, phases, records, recovery_s, run_job
+from jobtree import end_job, start_job
+
+from fastelastic.agent.server._hang_verdict import FLOOR_SCALE_ENV
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
@@ -107,7 +111,12 @@ def test_a_rank_in_one_libc_sleep_is_left_alone_until_the_verdict(tmp_path: Path
                                            microsecond=0).timestamp() + float(m[3]))
     assert len(hung_at) == 2, [r.stdout[-3000:] for r in results]
     verdict = min(hung_at)
-    assert verdict - hang["t"] >= 5.0, verdict - hang["t"]  # the whole timeout, no sooner
+    # the whole timeout, no sooner, from the ranks' last progress: rank 3's optimizer step of
+    # the step it recorded before the hung one (its hang record comes a sleep and two writes
+    # after that step, so under load the verdict may come < 5 s after the hang record)
+    before = max(r["t"] for r in recs if r["rank"] == 3 and r["restart"] == 0
+                 and r.get("step") == hang_step(recs) - 1)
+    assert verdict - before >= 5.0, (verdict - before, verdict - hang["t"])
     early = [r for r in recs if r["rank"] == 3 and r["restart"] == 0 and "step" in r
              and hang["t"] < r["t"] < verdict]
     assert not early, f"rank 3 stepped before the verdict: {early}"
@@ -176,13 +185,15 @@ def test_auto_healthy_job_has_no_verdict(tmp_path: Path, need_torch) -> None:
 
 
 def test_native_frames_with_py_spy(tmp_path: Path, need_torch) -> None:
-    """With py-spy installed (fastelastic[debug]) the culprit's dump has its native frames."""
+    """With py-spy installed (fastelastic[debug]) the culprit's dump has its native frames.
+    With no restart left the run ends, so it waits for them whatever the load (a restart
+    waits ``NATIVE_RESTART_WAIT_S`` at most: test_hang_watch)."""
     if shutil.which("py-spy") is None:
         pytest.skip("!!! py-spy is not installed (pip install 'fastelastic[debug]'): "
                     "native frames untested")
     results = run_job(tmp_path, nproc=2, hang_timeout=2, preload=True, how="native",
-                      hang_rank=1, hang_step=5, steps=10)
-    assert results[0].returncode == 0, results[0].stdout[-3000:]
+                      hang_rank=1, hang_step=5, steps=10, max_restarts=0)
+    assert results[0].returncode == 1, results[0].stdout[-3000:]
     text = next(tmp_path.glob("logs0/*/hang_1/rank1.stacks.txt")).read_text()
     assert "--- py-spy dump --native ---" in text
     native = text.split("--- py-spy dump --native ---")[1]
@@ -190,6 +201,13 @@ def test_native_frames_with_py_spy(tmp_path: Path, need_torch) -> None:
     # only the culprit's native frames are taken (its peers wait in all_reduce)
     peer = next(tmp_path.glob("logs0/*/hang_1/rank0.stacks.txt")).read_text()
     assert "py-spy" not in peer
+
+
+def hang_step(recs) -> int:
+    """The step at which the hung rank recorded its hang (its last step record before it)."""
+    hang = next(r for r in recs if r.get("event") == "hang")
+    return max(r["step"] for r in recs if r["pid"] == hang["pid"] and "step" in r
+               and r["t"] <= hang["t"])
 
 
 def _report_of(text: str) -> str:
@@ -257,3 +275,47 @@ def test_two_nodes_hang_with_no_restart_left_ends_as_a_crash_does(tmp_path: Path
     # it restarted for the verdict, as a survivor does, and re-joined a closed rendezvous
     assert "hang: restarting the worker group" in hang_other[0], hang_other[0][-3000:]
     assert closed in hang_other[0] or "fastrun: error: " in hang_other[0]
+
+
+@pytest.mark.parametrize("host", ["finished", "hung"])
+def test_a_node_finished_while_a_rank_of_the_other_hangs(tmp_path: Path, need_torch,
+                                                         host: str) -> None:
+    """Two nodes, --max-restarts 0: node A's workers finish while local rank 1 of node B
+    deadlocks after its last step (its peers done), the store hosted by the finished node or
+    by the hung one (``is_host``). The finished node says so to the check, so B's stall is
+    judged (with the store's host gone or going, by B alone): B exits 1 with the report (the
+    rank, what it hung in, its stacks), A exits 0 as under torchrun (its workers succeeded),
+    and A's exit barrier ends when B fails, not at its 300 s timeout."""
+    env = job_env(tmp_path, steps=4)
+    env[FLOOR_SCALE_ENV] = "0.01"  # the end's bound: 6 s
+    port = free_port()
+    procs = {}
+    for node in ("finished", "hung"):
+        argv = fastrun_argv(2, 1, True, 2, port, tmp_path / f"logs_{node}", 0)
+        argv[-1:-1] = ["--rdzv-conf", f"is_host={int(node == host)}"]
+        node_env = dict(env)
+        if node == "hung":
+            node_env.update(HANG_END="deadlock_before_end", HANG_END_LOCAL_RANK="1")
+        procs[node] = start_job(argv, env=node_env, cwd=str(tmp_path), text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    outs = {}
+    for node, p in procs.items():
+        try:
+            outs[node], _ = p.communicate(timeout=150)  # the barrier alone would take 300 s
+        except subprocess.TimeoutExpired:
+            end_job(p)
+            pytest.fail(f"the {node} node did not end within 150 s; its job was ended")
+    hung, done = outs["hung"], outs["finished"]
+    assert procs["finished"].returncode == 0, done[-3000:]
+    assert procs["hung"].returncode == 1, hung[-3000:]
+    assert "hang: at the end of the run" in hung, hung[-3000:]
+    assert "hang:" not in done, done[-3000:]
+    report = _report_of(hung)
+    assert "root cause : rank " in report and "(local_rank 1)" in report, hung[-3000:]
+    assert "hung (--hang-timeout): no progress for " in report, report
+    assert "in hung_in_deadlock (hang_worker.py:" in report, report
+    stacks = next(line for line in report.splitlines() if line.startswith("stacks     : "))
+    assert "hung_in_deadlock" in Path(stacks.split(" : ", 1)[1]).read_text()
+    recs = records(tmp_path)
+    assert {r["restart"] for r in recs} == {0}
+    assert len([r for r in recs if r.get("event") == "done"]) == 4  # every last step made

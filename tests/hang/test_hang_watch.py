@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from fastelastic.agent.server import _hang
 from fastelastic.agent.server._hang import HangAction, HangWatch
 from fastelastic.progress import _worker as w
 from fastelastic.store import PrefixStore, TCPStore
@@ -54,8 +55,9 @@ class Node:
         v[w.F_STEPS] += n
         v[w.F_LAST_NS] = time.monotonic_ns() - int(ago_s * 1e9)
 
-    def check(self, store, log_dir: Path):
-        return self.watch.check(store, self.group_rank, 2, str(log_dir))
+    def check(self, store, log_dir: Path, restarts_left: int = 1):
+        return self.watch.check(store, self.group_rank, 2, str(log_dir),
+                                restarts_left=restarts_left)
 
     def close(self) -> None:
         for v in self.views.values():
@@ -211,6 +213,7 @@ def test_py_spy_begins_at_the_verdict_and_the_culprit_gets_native_frames(
     outside a collective, and the culprit's dump has its output; before the verdict (one
     node stalled and reported, the other not) it was not started."""
     _fake_py_spy(tmp_path, monkeypatch, 0.5)
+    monkeypatch.setattr(_hang, "NATIVE_RESTART_WAIT_S", 60.0)  # the restart waits for it
     a, b = nodes
     for n in nodes:
         n.step(0, 20, ago_s=2)
@@ -227,6 +230,33 @@ def test_py_spy_begins_at_the_verdict_and_the_culprit_gets_native_frames(
     text = (tmp_path / "b" / "hang_1" / "rank3.stacks.txt").read_text()
     assert "--- py-spy dump --native ---\nnative frames of 10003" in text
     assert "py-spy" not in (tmp_path / "b" / "hang_1" / "rank2.stacks.txt").read_text()
+    assert not list(Path(b.watch.slots.dir).glob("native.*"))  # the dumps' files are gone
+
+
+@pytest.mark.parametrize("restarts_left", [1, 0])
+def test_a_restart_does_not_wait_for_a_late_py_spy(store, nodes, tmp_path, monkeypatch,
+                                                   restarts_left: int) -> None:
+    """A py-spy (a stand-in) that outlasts NATIVE_RESTART_WAIT_S: the culprit's node restarts
+    without its frames (the stacks file says so) while the dump is still running; with no
+    restart left the run ends, so the node waits for the frames and reports them."""
+    _fake_py_spy(tmp_path, monkeypatch, 3.0)
+    monkeypatch.setattr(_hang, "NATIVE_RESTART_WAIT_S", 0.2)
+    a, b = nodes
+    for n in nodes:
+        n.step(0, 20, ago_s=2)
+        n.step(1, 20, ago_s=2)
+    b.views[1][w.F_STEPS] = 19  # rank 3 fell behind: the culprit
+    assert b.check(store, tmp_path / "b", restarts_left) is None
+    assert a.check(store, tmp_path / "a") is None  # the verdict: frames sent, py-spy begun
+    assert b.check(store, tmp_path / "b", restarts_left) is HangAction.RETRY
+    pid = b.watch._pids[1]
+    done = (tmp_path / f"done.{pid}").exists()
+    text = (tmp_path / "b" / "hang_1" / "rank3.stacks.txt").read_text()
+    if restarts_left:
+        assert not done and "not waited for" in text and "native frames of" not in text
+    else:
+        assert done and f"--- py-spy dump --native ---\nnative frames of {pid}" in text
+    assert a.check(store, tmp_path / "a") is HangAction.RESTART
     assert not list(Path(b.watch.slots.dir).glob("native.*"))  # the dumps' files are gone
 
 

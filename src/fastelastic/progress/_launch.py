@@ -182,9 +182,9 @@ _PYSPY_TIMEOUT_S = 10.0
 
 class NativeDumps:
     """``py-spy dump --native`` of a node's ranks (in parallel, 10 s at most), when py-spy is
-    installed (``fastelastic[debug]``) and not turned off. Begun when the ranks stall, in the
-    background while the other nodes report, and collected at the verdict: a restart never
-    waits for a py-spy begun then (it only waits for what is left of one)."""
+    installed (``fastelastic[debug]``) and not turned off. Begun at the verdict, in the
+    background while the nodes exchange frames; the caller says how long to wait for the rest
+    (``collect``'s ``until``)."""
 
     def __init__(self, pids: dict[int, int], out_dir: str) -> None:
         self.local_ranks = set(pids)
@@ -206,16 +206,21 @@ class NativeDumps:
             except OSError as e:
                 self._errors[lr] = f"py-spy could not start: {e}"
 
-    def collect(self, local_ranks: set[int]) -> dict[int, str]:
-        """The dumps of ``local_ranks`` (waiting for what is left of them); the rest are
-        dropped. ``{}`` without py-spy."""
+    def collect(self, local_ranks: set[int], until: float | None = None) -> dict[int, str]:
+        """The dumps of ``local_ranks``, waiting for what is left of them until ``until``
+        (``time.monotonic()``; at most the dumps' own 10 s); the rest are dropped. ``{}``
+        without py-spy."""
         out = {lr: e for lr, e in self._errors.items() if lr in local_ranks}
+        deadline = self._deadline if until is None else min(until, self._deadline)
         for lr in sorted(local_ranks & set(self._procs)):
             try:
-                self._procs[lr].wait(timeout=max(0.1, self._deadline - time.monotonic()))
+                self._procs[lr].wait(timeout=max(0.0, deadline - time.monotonic()))
                 out[lr] = _read(self._files[lr])
             except subprocess.TimeoutExpired:
-                out[lr] = f"py-spy did not answer within {_PYSPY_TIMEOUT_S:g} s"
+                out[lr] = (f"py-spy did not answer within {_PYSPY_TIMEOUT_S:g} s"
+                           if deadline == self._deadline else
+                           "py-spy had not finished when the restart was due: not waited for"
+                           " (the Python stack above is the rank's own)")
         self.cancel()
         return out
 

@@ -51,6 +51,9 @@ HANG_TIMEOUT_ENV = "FASTELASTIC_HANG_TIMEOUT"
 SUSPEND_ALLOWANCE_S = 600.0  # the longest a save, load or evaluation suspends the verdict
 _KEY = "fastelastic/hang"
 FRAMES_WAIT_S = 10.0  # after the verdict, the longest a node waits for its peers' frames
+# the longest a restart waits for py-spy's native frames, counted from their begin at the
+# verdict (a run that ends waits for them fully): a torch process takes 0.3 s on an idle host
+NATIVE_RESTART_WAIT_S = 0.4
 AUTO = -1.0  # parse_hang_timeout's value for "auto"
 
 
@@ -117,6 +120,7 @@ class HangWatch:
         self._judging_until: float | None = None  # after the verdict: frames published
         self._stacks: dict[int, str] = {}
         self._native: NativeDumps | None = None  # py-spy, begun at the verdict
+        self._native_begun = 0.0  # when (time.monotonic())
         self._published_steps = 0
         self.last_verdict = ""  # the line of the last verdict (for its event)
         # this node's ranks the last verdict blamed: {local_rank: (what it hung in, the path
@@ -177,6 +181,7 @@ class HangWatch:
         reports = {lr: rank_report(self._ranks[lr], self._host, views[lr], now,
                                    self._stacks.get(lr, ""))
                    for lr in sorted(self._pids) if lr in views}
+        self._native_begun = time.monotonic()
         self._native = NativeDumps(
             {lr: self._pids[lr] for lr, r in reports.items() if not r.collective},
             self.slots.dir)
@@ -252,6 +257,42 @@ class HangWatch:
             logger.warning("hang check: the store did not answer (%s); checking again", e)
             return None
 
+    def finished(self, store: Any, group_rank: int, reused_store: bool = False) -> None:
+        """This node's workers succeeded: it reports no rank, stalled or not (its summary and
+        its frames, both empty), so a verdict on the nodes still running can come without it.
+        Never raises: the store may be gone."""
+        if not self._pids:
+            return
+        prefix = f"{_KEY}/{self.verdicts}" if reused_store else _KEY
+        try:
+            store.set(f"{prefix}/frames/{group_rank}", "[]")
+            store.set(f"{prefix}/node/{group_rank}", "[]")
+        except (StoreError, RendezvousError, OSError, ValueError) as e:
+            logger.warning("hang check: could not say this node finished (%s)", e)
+
+    def check_alone(self, log_dir: str | None, restarts_left: int = 0) -> HangAction | None:
+        """The check of a node left alone: the store's host finished its work (its store goes
+        or went with it), so no peer can report; this node's stall is the job's. One look per
+        tick, as ``check``, with no store."""
+        if not self._pids:
+            return None
+        now = time.monotonic_ns()
+        views = self.slots.read_all()
+        steps = sum(v.steps for v in views.values())
+        if self.auto and views:
+            self.intervals.observe(max(v.last_ns for v in views.values()), steps)
+        timeout = self.intervals.timeout_s() if self.auto else self.timeout_s
+        idle = node_stalled(views.values(), now, timeout, self.allowance_s,
+                            end_bound_s(timeout, self.scale))
+        if idle is None:
+            return None
+        self._published = False
+        self._judging_until = None
+        logger.info("hang: no progress on ranks %s for %.1f s, and every other node finished: "
+                    "the job is hung", sorted(self._ranks.values()), idle)
+        reports = self._dump(views, now, idle)
+        return self._act(judge(reports), reports, True, 0, log_dir, restarts_left)
+
     def _judge(self, store: Any, frame_keys: list[str], prefix: str, group_rank: int,
                log_dir: str | None, restarts_left: int) -> HangAction | None:
         """Once every node's frames are in (or ``FRAMES_WAIT_S`` passed: those present),
@@ -290,16 +331,22 @@ class HangWatch:
             self.last_verdict = "at the end of the run (a rank's program had ended): " + (
                 verdict.line)
         logger.error("hang: %s", self.last_verdict)
+        blamed = culprit_here or (not verdict.culprits and first)
         # native frames (py-spy, when installed) of this node's culprits, or of all its ranks
-        # when none stands out, while the processes still exist
+        # when none stands out, while the processes still exist. A restart waits for them
+        # NATIVE_RESTART_WAIT_S from the verdict at most (what is late is left out: the
+        # restart's downtime stays the verdict's); a run that ends waits for them fully.
+        restarting = not at_end and (not blamed or restarts_left > 0)
         named = {lr: pid for lr, pid in self._pids.items()
                  if not verdict.culprits or self._ranks.get(lr) in verdict.culprits}
         t0 = time.monotonic()
         begun, self._native = self._native, None
+        origin = self._native_begun if begun is not None else t0
+        until = origin + NATIVE_RESTART_WAIT_S if restarting else None
         late = set(named) - (begun.local_ranks if begun is not None else set())
         extra = NativeDumps({lr: named[lr] for lr in late}, self.slots.dir) if late else None
-        native = begun.collect(set(named)) if begun is not None else {}
-        native.update(extra.collect(late) if extra is not None else {})
+        native = begun.collect(set(named), until) if begun is not None else {}
+        native.update(extra.collect(late, until) if extra is not None else {})
         if native:
             logger.info("hang: py-spy dumps of %d ranks collected in %.3f s", len(native),
                         time.monotonic() - t0)
@@ -309,7 +356,6 @@ class HangWatch:
         path = self._write(verdict, reports, first, log_dir)
         if path:
             logger.error("hang: stacks in %s", path)
-        blamed = culprit_here or (not verdict.culprits and first)
         self.blamed = self._blame(verdict, reports, path) if blamed else {}
         if at_end:
             logger.error("hang: stopping the workers still running (group_rank=%s); the run "

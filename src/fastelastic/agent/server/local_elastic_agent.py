@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -563,20 +564,29 @@ class LocalElasticAgent(SimpleElasticAgent):
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         self._enter_step(AgentState.RUNNING)
         result = self._check_workers(worker_group)
-        if self._hang is None or result.state == WorkerState.SUCCEEDED or self._store_gone or (
-                getattr(worker_group.spec.rdzv_handler, "store_host_finished", False)):
-            return result  # a node finished (or the store is gone): no verdict can come
-        if result.state != WorkerState.HEALTHY and not self._hang.pending:
-            return result
-        # a node that reported a stall finishes the verdict even once its workers failed: a
-        # peer that restarted first breaks their collectives
+        if self._hang is None or result.state == WorkerState.SUCCEEDED:
+            return result  # this node finished: it says so to the check (_mark_done)
         spec = worker_group.spec
-        action = self._hang.check(
-            worker_group.store, worker_group.group_rank or 0, worker_group.group_world_size or 1,
-            getattr(self._logs_specs, "_run_log_dir", None),
-            reused_store=spec.rdzv_handler.get_backend() == "static",
-            restarts_left=self._remaining_restarts,
-        )
+        log_dir = getattr(self._logs_specs, "_run_log_dir", None)
+        if self._store_gone or getattr(spec.rdzv_handler, "store_host_finished", False):
+            # the store's host finished (its store goes with it): no peer can report, and
+            # this node's stall is the job's
+            if result.state != WorkerState.HEALTHY:
+                return result
+            action = self._hang.check_alone(log_dir, restarts_left=0)
+            if action is not None:
+                self._remaining_restarts = 0  # nothing is left to re-form with
+        elif result.state != WorkerState.HEALTHY and not self._hang.pending:
+            return result
+        else:
+            # a node that reported a stall finishes the verdict even once its workers failed:
+            # a peer that restarted first breaks their collectives
+            action = self._hang.check(
+                worker_group.store, worker_group.group_rank or 0,
+                worker_group.group_world_size or 1, log_dir,
+                reused_store=spec.rdzv_handler.get_backend() == "static",
+                restarts_left=self._remaining_restarts,
+            )
         if action is None:
             return result
         put_metric(f"workers.{spec.role}.hang_verdicts", 1)
@@ -600,6 +610,10 @@ class LocalElasticAgent(SimpleElasticAgent):
         result = pc.wait(0)
         failures = {lr: f for lr, f in (result.failures if result else {}).items()
                     if lr not in stopped_ended}
+        for lr, f in failures.items():
+            if lr not in before and lr in self._hang.blamed:  # stopped for the verdict
+                why, stacks = self._hang.blamed[lr]
+                failures[lr] = dataclasses.replace(f, stopped_for=why, stacks_file=stacks)
         for lr in sorted(stopped_ended):
             logger.warning("[%s] local_rank %s was stopped at the end of the run, after its "
                            "program ended: counted as succeeded", worker_group.spec.role, lr)
@@ -609,6 +623,12 @@ class LocalElasticAgent(SimpleElasticAgent):
                 worker_group.workers[lr].global_rank: f for lr, f in failures.items()})
         return RunResult(state=WorkerState.SUCCEEDED, return_values={
             w.global_rank: None for w in worker_group.workers})
+
+    def _mark_done(self, spec: WorkerSpec) -> None:
+        super()._mark_done(spec)
+        if self._hang is not None and self._worker_group.store is not None:
+            self._hang.finished(self._worker_group.store, self._worker_group.group_rank or 0,
+                                reused_store=spec.rdzv_handler.get_backend() == "static")
 
     def _decide(self, wg: WorkerGroup, state: WorkerState, check_due: bool) -> AgentAction:
         action, self._hang_action = self._hang_action, None

@@ -1,0 +1,13 @@
+"""A script that keeps its gloo group to its end, for plain starts (issue 35 item 3: its end
+can still abort in the interpreter's teardown; benchmarks/results/plain_end35.md)."""
+
+import os
+
+import torch
+import torch.distributed as dist
+
+dist.init_process_group(backend="gloo")
+t = torch.tensor(int(os.environ["RANK"]))
+dist.all_reduce(t, op=dist.ReduceOp.SUM)
+print("sum", int(t.item()), flush=True)
+# the group is left for the interpreter's teardown
