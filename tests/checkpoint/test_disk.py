@@ -14,8 +14,10 @@ import warnings
 from pathlib import Path
 
 import pytest
-from ckpt_testlib import REPO, WORKER, records, restored, saved
+from ckpt_testlib import records, restored, saved
 from jobtree import start_job
+from test_ckpt_job import _argv, _run
+from test_ckpt_job import _env as _job_env
 
 import fastelastic.checkpoint as fc
 from fastelastic.checkpoint import _disk
@@ -24,23 +26,7 @@ pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
 
 def _env(out: Path, **ckpt: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PET_", "TORCHELASTIC_", "CKPT_", "FASTELASTIC_"))}
-    env.update(PYTHONPATH=str(REPO / "src"), CKPT_OUT=str(out), OMP_NUM_THREADS="1",
-               LOGLEVEL="INFO", CKPT_DISK=str(out / "ckpt"))
-    env.update(ckpt)
-    return env
-
-
-def _argv(nproc: int, max_restarts: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "fastelastic.run", "--standalone", "--nproc-per-node",
-            str(nproc), "--max-restarts", str(max_restarts), *extra, str(WORKER)]
-
-
-def _run(argv: list[str], env: dict[str, str], out: Path,
-         timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(argv, env=env, cwd=str(out), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    return _job_env(out, CKPT_DISK=str(out / "ckpt"), **ckpt)
 
 
 def _torch_reads(path: Path, rank: int, width: int = 64) -> tuple[str, dict]:

@@ -207,12 +207,8 @@ class HangWatch:
         except (StoreError, RendezvousError, OSError, ValueError) as e:
             logger.warning("hang check: the store did not answer (%s); checking again", e)
             return None
-        now = time.monotonic_ns()
-        views = self.slots.read_all()
+        now, views, timeout = self._look()
         steps = sum(v.steps for v in views.values())
-        if self.auto and views:
-            self.intervals.observe(max(v.last_ns for v in views.values()), steps)
-        timeout = self.intervals.timeout_s() if self.auto else self.timeout_s
         end_s = end_bound_s(timeout, self.scale)
         if not self._warned:
             self._warn_no_progress(views, now)
@@ -276,12 +272,7 @@ class HangWatch:
         tick, as ``check``, with no store."""
         if not self._pids:
             return None
-        now = time.monotonic_ns()
-        views = self.slots.read_all()
-        steps = sum(v.steps for v in views.values())
-        if self.auto and views:
-            self.intervals.observe(max(v.last_ns for v in views.values()), steps)
-        timeout = self.intervals.timeout_s() if self.auto else self.timeout_s
+        now, views, timeout = self._look()
         idle = node_stalled(views.values(), now, timeout, self.allowance_s,
                             end_bound_s(timeout, self.scale))
         if idle is None:
@@ -292,6 +283,16 @@ class HangWatch:
                     "the job is hung", sorted(self._ranks.values()), idle)
         reports = self._dump(views, now, idle)
         return self._act(judge(reports), reports, True, 0, log_dir, restarts_left)
+
+    def _look(self) -> tuple[int, dict[Any, Any], float]:
+        """(now in ns, this node's ranks' progress slots, the training timeout in force):
+        ``auto`` learns its interval from the slots first."""
+        now = time.monotonic_ns()
+        views = self.slots.read_all()
+        if self.auto and views:
+            self.intervals.observe(max(v.last_ns for v in views.values()),
+                                   sum(v.steps for v in views.values()))
+        return now, views, self.intervals.timeout_s() if self.auto else self.timeout_s
 
     def _judge(self, store: Any, frame_keys: list[str], prefix: str, group_rank: int,
                log_dir: str | None, restarts_left: int) -> HangAction | None:
