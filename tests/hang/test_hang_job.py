@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import re
 import shutil
 import subprocess
@@ -14,7 +15,11 @@ from jobtree import end_job, start_job
 
 from fastelastic.agent.server._hang_verdict import FLOOR_SCALE_ENV
 
+from fastelastic.agent.server._hang_verdict import FLOOR_SCALE_ENV
+
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
+
+FULL = os.environ.get("FASTELASTIC_FULL") == "1"
 
 FUNCS = {"native": "hung_in_native_call", "sleep": "hung_in_sleep",
          "deadlock": "hung_in_deadlock", "loop": "hung_in_python_loop"}
@@ -173,10 +178,15 @@ def test_auto_two_nodes_hang_recovers_within_45_s(tmp_path: Path, need_torch) ->
 
 def test_auto_healthy_job_has_no_verdict(tmp_path: Path, need_torch) -> None:
     """``auto`` on a healthy job: a first step 15 s slower, a 35 s torch.save, 35 s of
-    evaluation and a 12 s pause in the script: zero restarts, from the workers' records."""
-    results = run_job(tmp_path, nproc=2, hang_timeout="auto", slow_first_s=15, save_at=3,
-                      save_s=35, eval_at=6, eval_s=35, pause_at=9, pause_s=12, steps=12,
-                      timeout=400)
+    evaluation and a 12 s pause in the script: zero restarts, from the workers' records. Here
+    with the floors and those times scaled by 0.2 (30 s -> 6 s; the same ratios), unscaled in
+    the full run; ``auto``'s 30 s floor itself is kept at its default by
+    test_auto_two_nodes_hang_recovers_within_45_s."""
+    scale = 1.0 if FULL else 0.2
+    results = run_job(tmp_path, nproc=2, hang_timeout="auto", slow_first_s=15 * scale,
+                      save_at=3, save_s=35 * scale, eval_at=6, eval_s=35 * scale, pause_at=9,
+                      pause_s=12 * scale, steps=12, timeout=400,
+                      extra_env={} if FULL else {FLOOR_SCALE_ENV: str(scale)})
     recs = records(tmp_path)
     _check_finished(results, recs, 2)
     assert {r["restart"] for r in recs} == {0}

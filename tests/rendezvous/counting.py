@@ -29,8 +29,13 @@ class CountingStore:
         return call
 
 
-def run_counted(port: int, run_id: str, n: int, join: float = 60.0) -> list[int]:
-    """Runs ``n`` fast-rendezvous nodes as threads (min = max = n); returns messages per node."""
+def run_counted(port: int, run_id: str, n: int, join: float = 60.0,
+                keep_alive_interval: float = 1.0) -> list[int]:
+    """Runs ``n`` fast-rendezvous nodes as threads (min = max = n); returns messages per node.
+
+    A node waiting for the outcome also looks at its deciders' keep-alives every quarter of
+    the detection window (``keep_alive_interval`` x 5): requests that count the round's
+    length in time, not its size."""
     from fastelastic.rendezvous.fast.fast_rendezvous import FastRendezvousHandler
     from fastelastic.rendezvous.timeouts import RendezvousTimeout
     from fastelastic.store import TCPStore
@@ -38,7 +43,8 @@ def run_counted(port: int, run_id: str, n: int, join: float = 60.0) -> list[int]
     stores = [CountingStore(TCPStore("127.0.0.1", port, timeout=timedelta(seconds=join)))
               for _ in range(n)]
     timeout = RendezvousTimeout(join=timedelta(seconds=join), last_call=timedelta(microseconds=1))
-    handlers = [FastRendezvousHandler(run_id, s, "c10d", n, n, timeout) for s in stores]
+    handlers = [FastRendezvousHandler(run_id, s, "c10d", n, n, timeout,
+                                      keep_alive_interval=keep_alive_interval) for s in stores]
     errors: list[BaseException] = []
 
     def node(h: FastRendezvousHandler) -> None:

@@ -22,7 +22,8 @@ import pytest
 from jobtree import end_job, start_job
 from run_testlib import HERE, REPO, base_env, free_port
 
-pytestmark = [pytest.mark.torch, pytest.mark.slow]
+# alone: the CPU burners load every core, which other tests running beside them must not share
+pytestmark = [pytest.mark.torch, pytest.mark.slow, pytest.mark.alone]
 
 FULL = os.environ.get("FASTELASTIC_FULL") == "1"
 RUN_TIMEOUT = 180.0  # one run, on a busy machine; a hang is far longer
