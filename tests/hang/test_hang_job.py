@@ -15,8 +15,6 @@ from jobtree import end_job, start_job
 
 from fastelastic.agent.server._hang_verdict import FLOOR_SCALE_ENV
 
-from fastelastic.agent.server._hang_verdict import FLOOR_SCALE_ENV
-
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
 FULL = os.environ.get("FASTELASTIC_FULL") == "1"
