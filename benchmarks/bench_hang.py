@@ -255,9 +255,9 @@ def test_hang_recovery(benchmark, request, monkeypatch, tmp_path: Path, kind: st
 def marks():
     """The progress marks installed as a worker has them (a real mapped slot)."""
     from fastelastic.progress import _worker as w
-    from fastelastic.progress._launch import Slots
+    from fastelastic.progress._launch import ProgressSlots
 
-    slots = Slots()
+    slots = ProgressSlots()
     path = slots.prepare([0])[0]
     saved = w._slot
     w._slot = None

@@ -617,6 +617,18 @@ class MultiSim(Sim):
         return max((sum(self.link(n, i) == "ok" for i in counting) for n in self.nodes
                     if n.alive), default=0)
 
+    def last_world_majority_dead(self) -> bool:
+        """Whether some live node's last world (its round formed there, trained or not) has
+        lost a majority of its members to death."""
+        for n in self.nodes:
+            assert isinstance(n, MNode)
+            if n.alive and n.worlds:
+                key, size = list(n.worlds.items())[-1]
+                alive = sum(x.alive for x in self.nodes if key in getattr(x, "worlds", {}))
+                if 2 * alive <= size:
+                    return True
+        return False
+
     def last_world(self) -> tuple[tuple[int, int], int, int] | None:
         """The world that trained last (whose members all trained together latest): (key, its
         size, its members still running)."""

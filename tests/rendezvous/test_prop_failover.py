@@ -144,6 +144,10 @@ BY_DESIGN = {
                               "it, moved with it: they cannot prove the rest gone",
     "candidate-quorum-lost": "no live node reaches a mover's quorum of candidates that count "
                              "(dead, cut, or restarted with too few others to copy from)",
+    "proof-quorum-lost": "a majority of a live node's last world is dead (its round formed, "
+                         "maybe before it trained) and no live node reaches a proof's quorum "
+                         "of candidates: the loss cannot be proven (a rack with half the "
+                         "candidates)",
 }
 
 
@@ -168,6 +172,9 @@ def outcome(s: Schedule) -> tuple[str, str]:
         return "lost-majority-carriers", ""
     if not now and sim.best_reachable_quorum() < hops.mover_quorum(s.ncand):
         return "candidate-quorum-lost", ""
+    if (not now and sim.best_reachable_quorum() < hops.prover_quorum(s.ncand)
+            and sim.last_world_majority_dead()):
+        return "proof-quorum-lost", ""
     return "violation", (f"the late node is not in the world that trains at {sim.clock.t:.1f}: "
                          f"it is in {late.training} (training: {now}; its error: {late.error}; "
                          f"its moves: {late.log})")
