@@ -132,7 +132,8 @@ def test_a_rack_holding_two_of_three_candidates_waits_and_says_why_until_they_co
         line = next(x for x in job.log(0).splitlines() if RULE_LINE in x)
         assert "fewer than 2 of the 3 candidates answer" in line, line
         assert "no failure domain may hold half the candidates" in line, line
-        assert "bring their hosts (or the candidates' stores) back" in line, line
+        assert "bring their hosts (or the candidates' stores, at the same addresses) back" \
+            in line, line
         # a round would form within a second or two (last call 1 s): none does, and the
         # line is not said again each round
         deadline = time.monotonic() + WATCH_S_AFTER_SAID

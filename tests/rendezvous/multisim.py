@@ -471,14 +471,20 @@ class MultiSim(Sim):
             lists = [self.stores[i].get(self.keys.moving, b"") if self.link(node, i) == "ok"
                      else None for i in range(len(self.stores)) if i != node.hosts]
             nonce = b"%d" % (len(self.stores) * (self.restarts[node.hosts] + 1) + node.hosts)
-            self.stores[node.hosts] = {self.keys.moving: sc.encode_started(nonce)}
+            first = (self.stores[0].get(self.keys.moving, b"") if node.hosts != 0
+                     and self.link(node, 0) == "ok" else None)
+            lost = hops.may_have_lost_state(bool(found) and -found[0][0] > 0, lists, first,
+                                            self._no_world_yet(node, node.hosts))
+            self.stores[node.hosts] = {self.keys.moving: sc.encode_started(nonce)} if lost else {}
             self.store_state[node.hosts] = "up"
             self.restarts[node.hosts] += 1
             if found:
                 yield from self._behind(node, found[0][1], -found[0][0])
             entries = hops.sync_entries(lists, len(self.stores),  # read before it hosted
                                         self._no_world_yet(node, node.hosts))
-            if entries is None:
+            if not lost:
+                pass  # a job's start: the store counts at once
+            elif entries is None:
                 self.at(self.clock.t + 1.0, lambda: self._sync(node, node.hosts, nonce))
             else:
                 d = self.stores[node.hosts]

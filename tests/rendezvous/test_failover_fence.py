@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -168,6 +169,17 @@ def _params(ports: list[int], addr: str, defaults: bool = False) -> RendezvousPa
                                 read_timeout=2, last_call_timeout=1, join_timeout=6)
 
 
+def _wait_stopped(pid: int) -> None:
+    """Until ``pid`` is stopped (``T`` in /proc): kill() returns before the stop takes effect,
+    and a server thread running on the other CPU could answer one more request."""
+    for _ in range(1000):  # at most ~10 s
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rpartition(")")[2].split()[0] in ("T", "t"):
+                return
+        time.sleep(0.01)
+    raise AssertionError(f"pid {pid} did not stop")
+
+
 class _FrozenStore:
     """A store in a process of its own, to freeze (SIGSTOP) and thaw."""
 
@@ -230,6 +242,7 @@ def test_a_fenced_mover_does_not_count_as_a_carrier_on_the_successor(nodes, fenc
                     fenced_s1.append(True)
                 elif i == 1 and not entry and fenced_s1:  # the read-back after its fence
                     os.kill(frozen.proc.pid, signal.SIGSTOP)
+                    _wait_stopped(frozen.proc.pid)
                 elif i == 1 and entry.startswith(b"y"):  # the withdrawal: thawed by then
                     os.kill(frozen.proc.pid, signal.SIGCONT)
                 return marks(i, entry)

@@ -161,12 +161,16 @@ class Candidates:
                 log.debug("candidate %s:%d already hosted (%s)", host, port, e)
                 continue
             self.standby_index = i
+            others = {j: raw for j, raw in lists.items() if j != i}
+            if not hops.may_have_lost_state(found is not None, list(others.values()),
+                                            others.get(0), fresh):
+                return  # a job's start: nothing to copy, the store counts at once
             self._nonce = os.urandom(8).hex().encode()
             self._on_standby(_append(self.plan.keys.moving, encode_started(self._nonce)),
                              "mark it as not synced")
             if found is not None:
                 self._behind(*found)
-            if not self._sync({j: raw for j, raw in lists.items() if j != i}, fresh and i != 0):
+            if not self._sync(others, fresh and i != 0):
                 self._syncer = threading.Thread(target=self._sync_until_done, daemon=True,
                                                 name="fastelastic-candidate-sync")
                 self._syncer.start()

@@ -306,6 +306,19 @@ def sync_entries(lists: list[bytes | None], n: int, no_world_yet: bool = False) 
     return b"".join(map(copied_entries, answered))
 
 
+def may_have_lost_state(committed_elsewhere: bool, lists: list[bytes | None],
+                        first: bytes | None, no_world: bool) -> bool:
+    """Whether a candidate host that starts its store may be restarting one that held marks or
+    fences: another candidate holds a committed epoch, or a mark or fence, or the first
+    candidate (``first``: its ``moving`` list, None when it is this one or did not answer)
+    shows a world formed (``no_world``: :func:`no_world_yet`). Only then does the store start
+    not counting, until it is synced. A restarted host that can see none of these (cut from
+    every candidate that saw the rendezvous move) counts at once: the hole that a restart
+    which cannot reach the live store leaves open anyway (``behind``)."""
+    return (committed_elsewhere or any(copied_entries(raw) for raw in lists if raw)
+            or (first is not None and not no_world))
+
+
 def no_world_yet(epoch: int, opened: int, moving: bytes) -> bool:
     """Whether the first candidate, read as its ``epoch``, ``open`` and ``moving`` keys, shows
     that no world formed yet: none formed there (its publisher sets ``open`` with the outcome)
