@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 
 def _runloops() -> int:
@@ -46,7 +47,13 @@ def main() -> None:
     work.wait()
     out["extra_refs_held"] = sys.getrefcount(t) - base
     dist.barrier()
-    out["runloops"] = _runloops()  # named by each thread as it starts: all ran a work by now
+    # each thread names itself once it runs, which on a busy machine may come after the
+    # collectives above (one thread can run them all): give the default two up to 10 s
+    for _ in range(1000):
+        if _runloops() >= 2:
+            break
+        time.sleep(0.01)
+    out["runloops"] = _runloops()
     dist.destroy_process_group()
     out["runloops_after_destroy"] = _runloops()
     out["extra_refs_after_destroy"] = sys.getrefcount(t) - base
