@@ -406,7 +406,7 @@ class LocalElasticAgent(SimpleElasticAgent):
             kwargs["zygote"] = self._zygote
         if self._hang is not None:
             self._hang.prepare(envs)  # the slot of each worker, in its environment
-        self._checkpoint_round(spec.local_world_size)
+        self._checkpoint_round(spec.local_world_size, worker_group)
         self._pcontext = start_processes(
             name=spec.role,
             entrypoint=spec.entrypoint,
@@ -428,16 +428,37 @@ class LocalElasticAgent(SimpleElasticAgent):
             self._worker_watchdog.set_allowed_pids(list(pids.values()))
         return pids
 
-    def _checkpoint_round(self, local_world_size: int) -> None:
+    def _checkpoint_round(self, local_world_size: int, wg: WorkerGroup | None = None) -> None:
         """Begins a round of the checkpoint memory: it outlives the workers (a restart restores
-        from it) and ends with the agent; workers find it by this process's pid."""
+        from it) and ends with the agent; workers find it by this process's pid. With several
+        nodes, the round's restore step is agreed with the other agents in the round's store
+        (``checkpoint._across``)."""
         if not self._checkpoint_tried:
             self._checkpoint_tried = True
             from fastelastic.checkpoint._owner import from_env
 
             self._checkpoint = from_env()  # None with FASTELASTIC_CHECKPOINT=0
-        if self._checkpoint is not None:
-            self._checkpoint.start_round(local_world_size)
+        several = wg is not None and (wg.group_world_size or 1) > 1 and wg.store is not None
+        if several and self._checkpoint is None:
+            from fastelastic.checkpoint._across import publish_nothing
+
+            assert wg is not None
+            publish_nothing(wg.store, wg.group_rank or 0)
+        if self._checkpoint is None:
+            return
+        ranks = {w.local_rank: w.global_rank for w in wg.workers} if wg is not None else {}
+        world = wg.workers[0].world_size if wg is not None and wg.workers else 0
+        if not several:
+            self._checkpoint.start_round(local_world_size, None, ranks, world)
+            return
+        from fastelastic.checkpoint._across import Agreement
+
+        assert wg is not None
+        limit = getattr(wg.store, "timeout", None)
+        agree = Agreement(wg.store, wg.group_rank or 0, wg.group_world_size or 1,
+                          limit.total_seconds() if limit is not None else 600.0,
+                          getattr(wg.spec.rdzv_handler, "wait_members", None))
+        self._checkpoint.start_round(local_world_size, agree, ranks, world)
 
     def _log_numa_binding(self, spec: WorkerSpec) -> None:
         """Logs the CPUs of each local rank (and keeps the line for ``fastelastic watch``)."""

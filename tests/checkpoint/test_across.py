@@ -1,0 +1,88 @@
+"""End to end, several nodes: two fastrun agents on this host (2 nodes x 2 ranks, loopback),
+workers that save into their agent's memory every step in a gloo group, one rank killed: every
+rank of both nodes restores one step, agreed across the agents in the round's store."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from ckpt_testlib import REPO, WORKER, records
+from jobtree import start_job
+
+pytestmark = [pytest.mark.torch, pytest.mark.slow]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _env(out: Path, **ckpt: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PET_", "TORCHELASTIC_", "CKPT_", "FASTELASTIC_"))}
+    env.update(PYTHONPATH=str(REPO / "src"), CKPT_OUT=str(out), OMP_NUM_THREADS="1",
+               LOGLEVEL="INFO", CKPT_SYNC="1")
+    env.update(ckpt)
+    return env
+
+
+def _two_nodes(out: Path, env: dict[str, str], port: int, max_restarts: int = 1,
+               timeout: float = 240) -> list[tuple[int, str]]:
+    procs = []
+    for node in range(2):
+        argv = [sys.executable, "-m", "fastelastic.run", "--nnodes", "2", "--node-rank",
+                str(node), "--nproc-per-node", "2", "--max-restarts", str(max_restarts),
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                "--rdzv-id", f"across-{port}", "--monitor-interval", "0.1", str(WORKER)]
+        procs.append(start_job(argv, env=env, cwd=str(out), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True))
+    res = []
+    for p in procs:
+        stdout, _ = p.communicate(timeout=timeout)
+        res.append((p.returncode, stdout))
+    return res
+
+
+def _lives(recs: list[dict], rank: int) -> list[dict]:
+    """``rank``'s "restored" records, one per life, in order (a node restarted for another
+    node's failure keeps its restart count: the pid tells the lives apart)."""
+    return sorted((r for r in recs if r["event"] == "restored" and r["rank"] == rank),
+                  key=lambda r: r["t"])
+
+
+def _saved_by(recs: list[dict], pid: int) -> dict[int, str]:
+    return {r["step"]: r["digest"] for r in recs if r["event"] == "saved" and r["pid"] == pid}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", ["after_save", "mid_save"])
+def test_a_rank_killed_on_one_node_every_rank_of_both_restores_one_step(
+        tmp_path: Path, need_torch, how: str) -> None:
+    # after_save: rank 3 (node 1) dies right after its save of step 5; the others wait for it
+    # in the step-6 barrier, so every rank holds step 5 whole, and nothing is lost.
+    # mid_save: rank 3 dies writing step 6, after the barrier: node 0 holds step 6 whole on its
+    # own ranks (one node's rule would restore 6 there and 5 on node 1); the agents agree on 5
+    crash_at = "5" if how == "after_save" else "6"
+    env = _env(tmp_path, CKPT_STEPS="9", CKPT_CRASH_AT=crash_at, CKPT_CRASH_RANK="3",
+               CKPT_CRASH_HOW=how, CKPT_STEP_S="0.05")
+    res = _two_nodes(tmp_path, env, _free_port())
+    assert all(rc == 0 for rc, _ in res), "\n".join(out[-3000:] for _, out in res)
+    recs = records(tmp_path)
+    firsts = {rank: _lives(recs, rank)[0] for rank in range(4)}
+    if how == "mid_save":
+        assert 6 in _saved_by(recs, firsts[0]["pid"]), "node 0 never held step 6: no test"
+    for rank in range(4):
+        first, second = _lives(recs, rank)[:2]
+        assert first["step"] is None, first
+        assert second["step"] == 5, (rank, second)  # one step, the same on every rank
+        assert second["digest"] == _saved_by(recs, first["pid"])[5], rank  # bit for bit
+    done = {r["rank"] for r in recs if r["event"] == "done"}
+    assert done == set(range(4))
+    for _rc, out in res:
+        assert "this round restores step 5 on every rank" in out, out[-3000:]
