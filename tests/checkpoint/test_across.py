@@ -9,10 +9,11 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from ckpt_testlib import REPO, WORKER, records
-from jobtree import start_job
+from jobtree import end_job, start_job, wait_until
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
@@ -86,3 +87,59 @@ def test_a_rank_killed_on_one_node_every_rank_of_both_restores_one_step(
     assert done == set(range(4))
     for _rc, out in res:
         assert "this round restores step 5 on every rank" in out, out[-3000:]
+
+
+def _start_node(out: Path, env: dict[str, str], port: int, node: int, log: Path) -> Any:
+    argv = [sys.executable, "-m", "fastelastic.run", "--nnodes", "2", "--node-rank", str(node),
+            "--nproc-per-node", "2", "--max-restarts", "3", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"loss-{port}",
+            "--monitor-interval", "0.1", str(WORKER)]
+    return start_job(argv, env=env, cwd=str(out), stdout=log.open("w"),
+                     stderr=subprocess.STDOUT)
+
+
+def _newest_by_all(recs: list[dict], pids: dict[int, int]) -> int:
+    """The newest step every rank's life ``pids[rank]`` recorded as saved."""
+    return min(max(r["step"] for r in recs if r["event"] == "saved" and r["pid"] == pid)
+               for pid in pids.values())
+
+
+@pytest.mark.timeout(300)
+def test_a_node_sigkilled_and_replaced_restores_from_the_other_node_s_memory(
+        tmp_path: Path, need_torch) -> None:
+    """2 nodes x 2 ranks, a save every step, each node's shards copied to the other's agent;
+    node 1's agent and workers SIGKILLed, a new node 1 started: every rank restores one step,
+    at most one lost, node 1's ranks from node 0's memory over TCP (no disk in this job)."""
+    env = _env(tmp_path, CKPT_STEPS="40", CKPT_STEP_S="0.25")
+    port = _free_port()
+    logs = [tmp_path / "node0.log", tmp_path / "node1.log", tmp_path / "node1b.log"]
+    node0 = _start_node(tmp_path, env, port, 0, logs[0])
+    node1 = _start_node(tmp_path, env, port, 1, logs[1])
+
+    def saved_to(step: int) -> bool:
+        recs = records(tmp_path)
+        return all(any(r["event"] == "saved" and r["rank"] == k and r["step"] >= step
+                       for r in recs) for k in range(4))
+
+    assert wait_until(lambda: saved_to(8), 150), logs[1].read_text()[-3000:]
+    assert "checkpoint copy: port" in logs[1].read_text()
+    end_job(node1)  # SIGKILL: node 1's agent, its memory and its workers
+    recs = records(tmp_path)
+    firsts = {k: _lives(recs, k)[0] for k in range(4)}
+    newest = _newest_by_all(recs, {k: firsts[k]["pid"] for k in range(4)})
+    node1 = _start_node(tmp_path, env, port, 1, logs[2])
+    for p in (node0, node1):
+        assert p.wait(timeout=200) == 0, "\n".join(f.read_text()[-3000:] for f in logs)
+    recs = records(tmp_path)
+    back = {k: _lives(recs, k)[1] for k in range(4)}
+    steps = {b["step"] for b in back.values()}
+    assert len(steps) == 1, back  # one step on every rank
+    (step,) = steps
+    assert step is not None and step >= newest - 1, (step, newest)  # at most one step lost
+    for k in range(4):
+        before = _saved_by(recs, firsts[k]["pid"])
+        if k < 2 or step in before:  # a SIGKILLed rank may not have noted its last save
+            assert back[k]["digest"] == before[step], k  # bit for bit
+    fresh = logs[2].read_text()
+    assert f"restores step {step} from" in fresh and "'s memory" in fresh, fresh[-3000:]
+    assert {r["rank"] for r in recs if r["event"] == "done"} == set(range(4))

@@ -30,7 +30,8 @@ _SLICE_S = 0.5  # a wait on the store is cut into slices: the connection is shar
 
 
 class Agreement:
-    """``agree(held) -> (RestorePick, group rank)`` for one round (``MemoryOwner.start_round``).
+    """``agree(held) -> (RestorePick, group rank, every agent's Held)`` for one round
+    (``MemoryOwner.start_round``).
 
     Args:
         store: the round's store (the agents' own, prefixed per round).
@@ -48,7 +49,7 @@ class Agreement:
         self.timeout = timeout
         self.wait_members = wait_members
 
-    def __call__(self, held: Held) -> tuple[RestorePick, int]:
+    def __call__(self, held: Held) -> tuple[RestorePick, int, list[Optional[Held]]]:
         """Publishes ``held``, reads every agent's and applies the rule.
 
         Raises:
@@ -82,7 +83,7 @@ class Agreement:
                 logger.error("checkpoint memory: the holdings of agent %s are unreadable (%s): "
                              "counted as none", i, e)
                 helds.append(None)
-        return restore_rule(helds), self.group_rank
+        return restore_rule(helds), self.group_rank, helds
 
 
 def publish_nothing(store: Any, group_rank: int) -> None:

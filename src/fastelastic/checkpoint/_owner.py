@@ -186,6 +186,8 @@ class MemoryOwner:
         self._agree: Any = None  # this round's exchange across nodes (None: one node)
         self._unserved: dict[int, str] = {}  # local rank -> why this round cannot restore it
         self._broken = False  # the round could not fix its step: it neither saves nor restores
+        self.copier: Any = None  # ``_copy.Copier``: the copy on another node (several nodes)
+        self.copy_to = 1  # the copy goes to the agent this many group ranks on (0: none)
         self.name = name or f"{NAME_PREFIX}{os.getpid()}"
         self.path = "\0" + self.name
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -319,6 +321,8 @@ class MemoryOwner:
                 pass
         for t in self._threads:
             t.join(timeout=5)
+        if self.copier is not None:
+            self.copier.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         with self._cond:
@@ -383,11 +387,20 @@ class MemoryOwner:
         with self._cond:
             shards = tuple(HeldShard(b.rank, b.world, b.step, b.era, b.gen)
                            for b in (self._ranks[lr][i] for lr, i in good) if b.state == SEALED)
+        copier = self.copier
+        if copier is not None:
+            shards += tuple(HeldShard(c[0], c[1], c[2], c[3], c[4], True) for c in copier.held())
         picks: dict[int, int] = {}
         unserved: dict[int, str] = {}
         step: Optional[int] = None
+        fetch: dict[int, tuple[int, str]] = {}  # local rank -> (global rank, where its shard is)
         try:
-            pick, me = agree(Held(era, shards))
+            pick, me, helds = agree(Held(era, shards, addr=copier.address if copier else ""))
+            if copier is not None:
+                n = len(helds)
+                to = (me + self.copy_to) % n if self.copy_to and n > 1 else me
+                peer = helds[to] if to != me else None
+                copier.set_target(peer.addr if peer is not None and peer.addr else None)
         except Exception as e:  # noqa: BLE001 - the round cannot fix a step: say why, serve none
             why = (f"the restore step across nodes could not be fixed ({type(e).__name__}: "
                    f"{e}); this round restores nothing and saves nothing")
@@ -409,16 +422,27 @@ class MemoryOwner:
                                         "memory into another world is not built yet")
                     elif src is not None and src == (me, False) and idx is not None:
                         picks[lr] = idx
+                    elif (src is not None and src[0] != me and copier is not None
+                          and helds[src[0]] is not None and helds[src[0]].addr):  # type: ignore
+                        fetch[lr] = (g, helds[src[0]].addr)  # type: ignore[union-attr]
                     else:
                         where = (f"node {src[0]}'s memory ({'a copy' if src[1] else 'its own'})"
                                  if src is not None else "no memory")
                         unserved[lr] = (f"global rank {g}'s shard of step {step} is in {where}, "
                                         "not this local rank's: restoring it from there is not "
                                         "built yet")
+        for lr, (g, addr) in fetch.items():  # a replaced node: from the copy's agent, over TCP
+            try:
+                picks[lr] = self._fetch(lr, g, pick.step, pick.step_era, pick.world, addr)
+            except Exception as e:  # noqa: BLE001 - said in one line; this rank cannot restore
+                unserved[lr] = (f"global rank {g}'s shard of step {step} could not be fetched "
+                                f"from {addr}: {e}")
         with self._cond:
             if self._round != rnd:
                 return
             if step is not None and step >= 0:
+                if copier is not None:
+                    copier.drop_after(step)
                 self.era = pick.era
                 for bufs_lr, bufs in self._ranks.items():
                     for i, b in enumerate(bufs):
@@ -438,6 +462,49 @@ class MemoryOwner:
                         time.monotonic() - t0)
             for lr, why in sorted(unserved.items()):
                 logger.error("checkpoint memory: local rank %s: %s", lr, why)
+
+    def _fetch(self, lr: int, g: int, step: Any, era: int, world: int, addr: str) -> int:
+        """Fetches global rank ``g``'s shard of ``step`` from the agent at ``addr`` into a
+        buffer of local rank ``lr``; its MAC is checked before any worker may map it.
+        Returns the buffer's index.
+
+        Raises:
+            CheckpointError, CopyError, OSError: not fetched (the message says why).
+        """
+        t0 = time.monotonic()
+        with self._cond:
+            bufs = self._ranks.setdefault(lr, [_Buf(), _Buf()])
+            idx = next((i for i, b in enumerate(bufs) if not b.valid()), 0)
+            bufs[idx].state = WRITING
+
+        def sink(head: dict[str, Any]) -> Any:
+            with self._cond:
+                if bufs[idx].capacity < int(head["total"]):
+                    self._grow(lr, bufs, idx, int(head["total"]))
+                return bufs[idx].mm
+
+        try:
+            head = self.copier.fetch(addr, g, int(step), era, sink)
+            b = bufs[idx]
+            assert b.mm is not None
+            h = _format.unpack_header(b.mm, b.capacity)
+            with self._cond:
+                b.step, b.gen, b.total, b.mac = h.step, h.generation, h.total, h.mac
+                b.era, b.world, b.rank, b.dcp = era, world, h.rank, None
+                b.state = SEALED
+                self._gen = max(self._gen, h.generation)
+            if (h.step, h.rank, h.local_rank, int(head["gen"])) != (step, g, lr, h.generation):
+                raise CheckpointError(f"the fetched shard is step {h.step} of rank {h.rank} "
+                                      f"(local rank {h.local_rank})")
+            if not self._verify(lr, idx):
+                raise CheckpointError("the fetched shard failed its MAC")
+        except BaseException:
+            with self._cond:
+                bufs[idx].state = BAD
+            raise
+        logger.info("checkpoint memory: local rank %s restores step %s from %s's memory (%s in "
+                    "%.3f s)", lr, step, addr, _room.fmt_bytes(h.total), time.monotonic() - t0)
+        return idx
 
     def _verify(self, lr: int, idx: int) -> bool:
         """Recomputes a sealed shard's MAC; a mismatch marks it BAD (never to be unpickled)."""
@@ -494,6 +561,7 @@ class MemoryOwner:
                     continue
                 mm, total = b.mm, b.total
             mac = _format.compute_mac(self._key, mm, total, self._hash_pool())
+            copier = None
             with self._cond:
                 if b.state == COMMITTED and b.gen == gen and not self._closed:
                     mm[_format.MAC_OFFSET:_format.MAC_OFFSET + _format.MAC_SIZE] = mac
@@ -501,6 +569,9 @@ class MemoryOwner:
                     b.state = SEALED
                     self._queue_disk(b.step)
                     self._cond.notify_all()
+                    copier = self.copier if self._agree is not None else None
+            if copier is not None:
+                copier.offer(lr, idx, gen)  # behind training: the save never waits for it
 
     # ------------------------------------------------------------------ the disk
 

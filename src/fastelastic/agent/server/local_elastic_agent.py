@@ -454,11 +454,36 @@ class LocalElasticAgent(SimpleElasticAgent):
         from fastelastic.checkpoint._across import Agreement
 
         assert wg is not None
+        self._checkpoint_copier(wg)
         limit = getattr(wg.store, "timeout", None)
         agree = Agreement(wg.store, wg.group_rank or 0, wg.group_world_size or 1,
                           limit.total_seconds() if limit is not None else 600.0,
                           getattr(wg.spec.rdzv_handler, "wait_members", None))
         self._checkpoint.start_round(local_world_size, agree, ranks, world)
+
+    def _checkpoint_copier(self, wg: WorkerGroup) -> None:
+        """The checkpoint memory's copy port (several nodes; ``--checkpoint-copy-to``)."""
+        memory = self._checkpoint
+        if memory is None or memory.copier is not None or memory.copy_to == -1:
+            return
+        from fastelastic.checkpoint import _room
+        from fastelastic.checkpoint._copy import COPY_RATE_ENV, COPY_TO_ENV, Copier, parse_copy_to
+
+        memory.copy_to = parse_copy_to(os.environ.get(COPY_TO_ENV, "next"))
+        if memory.copy_to == 0:
+            memory.copy_to = -1  # off: asked once
+            return
+        rate = os.environ.get(COPY_RATE_ENV, "").strip()
+        host = getattr(wg.spec.rdzv_handler, "_local_addr", "") or socket.getfqdn()
+        try:
+            memory.copier = Copier(memory, rate=float(_room.parse_bytes(rate)) if rate else 0.0,
+                                   advertise=host)
+        except (OSError, ValueError) as e:
+            logger.error("checkpoint copy: no copy port (%s): a node's loss loses its shards", e)
+            memory.copy_to = -1
+            return
+        logger.info("checkpoint copy: port %s; each local shard is copied to the agent %s "
+                    "node(s) on in rank order", memory.copier.address, memory.copy_to)
 
     def _log_numa_binding(self, spec: WorkerSpec) -> None:
         """Logs the CPUs of each local rank (and keeps the line for ``fastelastic watch``)."""

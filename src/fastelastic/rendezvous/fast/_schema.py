@@ -635,11 +635,13 @@ class HeldShard(NamedTuple):
 
 
 class Held(NamedTuple):
-    """An agent's publication: its era (of the last round it fixed), its shards, and the
-    newest step whole on the disk it wrote as ``(step, world)`` (or None)."""
+    """An agent's publication: its era (of the last round it fixed), its shards, the
+    newest step whole on the disk it wrote as ``(step, world)`` (or None), and the
+    ``host:port`` of its copy port (empty: none)."""
     era: int
     shards: tuple[HeldShard, ...] = ()
     disk: tuple[int, int] | None = None
+    addr: str = ""
 
 
 class RestorePick(NamedTuple):
@@ -655,9 +657,13 @@ class RestorePick(NamedTuple):
 
 
 def encode_held(held: Held) -> bytes:
-    """``e<era>`` then ``;d<step>,<world>`` (the disk) and ``;o|c<rank>,<world>,<step>,<era>,
-    <gen>`` per shard (``o``: its own, ``c``: a copy)."""
+    """``e<era>`` then ``;a<host:port>`` (its copy port), ``;d<step>,<world>`` (the disk) and
+    ``;o|c<rank>,<world>,<step>,<era>,<gen>`` per shard (``o``: its own, ``c``: a copy)."""
+    if ";" in held.addr:
+        raise ValueError(f"a copy port's address with a ';': {held.addr!r}")
     parts = [b"e%d" % held.era]
+    if held.addr:
+        parts.append(b"a" + held.addr.encode())
     if held.disk is not None:
         parts.append(b"d%d,%d" % held.disk)
     for s in held.shards:
@@ -678,8 +684,12 @@ def parse_held(raw: bytes) -> Held:
         raise ValueError(f"checkpoint holdings without an era: {raw[:40]!r}")
     era = int(parts[0][1:])
     disk = None
+    addr = ""
     shards = []
     for p in parts[1:]:
+        if p[:1] == b"a":
+            addr = p[1:].decode()
+            continue
         kind, fields = p[:1], [int(x) for x in p[1:].split(b",")]
         if kind == b"d" and len(fields) == 2:
             disk = (fields[0], fields[1])
@@ -690,7 +700,7 @@ def parse_held(raw: bytes) -> Held:
             shards.append(HeldShard(rank, world, step, sera, gen, kind == b"c"))
         else:
             raise ValueError(f"bad checkpoint holdings entry {p[:40]!r}")
-    return Held(era, tuple(shards), disk)
+    return Held(era, tuple(shards), disk, addr)
 
 
 def restore_rule(helds: list[Held | None]) -> RestorePick:
