@@ -104,13 +104,16 @@ def _newest_by_all(recs: list[dict], pids: dict[int, int]) -> int:
                for pid in pids.values())
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 def test_a_node_sigkilled_and_replaced_restores_from_the_other_node_s_memory(
         tmp_path: Path, need_torch) -> None:
     """2 nodes x 2 ranks, a save every step, each node's shards copied to the other's agent;
     node 1's agent and workers SIGKILLed, a new node 1 started: every rank restores one step,
     at most one lost, node 1's ranks from node 0's memory over TCP (no disk in this job)."""
-    env = _env(tmp_path, CKPT_STEPS="40", CKPT_STEP_S="0.25")
+    # CKPT_LOSS_WIDTH / CKPT_LOSS_STEP_S / CKPT_LOSS_STEPS: a larger state, for the figure
+    env = _env(tmp_path, CKPT_STEPS=os.environ.get("CKPT_LOSS_STEPS", "40"),
+               CKPT_STEP_S=os.environ.get("CKPT_LOSS_STEP_S", "0.25"),
+               CKPT_WIDTH=os.environ.get("CKPT_LOSS_WIDTH", "64"))
     port = _free_port()
     logs = [tmp_path / "node0.log", tmp_path / "node1.log", tmp_path / "node1b.log"]
     node0 = _start_node(tmp_path, env, port, 0, logs[0])
@@ -121,7 +124,7 @@ def test_a_node_sigkilled_and_replaced_restores_from_the_other_node_s_memory(
         return all(any(r["event"] == "saved" and r["rank"] == k and r["step"] >= step
                        for r in recs) for k in range(4))
 
-    assert wait_until(lambda: saved_to(8), 150), logs[1].read_text()[-3000:]
+    assert wait_until(lambda: saved_to(8), 600), logs[1].read_text()[-3000:]
     assert "checkpoint copy: port" in logs[1].read_text()
     end_job(node1)  # SIGKILL: node 1's agent, its memory and its workers
     recs = records(tmp_path)
@@ -129,7 +132,7 @@ def test_a_node_sigkilled_and_replaced_restores_from_the_other_node_s_memory(
     newest = _newest_by_all(recs, {k: firsts[k]["pid"] for k in range(4)})
     node1 = _start_node(tmp_path, env, port, 1, logs[2])
     for p in (node0, node1):
-        assert p.wait(timeout=200) == 0, "\n".join(f.read_text()[-3000:] for f in logs)
+        assert p.wait(timeout=600) == 0, "\n".join(f.read_text()[-3000:] for f in logs)
     recs = records(tmp_path)
     back = {k: _lives(recs, k)[1] for k in range(4)}
     steps = {b["step"] for b in back.values()}
@@ -142,4 +145,7 @@ def test_a_node_sigkilled_and_replaced_restores_from_the_other_node_s_memory(
             assert back[k]["digest"] == before[step], k  # bit for bit
     fresh = logs[2].read_text()
     assert f"restores step {step} from" in fresh and "'s memory" in fresh, fresh[-3000:]
+    fetched = [line.split("] ", 1)[-1] for line in fresh.splitlines() if "'s memory (" in line]
+    print(f"node lost after every rank saved step {newest}; restored step {step}; "
+          + "; ".join(fetched))
     assert {r["rank"] for r in recs if r["event"] == "done"} == set(range(4))

@@ -70,6 +70,8 @@ def test_a_sealed_shard_is_copied_and_fetched_back_bit_for_bit(pair) -> None:
     st = ca.stats()
     assert (st["copies"], st["bytes"], st["dropped"]) == (1, src.total, 0)
     assert st["cpu_s"]["send"] > 0 and cb.stats()["cpu_s"]["serve"] > 0  # its own CPU time
+    assert ca.summary().startswith("1 copies sent (9.0 MiB") and "CPU" in ca.summary()
+    assert "9.0 MiB of copies held" in cb.summary() or "10.0 MiB of copies held" in cb.summary()
     with pytest.raises(CopyError, match="no copy of rank 2's step 6"):
         ca.fetch(cb.address, 2, 6, 1, lambda h: bytearray(int(h["total"])))
 

@@ -27,6 +27,7 @@ import logging
 import mmap
 import os
 import queue
+import select
 import socket
 import struct
 import threading
@@ -123,6 +124,24 @@ def _send_from(sock: socket.socket, mm: Any, total: int,
             sock.sendall(view[off:off + n])
     finally:
         view.release()
+
+
+def _sendfile(sock: socket.socket, fd: int, total: int,
+              pace: Optional[Callable[[int], None]] = None) -> None:
+    off = 0
+    while off < total:
+        n = min(_CHUNK, total - off)
+        if pace is not None:
+            pace(n)
+        try:
+            sent = os.sendfile(sock.fileno(), fd, off, n)
+        except BlockingIOError:  # a socket with a timeout is non-blocking underneath
+            if not select.select([], [sock], [], _IO_TIMEOUT_S)[1]:
+                raise CopyError(f"the peer read nothing for {_IO_TIMEOUT_S:.0f} s") from None
+            continue
+        if sent == 0:
+            raise CopyError("the buffer ended before the shard")
+        off += sent
 
 
 def _answer(key: bytes, challenge: bytes) -> bytes:
@@ -224,7 +243,17 @@ class Copier:
             return {"cpu_s": dict(self.cpu_s), **self.sent,
                     "held": sum(c.capacity for cs in self.copies.values() for c in cs)}
 
+    def summary(self) -> str:
+        """One line: copies sent and dropped, bytes, copies held here and this port's CPU time."""
+        st = self.stats()
+        cpu = st["cpu_s"]
+        return (f"{st['copies']} copies sent ({_room.fmt_bytes(st['bytes'])}), {st['dropped']} "
+                f"dropped; {_room.fmt_bytes(st['held'])} of copies held for another node; CPU "
+                f"{cpu['send']:.2f} s sending, {cpu['serve']:.2f} s receiving and serving, "
+                f"{cpu['receive']:.2f} s fetching")
+
     def close(self) -> None:
+        logger.info("checkpoint copy: %s", self.summary())
         self._stop.set()
         self._wake.put(None)
         try:
@@ -293,7 +322,10 @@ class Copier:
             b = own._ranks[lr][idx]
             if b.state != SEALED or b.gen != gen or b.mm is None:
                 return  # a newer save took the buffer: its own offer follows
-            mm, total = b.mm, b.total
+            # its own descriptor of the buffer: a save that grows it meanwhile replaces the file
+            # and leaves this one whole (closed below); one that writes over it in place
+            # changes the bytes, and the receiver's MAC check drops that copy
+            fd, total = os.dup(b.fd), b.total
             head = {"op": "put", "rank": b.rank, "world": b.world, "step": b.step,
                     "era": b.era, "gen": b.gen, "total": total, "mac": b.mac.hex()}
         with self.lock:
@@ -312,10 +344,11 @@ class Copier:
             from fastelastic.checkpoint._disk import Pacer
 
             pace = Pacer(self.rate, threading.Event(), self._stop)
-        _send_head(conn, head)
-        # a save that reuses the buffer meanwhile changes the bytes: the receiver's MAC check
-        # drops that copy (the save is never held up by a copy)
-        _send_from(conn, mm, total, pace)
+        try:
+            _send_head(conn, head)
+            _sendfile(conn, fd, total, pace)  # the kernel copies: no pass through this process
+        finally:
+            os.close(fd)
         reply = _recv_head(conn)
         if not reply.get("ok"):
             raise CopyError(str(reply.get("error")))

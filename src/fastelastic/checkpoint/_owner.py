@@ -456,6 +456,8 @@ class MemoryOwner:
             self._fixed = True
             self.last_restore = {"step": step, "verify_s": time.monotonic() - t0}
             self._cond.notify_all()
+        if copier is not None:
+            logger.info("checkpoint copy: %s", copier.summary())
         if step is not None and step >= 0:
             logger.info("checkpoint memory: this round restores step %s on every rank (%s local "
                         "ranks served here; %.3f s to check and agree)", step, len(picks),
