@@ -80,6 +80,21 @@ def substitute_local_rank(args: tuple, local_rank: int) -> tuple:
     return tuple(macros.substitute(list(args), str(local_rank)))
 
 
+def _route_to(host: str) -> str:
+    """This host's address on the route to ``host`` (the rendezvous store's): the address
+    other nodes reach this one at, where no ``--local-addr`` names it ("" if unknown)."""
+    if not host:
+        return ""
+    try:
+        infos = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)
+        family, _t, _p, _c, addr = infos[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(addr)  # a datagram socket's connect sends nothing: it picks the route
+            return str(s.getsockname()[0])
+    except (OSError, IndexError):
+        return ""
+
+
 class LocalElasticAgent(SimpleElasticAgent):
     """Handles the host-local workers of one ``WorkerSpec`` (torch's ``LocalElasticAgent``).
 
@@ -474,7 +489,9 @@ class LocalElasticAgent(SimpleElasticAgent):
             memory.copy_to = -1  # off: asked once
             return
         rate = os.environ.get(COPY_RATE_ENV, "").strip()
-        host = getattr(wg.spec.rdzv_handler, "_local_addr", "") or socket.getfqdn()
+        handler = wg.spec.rdzv_handler
+        host = getattr(handler, "_local_addr", "") or _route_to(
+            str(getattr(handler, "_bootstrap_addr", "") or "")) or socket.getfqdn()
         try:
             memory.copier = Copier(memory, rate=float(_room.parse_bytes(rate)) if rate else 0.0,
                                    advertise=host)
