@@ -121,3 +121,25 @@ def test_copy_to_values() -> None:
     for bad in ("prev", "+0", "2", "+x"):
         with pytest.raises(ValueError, match="--checkpoint-copy-to"):
             parse_copy_to(bad)
+
+
+def test_a_sender_killed_mid_copy_leaves_no_slot_taken(pair) -> None:
+    (a, _b), (ca, cb) = pair
+    host, port = cb.address.rsplit(":", 1)
+    for _ in range(2):  # each slot once: neither is left taken by a copy that never ended
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            challenge = s.recv(32)
+            s.sendall(hmac.new(TOKEN, b"fastelastic.checkpoint.copy/1" + challenge,
+                               "sha256").digest())
+            (n,) = struct.unpack("<I", s.recv(4))
+            s.recv(n)
+            head = (b'{"op":"put","rank":1,"world":2,"step":4,"era":1,"gen":3,'
+                    b'"total":4194304,"mac":"' + b"00" * 32 + b'"}')
+            s.sendall(struct.pack("<I", len(head)) + head + b"x" * (1 << 20))
+        # closed with 3 MiB of the shard unsent: the sender's node died mid-copy
+    ca.set_target(cb.address)
+    for step in (5, 6, 7):  # three copies of the same rank: both slots in turn
+        src = _seal(a, 0, step, 1, 2, os.urandom(2 * MB))
+        ca.offer(0, 0, src.gen)
+        assert wait_until(lambda s=step: (1, 2, s, 1, 7 + s) in cb.held(), 30), ca.stats()
+    assert sorted(x[2] for x in cb.held()) == [6, 7] and ca.stats()["dropped"] == 0

@@ -429,17 +429,20 @@ class Copier:
         if not (0 <= rank < world and _format.HEADER_SIZE <= total):
             raise CopyError(f"a copy's head out of range: {head}")
         c = self._slot_for(rank, total)  # raises: no room (then the connection ends)
-        assert c.mm is not None
-        _recv_into(conn, c.mm, total)
+        ok = False
         try:
+            assert c.mm is not None
+            _recv_into(conn, c.mm, total)  # raises: the sender died mid-copy
             h = _format.unpack_header(c.mm, c.capacity)
             ok = ((h.step, h.generation, h.rank, h.total) == (step, gen, rank, total)
                   and hmac.compare_digest(h.mac, mac)
                   and hmac.compare_digest(_format.compute_mac(self.key, c.mm, total), mac))
         except _format.ShardError:
             ok = False
+        finally:
+            with self.lock:
+                c.busy -= 1  # the slot is free again whatever happened to the copy
         with self.lock:
-            c.busy -= 1
             if not ok:
                 logger.warning("checkpoint copy: rank %s's step %s failed its check on receipt: "
                                "dropped", rank, step)
