@@ -10,6 +10,7 @@ import mmap
 import os
 import socket
 import struct
+import time
 
 import pytest
 from jobtree import wait_until
@@ -143,3 +144,15 @@ def test_a_sender_killed_mid_copy_leaves_no_slot_taken(pair) -> None:
         ca.offer(0, 0, src.gen)
         assert wait_until(lambda s=step: (1, 2, s, 1, 7 + s) in cb.held(), 30), ca.stats()
     assert sorted(x[2] for x in cb.held()) == [6, 7] and ca.stats()["dropped"] == 0
+
+
+def test_the_sender_is_paced(pair) -> None:
+    (a, _b), (ca, cb) = pair
+    ca.rate = 4 * MB  # FASTELASTIC_CHECKPOINT_COPY_RATE=4M
+    src = _seal(a, 0, 2, 0, 2, os.urandom(8 * MB))
+    ca.set_target(cb.address)
+    t0 = time.monotonic()
+    ca.offer(0, 0, src.gen)
+    assert wait_until(lambda: cb.held() == [(0, 2, 2, 1, src.gen)], 60), ca.stats()
+    # a lower bound, not a speed: the 8th MiB may start only 7 MiB / (4 MiB/s) after the first
+    assert time.monotonic() - t0 >= 1.75 - 0.05
