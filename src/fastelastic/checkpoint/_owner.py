@@ -213,9 +213,9 @@ class MemoryOwner:
         the workers' start; their requests wait for it).
 
         Args:
-            agree: in a job of several nodes, ``agree(held) -> (RestorePick, my index)`` (see
-                :mod:`._across`): publishes this agent's holdings and applies the rule to every
-                agent's; None: the rule on this node alone.
+            agree: in a job of several nodes, ``agree(held) -> (RestorePick, my index, every
+                agent's Held)`` (see :mod:`._across`): publishes this agent's holdings and
+                applies the rule to every agent's; None: the rule on this node alone.
             ranks: each local rank's global rank in this round; world: the world size.
         """
         with self._cond:
