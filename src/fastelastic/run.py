@@ -164,6 +164,7 @@ def _validate(args: Namespace) -> None:
     _preload(args)
     _hang_timeout(args)
     _checkpoint_drain(args)
+    _checkpoint_copy_to(args)
     _parse_rdzv_conf(args.rdzv_conf)
     determine_local_world_size(args.nproc_per_node)
     _check_script(args)
@@ -215,6 +216,20 @@ def _checkpoint_drain(args: Namespace) -> None:
     if not seconds >= 0 or seconds == float("inf"):
         raise ValueError(f"{name} {value!r}: expected seconds (a number, 0 or more)")
     os.environ[DRAIN_ENV] = repr(seconds)
+
+
+def _checkpoint_copy_to(args: Namespace) -> None:
+    """``--checkpoint-copy-to``, checked and handed to the agent (in this process) as
+    ``$FASTELASTIC_CHECKPOINT_COPY_TO``."""
+    from fastelastic.checkpoint._copy import COPY_TO_ENV, parse_copy_to
+
+    value = getattr(args, "checkpoint_copy_to", None)
+    if value is None:
+        value = os.environ.get(COPY_TO_ENV)
+        if value is None:
+            return
+    parse_copy_to(value)  # raises ValueError with the flag's name
+    os.environ[COPY_TO_ENV] = value
 
 
 def _local_ranks(text: str) -> set[int] | None:

@@ -30,6 +30,7 @@ TRIPWIRE_AT = int(os.environ.get("CKPT_TRIPWIRE_AT", "-1"))
 ASYNC = os.environ.get("CKPT_ASYNC") == "1"
 DISK = os.environ.get("CKPT_DISK")  # a root: step N is saved with checkpoint_id=<root>/step-N
 DISK_WAIT = os.environ.get("CKPT_DISK_WAIT", "")  # "each": wait() after each save; "end"
+SYNC = os.environ.get("CKPT_SYNC") == "1"  # a gloo group, a barrier per step (several nodes)
 BALLAST = {int(a): int(b) for a, b in (x.split(":") for x in
                                        os.environ.get("CKPT_BALLAST", "").split(",") if x)}
 
@@ -95,6 +96,10 @@ def crash_mid_save():
 
 
 def main():
+    if SYNC:  # the ranks of every node keep in step, as a job's collectives make them
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU(),
                                 torch.nn.Linear(WIDTH, WIDTH))
@@ -126,6 +131,8 @@ def main():
         opt.step()
         if STEP_S:
             time.sleep(STEP_S)
+        if SYNC:
+            torch.distributed.barrier()
         crash_here = RESTART == 0 and RANK == CRASH_RANK and step == CRASH_AT
         if crash_here and CRASH_HOW == "mid_save":
             crash_mid_save()
@@ -141,6 +148,8 @@ def main():
         for step, h in handles.items():
             note(event="disk", step=step, status=h.wait(120))
     note(event="done", step=STEPS)
+    if SYNC:
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from fastelastic.launcher.args import (
 )
 
 NEW_DESTS = {"exit_barrier_timeout", "events_endpoint", "preload", "hang_timeout",
-             "checkpoint_drain_timeout"}
+             "checkpoint_drain_timeout", "checkpoint_copy_to"}
 
 
 @pytest.fixture(scope="module")

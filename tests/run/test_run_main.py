@@ -42,7 +42,7 @@ out["bad_flag"] = outcome(fr.main, ["--no-such-flag", ok])
 # a Namespace as Accelerate builds it: torch's attributes only, none of fastrun's own
 torch_only = vars(fr.get_args_parser().parse_args([*common, ok]))
 for name in ("exit_barrier_timeout", "events_endpoint", "preload", "hang_timeout",
-             "checkpoint_drain_timeout"):
+             "checkpoint_drain_timeout", "checkpoint_copy_to"):
     torch_only.pop(name, None)
 out["hand_ns"] = outcome(fr.run, Namespace(**torch_only))
 if sys.argv[3] == "torch":

@@ -28,7 +28,10 @@ verdict or a restart do not stop the write; the agent's exit waits for it up to
 
 Round: each start of the workers begins a round. The round's restore step is fixed once, before
 any request of the round is answered: the newest step for which every local rank holds a sealed
-shard whose MAC still checks (the one-step rule on one node).
+shard whose MAC still checks (the one-step rule on one node). A job of several nodes fixes it
+across nodes (``agree``, :mod:`._across`): every agent checks the MAC of each shard it holds,
+publishes them in the round's store and applies the rule (``_schema.restore_rule``) to every
+agent's publication, so every rank restores one step of one era.
 """
 
 from __future__ import annotations
@@ -86,6 +89,9 @@ class _Buf:
         self.total = 0
         self.mac = b""
         self.dcp: Optional[dict[str, Any]] = None  # the step's disk plan (``_dcp``), if any
+        self.era = 0  # the era of the round that saved it (the rule across nodes)
+        self.world = 0  # the world size of that round
+        self.rank = -1  # the global rank that saved it
 
     def release(self) -> None:
         if self.mm is not None:
@@ -174,6 +180,14 @@ class MemoryOwner:
         self._stop = threading.Event()  # the agent's end: every write stops
         self._protect = False  # the last write was skipped: the next one is not given up
         self.last_write: Optional[dict[str, Any]] = None  # step, bytes, seconds of the last
+        self.era = 0  # the era of the last round fixed across nodes (saves carry it)
+        self._world = 0  # this round's world size
+        self._globals: dict[int, int] = {}  # this round's local rank -> global rank
+        self._agree: Any = None  # this round's exchange across nodes (None: one node)
+        self._unserved: dict[int, str] = {}  # local rank -> why this round cannot restore it
+        self._broken = False  # the round could not fix its step: it neither saves nor restores
+        self.copier: Any = None  # ``_copy.Copier``: the copy on another node (several nodes)
+        self.copy_to = 1  # the copy goes to the agent this many group ranks on (0: none)
         self.name = name or f"{NAME_PREFIX}{os.getpid()}"
         self.path = "\0" + self.name
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -193,12 +207,25 @@ class MemoryOwner:
 
     # ------------------------------------------------------------------ the agent's calls
 
-    def start_round(self, local_world_size: int) -> None:
+    def start_round(self, local_world_size: int, agree: Any = None,
+                    ranks: Optional[dict[int, int]] = None, world: int = 0) -> None:
         """A new start of the workers: fixes the round's restore step (in a thread: it overlaps
-        the workers' start; their requests wait for it)."""
+        the workers' start; their requests wait for it).
+
+        Args:
+            agree: in a job of several nodes, ``agree(held) -> (RestorePick, my index, every
+                agent's Held)`` (see :mod:`._across`): publishes this agent's holdings and
+                applies the rule to every agent's; None: the rule on this node alone.
+            ranks: each local rank's global rank in this round; world: the world size.
+        """
         with self._cond:
             self._round += 1
             self._local_world = local_world_size
+            self._agree = agree
+            self._globals = dict(ranks or {})
+            self._world = world
+            self._unserved = {}
+            self._broken = False
             for bufs in self._ranks.values():
                 for b in bufs:
                     if b.state == WRITING:  # its writer is gone: half a shard
@@ -210,7 +237,8 @@ class MemoryOwner:
             if self._pending is not None:
                 self._protect = True
             self._queued = -1  # the new round may save a step again (one it could not restore)
-            self._fixed = not any(b.valid() for bufs in self._ranks.values() for b in bufs)
+            self._fixed = agree is None and not any(
+                b.valid() for bufs in self._ranks.values() for b in bufs)
             rnd = self._round
             self._cond.notify_all()
         if not self._fixed:
@@ -293,6 +321,8 @@ class MemoryOwner:
                 pass
         for t in self._threads:
             t.join(timeout=5)
+        if self.copier is not None:
+            self.copier.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         with self._cond:
@@ -308,6 +338,9 @@ class MemoryOwner:
             b.state == COMMITTED for bufs in self._ranks.values() for b in bufs)
 
     def _fix_round(self, rnd: int) -> None:
+        if self._agree is not None:
+            self._fix_across(rnd)
+            return
         t0 = time.monotonic()
         with self._cond:
             self._cond.wait_for(self._all_sealed, _WAIT_S)
@@ -336,6 +369,144 @@ class MemoryOwner:
         if chosen:
             logger.info("checkpoint memory: this round restores step %s on every local rank "
                         "(%.3f s to check)", chosen[0], time.monotonic() - t0)
+
+    def _fix_across(self, rnd: int) -> None:
+        """The round's step across nodes: each sealed shard here has its MAC checked, is
+        published with the other agents' (``self._agree``), and the rule's pick is served
+        where this node holds it. Shards of later steps are dropped: the job went back to the
+        pick, so they belong to a timeline no rank continues."""
+        from fastelastic.rendezvous.fast._schema import Held, HeldShard
+
+        t0 = time.monotonic()
+        with self._cond:
+            self._cond.wait_for(self._all_sealed, _WAIT_S)
+            cands = [(lr, i) for lr, bufs in self._ranks.items() for i, b in enumerate(bufs)
+                     if b.state == SEALED and b.world > 0]
+            agree, era, lws = self._agree, self.era, self._local_world
+        good = [c for c in cands if self._verify(*c)]  # never publish a shard that fails
+        with self._cond:
+            shards = tuple(HeldShard(b.rank, b.world, b.step, b.era, b.gen)
+                           for b in (self._ranks[lr][i] for lr, i in good) if b.state == SEALED)
+        copier = self.copier
+        if copier is not None:
+            shards += tuple(HeldShard(c[0], c[1], c[2], c[3], c[4], True) for c in copier.held())
+        picks: dict[int, int] = {}
+        unserved: dict[int, str] = {}
+        step: Optional[int] = None
+        fetch: dict[int, tuple[int, str]] = {}  # local rank -> (global rank, where its shard is)
+        try:
+            pick, me, helds = agree(Held(era, shards, addr=copier.address if copier else ""))
+            if copier is not None:
+                n = len(helds)
+                to = (me + self.copy_to) % n if self.copy_to and n > 1 else me
+                peer = helds[to] if to != me else None
+                copier.set_target(peer.addr if peer is not None and peer.addr else None)
+        except Exception as e:  # noqa: BLE001 - the round cannot fix a step: say why, serve none
+            why = (f"the restore step across nodes could not be fixed ({type(e).__name__}: "
+                   f"{e}); this round restores nothing and saves nothing")
+            logger.error("checkpoint memory: %s", why)
+            unserved = {lr: why for lr in range(lws)}
+            step = -1
+        else:
+            step = pick.step
+            with self._cond:
+                for lr in range(lws) if step is not None else ():
+                    g = self._globals.get(lr, -1)
+                    src = pick.sources.get(g)
+                    idx = next((i for i, b in enumerate(self._ranks.get(lr, ()))
+                                if b.state == SEALED and (b.step, b.era, b.rank, b.world)
+                                == (step, pick.step_era, g, pick.world)), None)
+                    if pick.world != self._world:
+                        unserved[lr] = (f"step {step} was saved by a world of {pick.world} ranks "
+                                        f"and this round has {self._world}: restoring it from "
+                                        "memory into another world is not built yet")
+                    elif src is not None and src == (me, False) and idx is not None:
+                        picks[lr] = idx
+                    elif (src is not None and src[0] != me and copier is not None
+                          and helds[src[0]] is not None and helds[src[0]].addr):  # type: ignore
+                        fetch[lr] = (g, helds[src[0]].addr)  # type: ignore[union-attr]
+                    else:
+                        where = (f"node {src[0]}'s memory ({'a copy' if src[1] else 'its own'})"
+                                 if src is not None else "no memory")
+                        unserved[lr] = (f"global rank {g}'s shard of step {step} is in {where}, "
+                                        "not this local rank's: restoring it from there is not "
+                                        "built yet")
+        for lr, (g, addr) in fetch.items():  # a replaced node: from the copy's agent, over TCP
+            try:
+                picks[lr] = self._fetch(lr, g, pick.step, pick.step_era, pick.world, addr)
+            except Exception as e:  # noqa: BLE001 - said in one line; this rank cannot restore
+                unserved[lr] = (f"global rank {g}'s shard of step {step} could not be fetched "
+                                f"from {addr}: {e}")
+        with self._cond:
+            if self._round != rnd:
+                return
+            if step is not None and step >= 0:
+                if copier is not None:
+                    copier.drop_after(step)
+                self.era = pick.era
+                for bufs_lr, bufs in self._ranks.items():
+                    for i, b in enumerate(bufs):
+                        if b.valid() and b.step > step and (bufs_lr, i) not in self._pins:
+                            b.state = BAD
+            elif step is None:
+                self.era = pick.era
+            self._unserved = unserved
+            self._restore = None if step is None else (step, picks)
+            self._broken = step == -1
+            self._fixed = True
+            self.last_restore = {"step": step, "verify_s": time.monotonic() - t0}
+            self._cond.notify_all()
+        if copier is not None:
+            logger.info("checkpoint copy: %s", copier.summary())
+        if step is not None and step >= 0:
+            logger.info("checkpoint memory: this round restores step %s on every rank (%s local "
+                        "ranks served here; %.3f s to check and agree)", step, len(picks),
+                        time.monotonic() - t0)
+            for lr, why in sorted(unserved.items()):
+                logger.error("checkpoint memory: local rank %s: %s", lr, why)
+
+    def _fetch(self, lr: int, g: int, step: Any, era: int, world: int, addr: str) -> int:
+        """Fetches global rank ``g``'s shard of ``step`` from the agent at ``addr`` into a
+        buffer of local rank ``lr``; its MAC is checked before any worker may map it.
+        Returns the buffer's index.
+
+        Raises:
+            CheckpointError, CopyError, OSError: not fetched (the message says why).
+        """
+        t0 = time.monotonic()
+        with self._cond:
+            bufs = self._ranks.setdefault(lr, [_Buf(), _Buf()])
+            idx = next((i for i, b in enumerate(bufs) if not b.valid()), 0)
+            bufs[idx].state = WRITING
+
+        def sink(head: dict[str, Any]) -> Any:
+            with self._cond:
+                if bufs[idx].capacity < int(head["total"]):
+                    self._grow(lr, bufs, idx, int(head["total"]))
+                return bufs[idx].mm
+
+        try:
+            head = self.copier.fetch(addr, g, int(step), era, sink)
+            b = bufs[idx]
+            assert b.mm is not None
+            h = _format.unpack_header(b.mm, b.capacity)
+            with self._cond:
+                b.step, b.gen, b.total, b.mac = h.step, h.generation, h.total, h.mac
+                b.era, b.world, b.rank, b.dcp = era, world, h.rank, None
+                b.state = SEALED
+                self._gen = max(self._gen, h.generation)
+            if (h.step, h.rank, h.local_rank, int(head["gen"])) != (step, g, lr, h.generation):
+                raise CheckpointError(f"the fetched shard is step {h.step} of rank {h.rank} "
+                                      f"(local rank {h.local_rank})")
+            if not self._verify(lr, idx):
+                raise CheckpointError("the fetched shard failed its MAC")
+        except BaseException:
+            with self._cond:
+                bufs[idx].state = BAD
+            raise
+        logger.info("checkpoint memory: local rank %s restores step %s from %s's memory (%s in "
+                    "%.3f s)", lr, step, addr, _room.fmt_bytes(h.total), time.monotonic() - t0)
+        return idx
 
     def _verify(self, lr: int, idx: int) -> bool:
         """Recomputes a sealed shard's MAC; a mismatch marks it BAD (never to be unpickled)."""
@@ -392,6 +563,7 @@ class MemoryOwner:
                     continue
                 mm, total = b.mm, b.total
             mac = _format.compute_mac(self._key, mm, total, self._hash_pool())
+            copier = None
             with self._cond:
                 if b.state == COMMITTED and b.gen == gen and not self._closed:
                     mm[_format.MAC_OFFSET:_format.MAC_OFFSET + _format.MAC_SIZE] = mac
@@ -399,6 +571,9 @@ class MemoryOwner:
                     b.state = SEALED
                     self._queue_disk(b.step)
                     self._cond.notify_all()
+                    copier = self.copier if self._agree is not None else None
+            if copier is not None:
+                copier.offer(lr, idx, gen)  # behind training: the save never waits for it
 
     # ------------------------------------------------------------------ the disk
 
@@ -554,6 +729,8 @@ class MemoryOwner:
         op = req["op"]
         with self._cond:
             self._wait_fixed(_WAIT_S)
+            if self._broken and op in ("reserve", "restore"):
+                raise CheckpointError(self._unserved.get(0, "the round's step was not fixed"))
             if op == "reserve":
                 return self._reserve(int(req["local_rank"]), int(req["step"]),
                                      int(req["nbytes"]), [int(c) for c in req["mapped"]])
@@ -655,6 +832,7 @@ class MemoryOwner:
             b.state = BAD
             raise CheckpointError(f"local rank {lr}: malformed shard: {e}") from None
         b.total = h.total
+        b.era, b.world, b.rank = self.era, self._world, h.rank
         b.state = COMMITTED
         self._seals.put((lr, idx, gen))
         self._cond.notify_all()
@@ -702,6 +880,9 @@ class MemoryOwner:
         if self._restore is None:
             return {"step": None}, -1
         step, picks = self._restore
+        if lr not in picks:  # the rule across nodes picked a shard this node cannot serve
+            raise CheckpointError(self._unserved.get(lr, f"local rank {lr} has no shard of "
+                                                     f"step {step} on this node"))
         b = self._ranks[lr][picks[lr]]
         if b.state != SEALED or b.step != step:  # the rank saved over it before loading
             return {"step": None}, -1

@@ -242,6 +242,11 @@ def get_args_parser(prog: str = "fastrun") -> ArgumentParser:
       "of the newest step (the one under way and the one waiting for it; after a crash, a "
       "hang verdict or SIGTERM). 0: no wait (default: "
       "$FASTELASTIC_CHECKPOINT_DRAIN_TIMEOUT, else 300).")
+    a("--checkpoint-copy-to", "--checkpoint_copy_to", type=str, default=None,
+      help="next|+K|off: the agent of which node holds a copy of this node's "
+      "fastelastic.checkpoint shards, copied behind training, for a node's loss: next (the "
+      "next node in rank order), +K (the K-th next: another failure domain when nodes are "
+      "numbered rack by rack) or off (default: $FASTELASTIC_CHECKPOINT_COPY_TO, else next).")
     a("training_script", type=str,
       help="The program to launch in every worker, followed by its own arguments.")
     a("training_script_args", nargs=REMAINDER)

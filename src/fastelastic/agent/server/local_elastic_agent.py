@@ -80,6 +80,21 @@ def substitute_local_rank(args: tuple, local_rank: int) -> tuple:
     return tuple(macros.substitute(list(args), str(local_rank)))
 
 
+def _route_to(host: str) -> str:
+    """This host's address on the route to ``host`` (the rendezvous store's): the address
+    other nodes reach this one at, where no ``--local-addr`` names it ("" if unknown)."""
+    if not host:
+        return ""
+    try:
+        infos = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)
+        family, _t, _p, _c, addr = infos[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(addr)  # a datagram socket's connect sends nothing: it picks the route
+            return str(s.getsockname()[0])
+    except (OSError, IndexError):
+        return ""
+
+
 class LocalElasticAgent(SimpleElasticAgent):
     """Handles the host-local workers of one ``WorkerSpec`` (torch's ``LocalElasticAgent``).
 
@@ -406,7 +421,7 @@ class LocalElasticAgent(SimpleElasticAgent):
             kwargs["zygote"] = self._zygote
         if self._hang is not None:
             self._hang.prepare(envs)  # the slot of each worker, in its environment
-        self._checkpoint_round(spec.local_world_size)
+        self._checkpoint_round(spec.local_world_size, worker_group)
         self._pcontext = start_processes(
             name=spec.role,
             entrypoint=spec.entrypoint,
@@ -428,16 +443,64 @@ class LocalElasticAgent(SimpleElasticAgent):
             self._worker_watchdog.set_allowed_pids(list(pids.values()))
         return pids
 
-    def _checkpoint_round(self, local_world_size: int) -> None:
+    def _checkpoint_round(self, local_world_size: int, wg: WorkerGroup | None = None) -> None:
         """Begins a round of the checkpoint memory: it outlives the workers (a restart restores
-        from it) and ends with the agent; workers find it by this process's pid."""
+        from it) and ends with the agent; workers find it by this process's pid. With several
+        nodes, the round's restore step is agreed with the other agents in the round's store
+        (``checkpoint._across``)."""
         if not self._checkpoint_tried:
             self._checkpoint_tried = True
             from fastelastic.checkpoint._owner import from_env
 
             self._checkpoint = from_env()  # None with FASTELASTIC_CHECKPOINT=0
-        if self._checkpoint is not None:
-            self._checkpoint.start_round(local_world_size)
+        several = wg is not None and (wg.group_world_size or 1) > 1 and wg.store is not None
+        if several and self._checkpoint is None:
+            from fastelastic.checkpoint._across import publish_nothing
+
+            assert wg is not None
+            publish_nothing(wg.store, wg.group_rank or 0)
+        if self._checkpoint is None:
+            return
+        ranks = {w.local_rank: w.global_rank for w in wg.workers} if wg is not None else {}
+        world = wg.workers[0].world_size if wg is not None and wg.workers else 0
+        if not several:
+            self._checkpoint.start_round(local_world_size, None, ranks, world)
+            return
+        from fastelastic.checkpoint._across import Agreement
+
+        assert wg is not None
+        self._checkpoint_copier(wg)
+        limit = getattr(wg.store, "timeout", None)
+        agree = Agreement(wg.store, wg.group_rank or 0, wg.group_world_size or 1,
+                          limit.total_seconds() if limit is not None else 600.0,
+                          getattr(wg.spec.rdzv_handler, "wait_members", None))
+        self._checkpoint.start_round(local_world_size, agree, ranks, world)
+
+    def _checkpoint_copier(self, wg: WorkerGroup) -> None:
+        """The checkpoint memory's copy port (several nodes; ``--checkpoint-copy-to``)."""
+        memory = self._checkpoint
+        if memory is None or memory.copier is not None or memory.copy_to == -1:
+            return
+        from fastelastic.checkpoint import _room
+        from fastelastic.checkpoint._copy import COPY_RATE_ENV, COPY_TO_ENV, Copier, parse_copy_to
+
+        memory.copy_to = parse_copy_to(os.environ.get(COPY_TO_ENV, "next"))
+        if memory.copy_to == 0:
+            memory.copy_to = -1  # off: asked once
+            return
+        rate = os.environ.get(COPY_RATE_ENV, "").strip()
+        handler = wg.spec.rdzv_handler
+        host = getattr(handler, "_local_addr", "") or _route_to(
+            str(getattr(handler, "_bootstrap_addr", "") or "")) or socket.getfqdn()
+        try:
+            memory.copier = Copier(memory, rate=float(_room.parse_bytes(rate)) if rate else 0.0,
+                                   advertise=host)
+        except (OSError, ValueError) as e:
+            logger.error("checkpoint copy: no copy port (%s): a node's loss loses its shards", e)
+            memory.copy_to = -1
+            return
+        logger.info("checkpoint copy: port %s; each local shard is copied to the agent %s "
+                    "node(s) on in rank order", memory.copier.address, memory.copy_to)
 
     def _log_numa_binding(self, spec: WorkerSpec) -> None:
         """Logs the CPUs of each local rank (and keeps the line for ``fastelastic watch``)."""

@@ -68,6 +68,16 @@ Round ``r``:
 * ``broken`` (:py:attr:`RoundKeys.broken`): the round is over (a member left or was lost); ``C``
   is appended when the rendezvous closes. Spares wait for it.
 * ``wstore``: rank 0's workers' store address, for rounds decided without it in ``res``.
+
+In the round store the agents get (``torch.rendezvous.<run_id>.<r>/``), for
+:mod:`fastelastic.checkpoint`:
+
+* ``fe.ckpt/held/<group rank>``: what that agent's checkpoint memory holds at the round's
+  start (:func:`encode_held`): its era, and per shard the global rank, the world size, the step,
+  the era and generation, own or a copy held for another node; plus the newest step whole on
+  the disk it wrote. Every agent reads all of them and applies :func:`restore_rule`, so the
+  round's restore step is re-derived from the agents at every round (a failed-over store
+  starts empty) and is the same for every rank.
 """
 
 from __future__ import annotations
@@ -604,3 +614,123 @@ def parse_lost_leases(raw: bytes) -> set[int]:
         ValueError: an entry that is not a lease.
     """
     return {int(x) for x in raw.split(b";") if x.strip()}
+
+
+# ------------------------------------------- checkpoint memory: the one-step rule across nodes
+
+
+HELD_PREFIX = "fe.ckpt/held/"  # + the agent's group rank, in the round store
+
+
+class HeldShard(NamedTuple):
+    """One shard an agent holds: global ``rank`` of a world of ``world`` ranks, its ``step``,
+    the ``era`` of the round that saved it and the saver's ``gen``; ``copy``: held for
+    another node."""
+    rank: int
+    world: int
+    step: int
+    era: int
+    gen: int
+    copy: bool = False
+
+
+class Held(NamedTuple):
+    """An agent's publication: its era (of the last round it fixed), its shards, the
+    newest step whole on the disk it wrote as ``(step, world)`` (or None), and the
+    ``host:port`` of its copy port (empty: none)."""
+    era: int
+    shards: tuple[HeldShard, ...] = ()
+    disk: tuple[int, int] | None = None
+    addr: str = ""
+
+
+class RestorePick(NamedTuple):
+    """The round's restore: ``step`` (None: nothing to restore) of ``step_era``'s shards, a
+    world of ``world``; ``sources[rank]`` = (index of the agent in the list, copy); ``disk``:
+    the step comes from the disk; ``era``: this round's era, which its saves carry."""
+    step: int | None
+    era: int
+    step_era: int = -1
+    world: int = 0
+    sources: dict[int, tuple[int, bool]] = {}
+    disk: bool = False
+
+
+def encode_held(held: Held) -> bytes:
+    """``e<era>`` then ``;a<host:port>`` (its copy port), ``;d<step>,<world>`` (the disk) and
+    ``;o|c<rank>,<world>,<step>,<era>,<gen>`` per shard (``o``: its own, ``c``: a copy)."""
+    if ";" in held.addr:
+        raise ValueError(f"a copy port's address with a ';': {held.addr!r}")
+    parts = [b"e%d" % held.era]
+    if held.addr:
+        parts.append(b"a" + held.addr.encode())
+    if held.disk is not None:
+        parts.append(b"d%d,%d" % held.disk)
+    for s in held.shards:
+        parts.append(b"%s%d,%d,%d,%d,%d" % (b"c" if s.copy else b"o", s.rank, s.world, s.step,
+                                            s.era, s.gen))
+    return b";".join(parts)
+
+
+def parse_held(raw: bytes) -> Held:
+    """The inverse of :func:`encode_held`.
+
+    Raises:
+        ValueError: not a publication of :func:`encode_held` (a bad shard entry included: an
+            agent's shards are taken whole or not at all).
+    """
+    parts = raw.split(b";")
+    if not parts[0].startswith(b"e"):
+        raise ValueError(f"checkpoint holdings without an era: {raw[:40]!r}")
+    era = int(parts[0][1:])
+    disk = None
+    addr = ""
+    shards = []
+    for p in parts[1:]:
+        if p[:1] == b"a":
+            addr = p[1:].decode()
+            continue
+        kind, fields = p[:1], [int(x) for x in p[1:].split(b",")]
+        if kind == b"d" and len(fields) == 2:
+            disk = (fields[0], fields[1])
+        elif kind in (b"o", b"c") and len(fields) == 5:
+            rank, world, step, sera, gen = fields
+            if not 0 <= rank < world:
+                raise ValueError(f"checkpoint shard of rank {rank} in a world of {world}")
+            shards.append(HeldShard(rank, world, step, sera, gen, kind == b"c"))
+        else:
+            raise ValueError(f"bad checkpoint holdings entry {p[:40]!r}")
+    return Held(era, tuple(shards), disk, addr)
+
+
+def restore_rule(helds: list[Held | None]) -> RestorePick:
+    """The one-step rule across nodes: the newest step for which the live agents' memory (own
+    shards or copies) holds every shard of one world, all of one era (a step saved again after
+    a restore to an older one is another era's: the two are never mixed), or else the disk
+    holds it whole. A step in memory beats the same step on disk (the faster source); for one
+    step, the newer era wins. ``helds[i]`` is the agent of group rank ``i`` (None: it published
+    nothing readable, and holds nothing). The same list gives every agent the same pick.
+    """
+    era = max((h.era for h in helds if h is not None), default=0) + 1
+    have: dict[tuple[int, int, int], dict[int, tuple[int, bool, int]]] = {}
+    for i, h in enumerate(helds):
+        if h is None:
+            continue
+        for s in h.shards:
+            ranks = have.setdefault((s.step, s.era, s.world), {})
+            best = ranks.get(s.rank)
+            # an agent's own shard first, then the newest generation, then the lowest agent
+            cand = (i, s.copy, s.gen)
+            if best is None or (not cand[1], cand[2], -cand[0]) > (not best[1], best[2], -best[0]):
+                ranks[s.rank] = cand
+    whole = [(step, sera, world) for (step, sera, world), ranks in have.items()
+             if len(ranks) == world]
+    disk = max((h.disk for h in helds if h is not None and h.disk is not None), default=None)
+    if whole:
+        step, sera, world = max(whole)
+        if disk is None or disk[0] <= step:
+            srcs = {r: (i, c) for r, (i, c, _g) in sorted(have[(step, sera, world)].items())}
+            return RestorePick(step, era, sera, world, srcs)
+    if disk is not None:
+        return RestorePick(disk[0], era, -1, disk[1], {}, True)
+    return RestorePick(None, era)
