@@ -246,14 +246,16 @@ SCENARIOS: dict[str, tuple[list[int], list[int]]] = {
 }
 
 
-def cut_and_heal(tmp_path: Path, kind: str, pods: bool, scenario: str) -> dict[str, Any]:
+def cut_and_heal(tmp_path: Path, kind: str, pods: bool, scenario: str,
+                 **extra_env: str) -> dict[str, Any]:
     """Once a world of 8 trains on node 0's store, the sides of ``scenario`` are cut from
-    each other by ``kind`` for ``CUT_S``, then healed; what the workers' steps show."""
+    each other by ``kind`` for ``CUT_S``, then healed; what the workers' steps show (and the
+    cut's and the heal's wall-clock times, to read the launchers' logs by)."""
     side, others = SCENARIOS[scenario]
     with _cluster(4, "p") as c:
         job = PodJob(c, tmp_path, pods)
         for i in range(4):
-            job.start(i)
+            job.start(i, **extra_env)
         job.wait_steps({0, 1, 2, 3}, 8, 0.0, timeout=180)
         if pods:  # PID 1 of its namespace, each of them
             for i in range(4):
@@ -284,7 +286,8 @@ def cut_and_heal(tmp_path: Path, kind: str, pods: bool, scenario: str) -> dict[s
     figures = {"kind": kind, "pods": pods, "scenario": scenario,
                "world of 8 after the heal (s)": took,
                "longest two worlds at once (s)": both[0][0] if both else 0.0,
-               "worlds since the cut (from, to, size, nodes)": since}
+               "worlds since the cut (from, to, size, nodes)": since,
+               "cut at": t_cut, "healed at": healed}
     print(f"issue 36 cut: {figures}")
     return {**figures, "zombies": zombies, "tail": tail, "both": both}
 
