@@ -86,16 +86,19 @@ def run(args: argparse.Namespace) -> None:
     work.mkdir(parents=True, exist_ok=True)
     for r in range(args.runs):
         for scenario, kind in cells:
-            for pods in ((True, False) if r % 2 == 0 else (False, True)):
+            modes = [m == "pods" for m in args.modes.split(",")]
+            for pods in (modes if r % 2 == 0 else modes[::-1]):
                 mode = "pods" if pods else "addrs"
                 out = work / f"{scenario}-{kind}-{mode}-{r}"
                 out.mkdir(parents=True, exist_ok=False)
                 load = os.getloadavg()[0]
                 t0 = time.time()
                 row: dict[str, Any] = {"scenario": scenario, "kind": kind, "mode": mode,
-                                       "round": r, "load": round(load, 2), "dir": str(out)}
+                                       "round": r, "load": round(load, 2), "dir": str(out),
+                                       "cut s": args.cut_s, "last call": args.last_call}
                 try:
-                    res = cut_and_heal(out, kind, pods, scenario, **env)
+                    res = cut_and_heal(out, kind, pods, scenario, cut_s=args.cut_s,
+                                       last_call=args.last_call, **env)
                     row.update({k: v for k, v in res.items()
                                 if k not in ("tail", "both", "zombies", "kind", "pods",
                                              "scenario")})
@@ -163,6 +166,9 @@ def main() -> None:
     ap.add_argument("--out", default="pods_vs_distinct.jsonl", help="JSON lines, appended")
     ap.add_argument("--workdir", default="/tmp/pods_vs_distinct",
                     help="each run's logs and steps (kept)")
+    ap.add_argument("--cut-s", type=float, default=25.0, help="how long each cut lasts")
+    ap.add_argument("--last-call", type=int, default=1, help="--rdzv-conf last_call_timeout")
+    ap.add_argument("--modes", default="pods,addrs", help="pods, addrs or both (interleaved)")
     ap.add_argument("--env", action="append", default=[], metavar="K=V",
                     help="extra environment for the launchers")
     ap.add_argument("--table", metavar="JSONL", help="print the table of a finished run")
