@@ -63,7 +63,7 @@ def phases(out: Path, healed: float, until: float) -> dict[str, float]:
     for log in sorted(out.glob("node*.log")):
         for line in log.read_text(errors="replace").splitlines():
             t = _stamp(line, year)
-            if t is not None and healed - 30 < t < healed and "abandoning the round" in line:
+            if t is not None and healed - 70 < t < healed and "abandoning the round" in line:
                 got[before] = max(got.get(before, -99.0), round(t - healed, 3))
             if t is None or t < healed or t > until:
                 continue
@@ -95,17 +95,18 @@ def run(args: argparse.Namespace) -> None:
                 t0 = time.time()
                 row: dict[str, Any] = {"scenario": scenario, "kind": kind, "mode": mode,
                                        "round": r, "load": round(load, 2), "dir": str(out),
-                                       "cut s": args.cut_s, "last call": args.last_call}
+                                       "cut s": args.cut_s, "last call": args.last_call,
+                                       "watch s": args.watch_s}
                 try:
                     res = cut_and_heal(out, kind, pods, scenario, cut_s=args.cut_s,
-                                       last_call=args.last_call, **env)
+                                       last_call=args.last_call, watch_s=args.watch_s, **env)
                     row.update({k: v for k, v in res.items()
                                 if k not in ("tail", "both", "zombies", "kind", "pods",
                                              "scenario")})
                     row["zombies"] = [sorted(z) for z in res["zombies"]]
                     took = res["world of 8 after the heal (s)"]
                     row["phases"] = phases(out, res["healed at"], res["healed at"] + (
-                        took if took is not None else 40.0))
+                        took if took is not None else args.watch_s))
                 except BaseException as e:  # a failed run is a row too; ^C ends the run
                     row["error"] = f"{type(e).__name__}: {e}"[:2000]
                     if isinstance(e, KeyboardInterrupt):
@@ -154,6 +155,20 @@ def table(path: str) -> str:
                    f"{len(modes.get('addrs', []))} | {_p50(took['pods'])} | "
                    f"{_p50(took['addrs'])} | {diff} | {bound_s} | {within} | "
                    f"{max(both) if both else 0.0:.2f} s | {'; '.join(failed) or 'none'} |")
+    names = ["last round abandoned before the heal", *PHASES]
+    out += ["", "Phases (s after the heal, p50 over the runs that show one, (min-max) and count):",
+            "", "| scenario | cut | mode | " + " | ".join(names) + " | a world of 8 |",
+            "|---|---|---|" + "---:|" * (len(names) + 1)]
+    for (scenario, kind), modes in cells.items():
+        for mode, runs in sorted(modes.items(), reverse=True):
+            cols = []
+            for name in names:
+                xs = [r["phases"][name] for r in runs if name in r.get("phases", {})]
+                cols.append(f"{_p50(xs)} ×{len(xs)}" if xs else "-")
+            took = [r["world of 8 after the heal (s)"] for r in runs
+                    if r.get("world of 8 after the heal (s)") is not None]
+            out.append(f"| {scenario} | {kind} | {mode} | " + " | ".join(cols)
+                       + f" | {_p50(took)} |")
     return "\n".join(out)
 
 
@@ -168,6 +183,8 @@ def main() -> None:
                     help="each run's logs and steps (kept)")
     ap.add_argument("--cut-s", type=float, default=25.0, help="how long each cut lasts")
     ap.add_argument("--last-call", type=int, default=1, help="--rdzv-conf last_call_timeout")
+    ap.add_argument("--watch-s", type=float, default=40.0,
+                    help="how long after the heal a run waits for the world of 8")
     ap.add_argument("--modes", default="pods,addrs", help="pods, addrs or both (interleaved)")
     ap.add_argument("--env", action="append", default=[], metavar="K=V",
                     help="extra environment for the launchers")

@@ -247,7 +247,8 @@ SCENARIOS: dict[str, tuple[list[int], list[int]]] = {
 
 
 def cut_and_heal(tmp_path: Path, kind: str, pods: bool, scenario: str,
-                 cut_s: float = CUT_S, last_call: int = 1, **extra_env: str) -> dict[str, Any]:
+                 cut_s: float = CUT_S, last_call: int = 1,
+                 watch_s: float = WATCH_AFTER_HEAL_S, **extra_env: str) -> dict[str, Any]:
     """Once a world of 8 trains on node 0's store, the sides of ``scenario`` are cut from
     each other by ``kind`` for ``cut_s``, then healed; what the workers' steps show (and the
     cut's and the heal's wall-clock times, to read the launchers' logs by)."""
@@ -268,7 +269,7 @@ def cut_and_heal(tmp_path: Path, kind: str, pods: bool, scenario: str,
         heal(c, range(4))
         healed = time.time()
         try:
-            got = job.wait_steps({0, 1, 2, 3}, 8, healed, timeout=WATCH_AFTER_HEAL_S)
+            got = job.wait_steps({0, 1, 2, 3}, 8, healed, timeout=watch_s)
             took: float | None = max(got.values()) - healed
         except AssertionError:
             took = None
