@@ -145,8 +145,8 @@ class PodJob(TorchJob):
     named by its own address or hostname, a store host's server the rest)."""
 
     def __init__(self, c: Cluster, out: Path, pods: bool,
-                 cands: tuple[int, ...] = (0, 1, 2)) -> None:
-        super().__init__(c, out, "1:4", candidates=len(cands), last_call=1)
+                 cands: tuple[int, ...] = (0, 1, 2), last_call: int = 1) -> None:
+        super().__init__(c, out, "1:4", candidates=len(cands), last_call=last_call)
         self.pods = pods
         self.cands = cands
         if pods:
@@ -246,14 +246,17 @@ SCENARIOS: dict[str, tuple[list[int], list[int]]] = {
 }
 
 
-def cut_and_heal(tmp_path: Path, kind: str, pods: bool, scenario: str) -> dict[str, Any]:
+def cut_and_heal(tmp_path: Path, kind: str, pods: bool, scenario: str,
+                 cut_s: float = CUT_S, last_call: int = 1,
+                 watch_s: float = WATCH_AFTER_HEAL_S, **extra_env: str) -> dict[str, Any]:
     """Once a world of 8 trains on node 0's store, the sides of ``scenario`` are cut from
-    each other by ``kind`` for ``CUT_S``, then healed; what the workers' steps show."""
+    each other by ``kind`` for ``cut_s``, then healed; what the workers' steps show (and the
+    cut's and the heal's wall-clock times, to read the launchers' logs by)."""
     side, others = SCENARIOS[scenario]
     with _cluster(4, "p") as c:
-        job = PodJob(c, tmp_path, pods)
+        job = PodJob(c, tmp_path, pods, last_call=last_call)
         for i in range(4):
-            job.start(i)
+            job.start(i, **extra_env)
         job.wait_steps({0, 1, 2, 3}, 8, 0.0, timeout=180)
         if pods:  # PID 1 of its namespace, each of them
             for i in range(4):
@@ -262,11 +265,11 @@ def cut_and_heal(tmp_path: Path, kind: str, pods: bool, scenario: str) -> dict[s
                 assert nspid and nspid[0].split()[-1] == "1", nspid
         t_cut = time.time()
         cut(c, kind, side, others)
-        time.sleep(CUT_S)  # the cut's length is the scenario itself, not a synchronisation
+        time.sleep(cut_s)  # the cut's length is the scenario itself, not a synchronisation
         heal(c, range(4))
         healed = time.time()
         try:
-            got = job.wait_steps({0, 1, 2, 3}, 8, healed, timeout=WATCH_AFTER_HEAL_S)
+            got = job.wait_steps({0, 1, 2, 3}, 8, healed, timeout=watch_s)
             took: float | None = max(got.values()) - healed
         except AssertionError:
             took = None
@@ -284,7 +287,8 @@ def cut_and_heal(tmp_path: Path, kind: str, pods: bool, scenario: str) -> dict[s
     figures = {"kind": kind, "pods": pods, "scenario": scenario,
                "world of 8 after the heal (s)": took,
                "longest two worlds at once (s)": both[0][0] if both else 0.0,
-               "worlds since the cut (from, to, size, nodes)": since}
+               "worlds since the cut (from, to, size, nodes)": since,
+               "cut at": t_cut, "healed at": healed}
     print(f"issue 36 cut: {figures}")
     return {**figures, "zombies": zombies, "tail": tail, "both": both}
 

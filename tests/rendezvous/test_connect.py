@@ -5,6 +5,7 @@ taken at once, an empty standby never (``NO_WORLD_RULE``)."""
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from datetime import timedelta
 
@@ -162,3 +163,60 @@ def test_a_start_does_not_wait_for_candidates_that_refuse(monkeypatch):
     finally:
         c.close()
         live.close()
+
+
+def _silent_listener() -> tuple[socket.socket, list[socket.socket]]:
+    """A listener whose accept queue is full: the kernel drops every new SYN (silent, as a
+    host behind a DROP rule), until :func:`_heal` accepts what is queued."""
+    lst = socket.socket()
+    lst.bind(("127.0.0.1", 0))
+    lst.listen(0)
+    queued = []
+    for _ in range(16):  # bounded: a backlog of 0 holds one or two
+        s = socket.socket()
+        s.settimeout(0.3)
+        try:
+            s.connect(lst.getsockname())
+        except TimeoutError:
+            s.close()
+            return lst, queued
+        queued.append(s)
+    raise AssertionError("the listener's accept queue never filled")
+
+
+def test_a_silent_candidate_that_heals_during_a_probe_is_seen_by_a_fresh_connect(monkeypatch):
+    """A probe of a silent candidate makes a fresh connect every QUICK_S (each a new SYN),
+    not one connect for the whole PROBE_S: that one's SYN is retransmitted by the kernel
+    only 1 s after the first, so a link healed meanwhile was seen up to 1 s later (a lone
+    node's re-form after a heal waited for it: benchmarks/results/pods_vs_distinct36.md)."""
+    monkeypatch.setattr(_failover, "PROBE_S", 2.0)  # as shipped
+    lst, queued = _silent_listener()
+    tries: list[float] = []
+    real = socket.create_connection
+
+    def counted(addr, timeout=None, *a, **k):
+        tries.append(timeout)
+        return real(addr, timeout, *a, **k)
+
+    monkeypatch.setattr(_failover.socket, "create_connection", counted)
+    c = Candidates(RUN, [lst.getsockname(), ("127.0.0.1", _refused_port())], False,
+                   timedelta(seconds=5))
+    try:
+        assert c._listens(0, 0.5) == f"{c.name(0)} did not answer (timed out)"
+        assert len(tries) >= 2 and max(tries) <= _failover.QUICK_S, tries  # one SYN each
+        tries.clear()
+        done: list[bool | str] = []
+        probe = threading.Thread(target=lambda: done.append(c._listens(0, 2.0)))
+        probe.start()
+        wait_until = time.monotonic() + 5
+        while len(tries) < 2 and time.monotonic() < wait_until:  # it is retrying: heal
+            time.sleep(0.01)
+        for _ in queued:
+            lst.accept()[0].close()
+        probe.join(5)
+        assert done == [True], done
+        assert max(tries) <= _failover.QUICK_S, tries
+    finally:
+        for s in queued:
+            s.close()
+        lst.close()

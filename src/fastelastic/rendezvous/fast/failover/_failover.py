@@ -72,7 +72,7 @@ PROBE_S = 2.0  # seconds a candidate has to accept and answer a probe
 SYNC_RETRY_S = 0.5  # seconds between a standby's attempts to copy the others' lists
 SYNC_WARN_S = 60.0  # a standby not synced this long says so
 PRE_PROBE_S = 0.5  # seconds a silent candidate gets before a node hosts its standby
-QUICK_S = 0.2  # a probe's first, plain connect: what refuses at once is skipped
+QUICK_S = 0.2  # each plain connect of a probe: what refuses is told at once, a heal seen soon
 
 
 def parse_candidates(endpoint: str, default_port: int) -> list[tuple[str, int]]:
@@ -257,14 +257,25 @@ class Candidates:
     def _listens(self, i: int, timeout: float) -> bool | str:
         """Whether candidate ``i`` accepts a connection: False when it is refused (nothing
         listens there: at once, where a store client retries until its timeout), why when it
-        does not answer within ``timeout``."""
-        try:
-            socket.create_connection(self.endpoints[i], timeout=timeout).close()
-        except ConnectionRefusedError:
-            return False
-        except OSError as e:
-            return f"{self.name(i)} did not answer ({e})"
-        return True
+        does not answer within ``timeout``. A silent host gets a fresh connect every
+        ``QUICK_S``: a link that heals meanwhile is seen within ``QUICK_S``, where one connect
+        waits for the kernel's SYN retransmission (1 s after the first SYN, then 3 s)."""
+        end = time.monotonic() + timeout
+        for _ in range(1_000_000):  # bounded by ``end``
+            left = end - time.monotonic()
+            try:
+                socket.create_connection(self.endpoints[i], timeout=max(min(QUICK_S, left),
+                                                                        0.01)).close()
+            except ConnectionRefusedError:
+                return False
+            except TimeoutError as e:
+                if left > QUICK_S:
+                    continue
+                return f"{self.name(i)} did not answer ({e})"
+            except OSError as e:
+                return f"{self.name(i)} did not answer ({e})"
+            return True
+        return f"{self.name(i)} did not answer within {timeout:g}s"
 
     def _behind(self, i: int, epoch: int) -> None:
         """:func:`._hops.behind` on the standby."""
@@ -351,12 +362,13 @@ class Candidates:
 
         host, port = self.endpoints[i]
         t0 = time.monotonic()
-        if self._listens(i, QUICK_S) is False:
+        listens = self._listens(i, PROBE_S)  # a fresh connect every QUICK_S (see _listens)
+        if listens is False:
             return f"{host}:{port}: connection refused"
-        # Listening, or silent so far: the store client, which retries its connect until the
-        # rest of PROBE_S (a single connect waits for the kernel's SYN retransmission instead,
-        # so a link healed during the probe was seen up to a second later)
-        left = max(PROBE_S - (time.monotonic() - t0), 0.1)
+        if listens is not True:
+            return f"{host}:{port}: {listens}"
+        # it accepts: the store client (its connect, handshake and request), at least QUICK_S
+        left = max(PROBE_S - (time.monotonic() - t0), QUICK_S)
         try:
             c = TCPStore(host, port, timeout=timedelta(seconds=left), token=self.token)
         except (StoreError, OSError) as e:
