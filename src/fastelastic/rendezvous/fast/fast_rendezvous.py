@@ -168,6 +168,7 @@ class FastRendezvousHandler(Moves, RoundStores, RendezvousHandler):
             candidates.plan.join_s = self._timeout.join.total_seconds()
         self._live = Live()  # where the rendezvous is (with candidates)
         self._move_lock = threading.RLock()  # one move at a time (see _move)
+        self._joined_on: Any = None  # the store of the last join (see _moves._join_round)
         self._closed_owned = False  # shutdown() closed the connections and the hosted store
 
     # ------------------------------------------------------------------ running the protocol

@@ -29,18 +29,23 @@ import logging
 import os
 import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from fastelastic.errors import RendezvousConnectionError, RendezvousTimeoutError
+from fastelastic.errors import (
+    RendezvousConnectionError,
+    RendezvousTimeoutError,
+    StoreTimeoutError,
+)
 
-from .._requests import Op, Proto, Set, StopBeats
+from .._requests import Request, Set, StopBeats
 from .._schema import (
-    Keys,
+    RunKeys,
     copied_entries,
     counts,
     encode_fence,
     encode_mark,
+    encode_number,
     encode_withdrawal,
     fenced,
     incarnation,
@@ -55,6 +60,8 @@ log = logging.getLogger("fastelastic.rendezvous.fast_rendezvous.failover")
 
 T = TypeVar("T")
 RETRY_S = 0.2  # seconds between the probes of a node waiting for a candidate
+SYNC_RETRY_S = 0.5  # seconds between a standby's attempts to copy the others' lists
+MAX_HOPS = 64  # moves and returns of one join (:func:`join_anywhere`)
 
 
 def prover_quorum(n: int) -> int:
@@ -138,6 +145,7 @@ class Probe:
     name: ClassVar[str] = "probe"
     index: int
     key: str
+    quick: bool = False  # a start's look before it hosts: a silent host gets ``PRE_PROBE_S``
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,8 +187,83 @@ class CloseStore:
     live: Live
 
 
-Hop = Probe | Marks | Pause | Adopt | CloseStore
-Ops = Generator[Op | Hop, Any, T]  # a failover operation: yields requests, is sent replies
+@dataclass(frozen=True, slots=True)
+class Count:
+    """Reads the counter ``key`` on the connection the last probe of candidate ``index``
+    opened. Reply: its value (int), or None when that probe got no connection or the read
+    failed."""
+
+    name: ClassVar[str] = "count"
+    index: int
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReadMoving:
+    """Reads the ``moving`` list on the connection the last probe of candidate ``index``
+    opened. Reply: the list (bytes, empty when unset), or None as :class:`Count`."""
+
+    name: ClassVar[str] = "read_moving"
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class HostStandby:
+    """Hosts this node's standby store on the first of the candidates ``mine`` (its own) that
+    no other process hosts. Reply: that candidate's index, or -1."""
+
+    name: ClassVar[str] = "host_standby"
+    mine: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AppendStandby:
+    """Appends ``entry`` to the standby's ``moving`` list (its host's own entries and what it
+    copied from the others). Reply: None."""
+
+    name: ClassVar[str] = "append_standby"
+    entry: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class OnStandby:
+    """The store request ``request`` on the standby, ``what`` it does as a warning names it
+    when it fails (it is only logged). Reply: its reply, or None."""
+
+    name: ClassVar[str] = "on_standby"
+    request: Request
+    what: str
+
+
+@dataclass(frozen=True, slots=True)
+class JoinRound:
+    """The node joins a round on its store (the machine's ``join``, run by its host). Reply:
+    the host's answer (its seat); a connection error or a store timeout is thrown in as it
+    is."""
+
+    name: ClassVar[str] = "join_round"
+
+
+@dataclass(frozen=True, slots=True)
+class Where:
+    """Reply: where the node's rendezvous is (:class:`Live`); None when its store is no longer
+    the one its last :class:`JoinRound` used (another of its threads moved meanwhile)."""
+
+    name: ClassVar[str] = "where"
+
+
+@dataclass(frozen=True, slots=True)
+class Settle:
+    """The node's rendezvous is at ``live`` from now on, on the same connection. Reply: None."""
+
+    name: ClassVar[str] = "settle"
+    live: Live
+
+
+FailoverRequest = (Probe | Marks | Pause | Adopt | CloseStore | Count | ReadMoving
+                   | HostStandby | AppendStandby | OnStandby | JoinRound | Where | Settle)
+# a failover operation: yields requests, is sent replies
+Ops = Generator[Request | FailoverRequest, Any, T]
 
 
 @dataclass
@@ -188,7 +271,7 @@ class Plan:
     """What the operations know of the candidates and of this node."""
 
     names: list[str]  # each candidate as ``host:port``
-    keys: Keys
+    keys: RunKeys
     read_s: float  # a start waits this long for the first candidate (the read timeout)
     run_id: str = ""
     me: str = ""  # this node's identity (``_schema.node_id``), as its records name it
@@ -196,6 +279,9 @@ class Plan:
     join_s: float = 600.0  # the join timeout (a node with no world follows within it)
     clock: Callable[[], float] = time.monotonic
     say: Callable[..., None] = log.warning  # a move, as the operator reads it
+    sync_retry_s: float = SYNC_RETRY_S  # seconds between a standby's attempts to sync
+    # a standby store's incarnation (``_schema.encode_started``): unique per start of a store
+    nonce: Callable[[], bytes] = field(default=lambda: os.urandom(8).hex().encode())
 
     def name(self, i: int) -> str:
         return self.names[i] if i >= 0 else "?"
@@ -204,13 +290,14 @@ class Plan:
 # ---------------------------------------------------------------------- finding stores
 
 
-def probe(p: Plan, exclude: int) -> Ops[tuple[list[tuple[int, int]], list[str]]]:
+def probe(p: Plan, exclude: int,
+          quick: bool = False) -> Ops[tuple[list[tuple[int, int]], list[str]]]:
     """Every answering candidate but ``exclude``: ``(-epoch, index)``, best first; and what
     the others said."""
     found, errors = [], []
     for i in range(len(p.names)):
         if i != exclude:
-            r = yield Probe(i, p.keys.epoch)
+            r = yield Probe(i, p.keys.epoch, quick)
             if isinstance(r, str):
                 errors.append(r)
             else:
@@ -275,7 +362,7 @@ def connect(p: Plan, exclude: int = -1, at_least: int = 0,
     return i, epoch, proposed
 
 
-def behind(p: Plan, standby: int, i: int, epoch: int) -> Proto[None]:
+def behind(p: Plan, standby: int, i: int, epoch: int) -> Ops[None]:
     """A starting node that hosts candidate ``standby`` found the live store at candidate
     ``i`` with the committed ``epoch`` (probing before it hosts, and again at its connect):
     its own store, empty, is behind that (its host restarted after the rendezvous moved
@@ -283,7 +370,8 @@ def behind(p: Plan, standby: int, i: int, epoch: int) -> Proto[None]:
     not take the empty first candidate for a job's start and form a world of its own beside
     the live one. Its requests go to the standby."""
     if standby >= 0 and standby != i and epoch > 0:
-        yield Set(p.keys.behind, b"%d" % epoch)
+        yield OnStandby(Set(p.keys.behind, encode_number(epoch)),
+                        f"mark it as behind epoch {epoch}")
 
 
 def sync_entries(lists: list[bytes | None], n: int, no_world_yet: bool = False) -> bytes | None:
@@ -591,6 +679,33 @@ def after(p: Plan, m: Machine, live: Live, why: BaseException, moves: int,
         yield from move(p, m, live, why)
         return moves - 1
     return moves
+
+
+def join_anywhere(p: Plan, m: Machine) -> Ops[Any]:
+    """The node's join on its live store; when it fails there, what :func:`after` says: go
+    back, regroup, follow (a node with no world never moves the rendezvous), or move to the
+    next candidate (at most once per candidate). Returns the join's answer.
+
+    Raises:
+        RendezvousConnectionError: ``MAX_HOPS`` moves and returns formed no round.
+    """
+    moves = len(p.names) - 1
+    until = p.clock() + p.join_s
+    for _ in range(MAX_HOPS):  # bounded: each pass joins, moves (``moves`` at most) or goes back
+        try:
+            seat = yield JoinRound()
+        except (RendezvousConnectionError, StoreTimeoutError) as e:
+            live = yield Where()
+            if live is not None:  # None: another thread of the node moved since the failure
+                moves = yield from after(p, m, live, e, moves, until)
+            continue
+        live = yield Where()
+        if live is not None:
+            yield Settle(live.member())
+        return seat
+    raise RendezvousConnectionError(
+        f"The rendezvous '{p.run_id}' moved between its candidates {MAX_HOPS} times "
+        "without forming a round.")
 
 
 # ---------------------------------------------------------------------- the proof
