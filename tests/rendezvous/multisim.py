@@ -7,11 +7,11 @@ the connect), its joins with every move, return, regroup and follow (``_hops.joi
 the proof that lost members are gone and a mover's mark. This driver only answers their
 requests (``_hop``, as ``_failover.Candidates.run`` does on real stores) and plays the world:
 links, clocks, hosts, and a node's training loop (``_agent``).
-A request to a store a node cannot reach fails as the handler's I/O layer sees it: a dead host refuses at once; a
-cut link or a frozen host times out (after the detection window for a store request, after
-``PROBE_S`` for a probe). Candidate ``i`` is hosted by node ``i``: its death kills the store,
-its freeze freezes it. The server sees a connection close at once when the link is up, after
-``closes_after`` seconds (TCP keep-alive) when it is cut.
+A request to a store a node cannot reach fails as the handler's I/O layer sees it: a dead
+host refuses at once; a cut link or a frozen host times out (after the detection window for
+a store request, after ``PROBE_S`` for a probe). Candidate ``i`` is hosted by node ``i``: its
+death kills the store, its freeze freezes it. The server sees a connection close at once when
+the link is up, after ``closes_after`` seconds (TCP keep-alive) when it is cut.
 
 A world "trains" at a time when every one of its members is in its training loop, not frozen
 (its workers step only together): :meth:`MultiSim.overlaps` lists two worlds training at once.
@@ -38,7 +38,7 @@ from fastelastic.rendezvous.fast import _schema as sc
 from fastelastic.rendezvous.fast.failover import _hops as hops
 from fastelastic.rendezvous.fast.failover import _start as start_ops
 from fastelastic.rendezvous.fast.failover._failover import PROBE_S
-from fastelastic.rendezvous.fast.failover._hops import Live
+from fastelastic.rendezvous.fast.failover._hops import LiveStore
 
 DOWN = object()  # the reply of a request that failed as a connection error
 START_PATIENCE = 60.0  # the read timeout a node waits at its start for the first candidate
@@ -50,7 +50,7 @@ class At:
     """The driver's request: the machine's ``op`` on store ``store``."""
 
     store: int
-    op: rq.Op
+    op: rq.Request
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +64,7 @@ class Peek:
 @dataclass
 class MNode(Node):
     store: int = -1
-    live: Live = field(default_factory=Live)
+    live: LiveStore = field(default_factory=LiveStore)
     bstore: int = -1  # the store of the request it is blocked in
     conn: int = 0  # generation of its connection (a move makes a new one)
     training: tuple[int, int] | None = None  # (store, round) while in its training loop
@@ -74,7 +74,7 @@ class MNode(Node):
     log: list[str] = field(default_factory=list)
     pending: At | Peek | None = None  # a request waiting for its link to come back
     closed: bool = False  # its connection closed by the node itself (``_hops.drop_world``)
-    plan: hops.Plan | None = None  # what its failover operations know (``MultiSim.start``)
+    plan: hops.FailoverContext | None = None  # what its failover operations know (``start``)
     hosts: int = -1  # the candidate whose store it hosts (node i hosts candidate i at first)
     addr: str = ""  # its --local-addr ("" as in a pod)
     pid: int = 0
@@ -265,7 +265,7 @@ class MultiSim(Sim):
         node.hosts = node.id if node.id < len(self.stores) else -1
         node.addr, node.pid, node.ident = self.identity(node.id)
         self.by_ident[node.ident] = node.id
-        node.plan = hops.Plan(
+        node.plan = hops.FailoverContext(
             [str(i) for i in range(len(self.stores))], self.keys, START_PATIENCE,
             self.cfg.run_id, node.ident, start_wait=self.cfg.join,
             join_s=self.cfg.join, clock=self.clock,
@@ -300,7 +300,7 @@ class MultiSim(Sim):
             node.segs.append((node.training, node.seg_start, self.clock.t))
         node.seg_start = -1.0
 
-    def _op(self, node: MNode, gen: rq.Proto[Any]) -> Any:
+    def _op(self, node: MNode, gen: rq.RequestGen[Any]) -> Any:
         """Runs one machine operation on the node's store (the handler's ``_run``/``_do``):
         its ``MovedElsewhere`` and ``GoneElsewhere`` are the failover's real operations
         (``_hops.check``, ``_hops.prove_gone``)."""
@@ -330,7 +330,7 @@ class MultiSim(Sim):
         finally:
             gen.close()
 
-    def _hop(self, node: MNode, gen: hops.Ops[Any]) -> Generator[Any, Any, Any]:
+    def _hop(self, node: MNode, gen: hops.FailoverOp[Any]) -> Generator[Any, Any, Any]:
         """Runs one of the failover's operations (``_hops``) as ``Candidates.run`` does on
         real stores: a probe within ``PROBE_S``; a request that fails as a connection error
         thrown into the operation."""
@@ -347,7 +347,7 @@ class MultiSim(Sim):
                     case hops.Probe(i, key):
                         v = yield Peek(i, lambda d, key=key: int(d.get(key, b"0")))
                         reply = f"{i}: did not answer" if v is DOWN else v
-                    case hops.Marks(i, entry):
+                    case hops.MovingList(i, entry):
                         reply = yield from self._marks(node, i, entry)
                     case hops.Pause(seconds):
                         yield Sleep(seconds)
@@ -358,8 +358,9 @@ class MultiSim(Sim):
                                 b"%s:%d" % (node.addr.encode(), 29500), node.ident))
                         except RendezvousConnectionError as e:
                             error = e
-                    case hops.OnStandby(request):
+                    case hops.OnStandby(request):  # a failure only logged, as the handler's
                         reply = yield At(node.hosts, request)
+                        reply = None if reply is DOWN else reply
                     case hops.Adopt(live):
                         self._switch(node, live)
                     case hops.CloseStore(live):
@@ -382,10 +383,10 @@ class MultiSim(Sim):
             gen.close()
 
     @property
-    def keys(self) -> sc.Keys:
-        return sc.Keys(self.cfg.run_id)
+    def keys(self) -> sc.RunKeys:
+        return sc.RunKeys(self.cfg.run_id)
 
-    def _switch(self, node: MNode, live: Live) -> None:
+    def _switch(self, node: MNode, live: LiveStore) -> None:
         if node.store >= 0 and not node.closed:
             self._close(node)
         node.store, node.live, node.beat_key, node.closed = live.index, live, None, False
@@ -458,7 +459,7 @@ class MultiSim(Sim):
                 return None
         raise AssertionError(f"not a local request: {op}")
 
-    def _background(self, node: MNode, gen: hops.Ops[Any], reply: Any = None) -> None:
+    def _background(self, node: MNode, gen: hops.FailoverOp[Any], reply: Any = None) -> None:
         """Runs a thread of ``node``'s host (``_start.keep_syncing``): its reads at once, its
         pauses as events; it ends with the node or the store it hosts."""
         try:

@@ -15,6 +15,6 @@ candidates. Its logger is ``fastelastic.rendezvous.fast_rendezvous.failover``.
 A request's flow: the handler's store fails as a connection error; ``_moves`` runs
 ``_hops.move`` (or ``after``) through ``Candidates.run``, which answers each of its requests on
 the candidate it names (a probe within ``PROBE_S``) and throws a connection error back into
-it; the operation returns the new ``Live`` store, where the node joins again, and the round
+it; the operation returns the new ``LiveStore`` store, where the node joins again, and the round
 there forms only as ``_majority`` allows.
 """

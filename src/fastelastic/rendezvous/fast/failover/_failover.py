@@ -38,15 +38,15 @@ from ._hops import (  # noqa: F401 (the failover's names, as callers and tests k
     AppendStandby,
     CloseStore,
     Count,
+    FailoverContext,
     Fenced,
     GoBack,
     HostStandby,
     JoinRound,
-    Live,
-    Marks,
+    LiveStore,
+    MovingList,
     OnStandby,
     Pause,
-    Plan,
     Probe,
     ReadMoving,
     Regroup,
@@ -117,11 +117,11 @@ class Host(Protocol):
     _store: Any
 
     def _do(self, store: Any, op: Any) -> Any: ...
-    def _switch(self, client: Any, live: Live) -> None: ...
-    def _close_store(self, live: Live) -> None: ...
+    def _switch(self, client: Any, live: LiveStore) -> None: ...
+    def _close_store(self, live: LiveStore) -> None: ...
     def _join_round(self) -> Any: ...
-    def _where(self) -> Live | None: ...
-    def _settle(self, live: Live) -> None: ...
+    def _where(self) -> LiveStore | None: ...
+    def _settle(self, live: LiveStore) -> None: ...
 
 
 class _Taker:
@@ -133,19 +133,19 @@ class _Taker:
     def _do(self, store: Any, op: Any) -> Any:
         raise rq.unknown(op)
 
-    def _switch(self, client: Any, live: Live) -> None:
+    def _switch(self, client: Any, live: LiveStore) -> None:
         self.client = client
 
-    def _close_store(self, live: Live) -> None:
+    def _close_store(self, live: LiveStore) -> None:
         raise AssertionError("no store to close")
 
     def _join_round(self) -> Any:
         raise AssertionError("no round to join")
 
-    def _where(self) -> Live | None:
+    def _where(self) -> LiveStore | None:
         raise AssertionError("nowhere yet")
 
-    def _settle(self, live: Live) -> None:
+    def _settle(self, live: LiveStore) -> None:
         raise AssertionError("nowhere yet")
 
 
@@ -158,7 +158,7 @@ class Candidates:
         self.endpoints = endpoints
         self.read_timeout = read_timeout
         self.token = token
-        self.plan = Plan([f"{h}:{p}" for h, p in endpoints], RunKeys(run_id),
+        self.plan = FailoverContext([f"{h}:{p}" for h, p in endpoints], RunKeys(run_id),
                          read_timeout.total_seconds(), run_id)
         self.standby: Any = None  # the store this node hosts, if it owns a candidate
         self.standby_index = -1
@@ -260,7 +260,7 @@ class Candidates:
             case ReadMoving(i):
                 k = self.plan.keys.moving
                 return self._read(conns, i, lambda c: bytes(c.get(k)) if c.check([k]) else b"")
-            case Marks(i, entry):
+            case MovingList(i, entry):
                 return self._marks(i, entry)
             case Pause(seconds):
                 if stop is None:
@@ -380,14 +380,14 @@ class Candidates:
         else:
             self._on_standby(_append(key, entry), "append to its moving list")
 
-    def _take(self, gen: hops.Ops[T], where: Callable[[T], int]) -> tuple[Any, T]:
+    def _take(self, gen: hops.FailoverOp[T], where: Callable[[T], int]) -> tuple[Any, T]:
         """Runs ``gen`` with no handler, then hands over the connection to the candidate
         ``where`` picks from its answer: (client, answer)."""
         taker = _Taker()
 
-        def take() -> hops.Ops[T]:
+        def take() -> hops.FailoverOp[T]:
             out = yield from gen
-            yield Adopt(Live(where(out)))
+            yield Adopt(LiveStore(where(out)))
             return out
         out = self.run(take(), taker)
         return taker.client, out
@@ -408,11 +408,11 @@ class Candidates:
         client, (i, epoch, proposed) = self._take(gen, lambda out: out[0])
         return client, i, epoch, proposed
 
-    def check(self, live: Live) -> None:
+    def check(self, live: LiveStore) -> None:
         """:func:`._hops.check` on the real candidates."""
         self.run(hops.check(self.plan, live))
 
-    def regroup(self, live: Live, j: int, world: bytes = b"") -> tuple[Any, Live]:
+    def regroup(self, live: LiveStore, j: int, world: bytes = b"") -> tuple[Any, LiveStore]:
         """:func:`._hops.regroup_to` on the real candidates: (client, where it is now)."""
         return self._take(hops.regroup_to(self.plan, live, j, world), lambda new: new.index)
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from . import _hops as hops
-from ._hops import Live
+from ._hops import LiveStore
 
 if TYPE_CHECKING:
     import threading
@@ -26,7 +26,7 @@ class Moves:
 
     if TYPE_CHECKING:
         _candidates: Candidates | None
-        _live: Live
+        _live: LiveStore
         _m: Machine
         _store: Any
         _move_lock: threading.RLock
@@ -55,7 +55,8 @@ class Moves:
         plan = self._candidates.plan
         return self._hop(lambda live: hops.move(plan, self._m, live, why), failed)[0]
 
-    def _hop(self, op: Callable[[Live], hops.Ops[Any]], failed: Any) -> tuple[bool, Any]:
+    def _hop(self, op: Callable[[LiveStore], hops.FailoverOp[Any]],
+             failed: Any) -> tuple[bool, Any]:
         """Runs the operation ``op(live)`` makes from where the handler is (``live``) under
         the move lock, if the handler still talks through ``failed``: (True, its answer), else
         (False, None)."""
@@ -67,7 +68,7 @@ class Moves:
 
     # ------------------------------------------------------------------ _failover.Host
 
-    def _switch(self, client: Any, live: Live) -> None:
+    def _switch(self, client: Any, live: LiveStore) -> None:
         """Talks to the rendezvous through ``client`` (at ``live``) from now on."""
         old, self._store, self._live = self._store, client, live
         self._close_side()
@@ -84,14 +85,14 @@ class Moves:
         finally:
             self._move_lock.acquire()
 
-    def _where(self) -> Live | None:
+    def _where(self) -> LiveStore | None:
         """Where the rendezvous is; None when the store changed since the last join."""
         return self._live if self._store is self._joined_on else None
 
-    def _settle(self, live: Live) -> None:
+    def _settle(self, live: LiveStore) -> None:
         self._live = live
 
-    def _close_store(self, live: Live) -> None:
+    def _close_store(self, live: LiveStore) -> None:
         """Closes the connection (a fenced mover's: its next request fails, so it follows
         from ``live``)."""
         self._live = live

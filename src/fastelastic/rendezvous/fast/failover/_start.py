@@ -16,10 +16,10 @@ from .._schema import encode_started, encode_synced
 from ._hops import (
     AppendStandby,
     Count,
+    FailoverContext,
+    FailoverOp,
     HostStandby,
-    Ops,
     Pause,
-    Plan,
     ReadMoving,
     behind,
     connect,
@@ -44,7 +44,7 @@ class HostedStandby:
     synced: bool
 
 
-def read_others(p: Plan, skip: int = -1) -> Ops[tuple[tuple[int, int] | None,
+def read_others(p: FailoverContext, skip: int = -1) -> FailoverOp[tuple[tuple[int, int] | None,
                                                       dict[int, bytes | None]]]:
     """(index, epoch) of the answering candidate with the highest committed epoch, if any is
     above 0; each candidate's ``moving`` list (None: no answer) but ``skip``'s. Quick: a
@@ -58,7 +58,7 @@ def read_others(p: Plan, skip: int = -1) -> Ops[tuple[tuple[int, int] | None,
     return best, lists
 
 
-def first_shows_no_world(p: Plan) -> Ops[bool]:
+def first_shows_no_world(p: FailoverContext) -> FailoverOp[bool]:
     """Whether the first candidate answers and shows that no world formed yet
     (:func:`._hops.no_world_yet`), read on its last probe's connection."""
     epoch = yield Count(0, p.keys.epoch)
@@ -68,7 +68,7 @@ def first_shows_no_world(p: Plan) -> Ops[bool]:
             and no_world_yet(epoch, opened, moving))
 
 
-def host_standby(p: Plan, mine: list[int]) -> Ops[HostedStandby | None]:
+def host_standby(p: FailoverContext, mine: list[int]) -> FailoverOp[HostedStandby | None]:
     """Hosts the standby on the first of the candidates ``mine`` (this machine's) that no
     other process hosts, after reading the others (:func:`read_others`). Where it may have
     lost marks or fences (:func:`._hops.may_have_lost_state`) its store starts not counting
@@ -92,8 +92,8 @@ def host_standby(p: Plan, mine: list[int]) -> Ops[HostedStandby | None]:
     return HostedStandby(i, nonce, synced)
 
 
-def sync_standby(p: Plan, standby: int, nonce: bytes,
-                 lists: dict[int, bytes | None] | None = None) -> Ops[bool]:
+def sync_standby(p: FailoverContext, standby: int, nonce: bytes,
+                 lists: dict[int, bytes | None] | None = None) -> FailoverOp[bool]:
     """Appends to the standby (candidate ``standby``, incarnation ``nonce``) what
     :func:`._hops.sync_entries` makes of the other candidates' ``lists`` (read now when
     None), with the entry that makes it count; False while too few of them answered."""
@@ -108,7 +108,7 @@ def sync_standby(p: Plan, standby: int, nonce: bytes,
     return True
 
 
-def keep_syncing(p: Plan, standby: int, nonce: bytes) -> Ops[None]:
+def keep_syncing(p: FailoverContext, standby: int, nonce: bytes) -> FailoverOp[None]:
     """:func:`sync_standby` every ``sync_retry_s`` until it is done; its host stops it when
     the standby closes (at a job's start the other candidates' hosts start about when this
     one does)."""
@@ -129,8 +129,8 @@ def keep_syncing(p: Plan, standby: int, nonce: bytes) -> Ops[None]:
                 p.name(standby), waited)
 
 
-def start(p: Plan, standby: int, at_least: int = 0,
-          world: bytes = b"") -> Ops[tuple[int, int, int]]:
+def start(p: FailoverContext, standby: int, at_least: int = 0,
+          world: bytes = b"") -> FailoverOp[tuple[int, int, int]]:
     """A node's start: the live store (:func:`._hops.connect`); the standby it hosts (if
     ``standby`` >= 0) marked ``behind`` that store's committed epoch."""
     i, epoch, proposed = yield from connect(p, -1, at_least, world)
