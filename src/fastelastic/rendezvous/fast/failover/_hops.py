@@ -2,7 +2,8 @@
 node's rendezvous is (:class:`LiveStore`) and every way that changes, each a generator of typed
 requests, as the round machine's operations are (:mod:`._round`).
 
-- A start finds the live store (:func:`connect`).
+- A join fails over as :func:`after` says, until a round forms (:func:`join_anywhere`).
+- A start finds the live store (:func:`connect`; the rest of a start is in :mod:`._start`).
 - A member that lost the live store moves to the next candidate and leaves a provisional mark
   there (:func:`move`); the epoch rises only with the first round there that passes the
   majority rule (``_round.Machine._publish``).
@@ -674,7 +675,7 @@ def after(p: FailoverContext, m: Machine, live: LiveStore, why: BaseException, m
         yield from go_back(p, m, live, why)
     elif isinstance(why, Regroup):
         yield from regroup(p, m, live, why)
-    elif m.member is None and not m.carried:
+    elif m.member is None and not m.carried:  # no world: it never moves the rendezvous
         yield from follow(p, m, live, why, until)
     elif moves <= 0:
         raise why
