@@ -22,7 +22,7 @@ from fastelastic.rendezvous.fast.failover import _hops as hops
 from fastelastic.rendezvous.fast.failover import _majority as majority
 from fastelastic.rendezvous.fast.failover import _start as start
 
-_move, _probe, _prove_gone = hops.move, hops.probe, hops.prove_gone
+_move, _check, _probe, _prove_gone = hops.move, hops.check, hops.probe, hops.prove_gone
 
 
 def _refusal_as_empty_list(*args: Any, **kwargs: Any) -> Generator[Any, Any, str]:
@@ -46,6 +46,16 @@ def _worst_first(p: Any, exclude: int,
     the list first: the wrong successor."""
     found, errors = yield from _probe(p, exclude, quick)
     return sorted(found, key=lambda f: (f[0], -f[1])), errors
+
+
+def _never(kind: type[BaseException]) -> Callable[..., Generator[Any, Any, None]]:
+    """``check`` that never raises ``kind``: a mover that never goes back, or never regroups."""
+    def check(p: Any, live: Any) -> Generator[Any, Any, None]:
+        try:
+            yield from _check(p, live)
+        except kind:
+            return
+    return check
 
 
 def _moves_without_world(p: Any, m: Any, live: Any, why: BaseException,
@@ -82,6 +92,10 @@ MUTATIONS: list[tuple[str, list[tuple[Any, str, Any]], list[Callable[[], None]]]
      [prop.test_finding_a_a_node_cut_during_its_first_join_never_forms_a_world_alone]),
     ("the wrong successor", [(hops, "probe", _worst_first)],
      [prop.test_finding_c_two_cuts_in_a_row_train_one_world]),
+    ("a mover never goes back", [(hops, "check", _never(hops.GoBack))],
+     [prop.test_finding_f_movers_split_across_successors_meet_again]),
+    ("a mover never regroups", [(hops, "check", _never(hops.Regroup))],
+     [prop.test_movers_stranded_on_two_successors_regroup_when_their_store_is_gone]),
     ("a world's majority one short", [(majority, "need", lambda world: world // 2)],
      [prop.test_two_host_freezes_in_a_row_do_not_wedge_the_job]),
     ("a restarted standby counts at once",
