@@ -111,6 +111,10 @@ class _AsIs(Exception):  # noqa: N818 (a carrier, not an error of its own)
         self.error = error
 
 
+class _Out(_AsIs):
+    """Carries an error that ends the operation unchanged (``Candidates.run`` raises it)."""
+
+
 class Host(Protocol):
     """What an operation of :mod:`._hops` changes on the node that runs it (the handler)."""
 
@@ -227,6 +231,8 @@ class Candidates:
                 reply, error = None, None
                 try:
                     reply = self._hop(op, conns, host, stop)
+                except _Out as e:
+                    raise e.error from None
                 except _AsIs as e:
                     error = e.error
                 except (StoreError, OSError, RendezvousConnectionError) as e:
@@ -280,12 +286,14 @@ class Candidates:
                     log.warning("could not %s, on the standby store at %s: %s", what,
                                 self.name(self.standby_index), e)
                     return None
-            case JoinRound():
+            case JoinRound():  # its failures as the join raised them: none rewritten
                 assert host is not None
                 try:
                     return host._join_round()
-                except StoreTimeoutError as e:
-                    raise _AsIs(e) from e
+                except (RendezvousConnectionError, StoreTimeoutError) as e:
+                    raise _AsIs(e) from e  # thrown into the operation
+                except (StoreError, OSError) as e:
+                    raise _Out(e) from e  # ends it
             case Where():
                 assert host is not None
                 return host._where()
