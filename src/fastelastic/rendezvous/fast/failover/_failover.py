@@ -163,7 +163,7 @@ class Candidates:
         self.read_timeout = read_timeout
         self.token = token
         self.plan = FailoverContext([f"{h}:{p}" for h, p in endpoints], RunKeys(run_id),
-                         read_timeout.total_seconds(), run_id)
+                                    read_timeout.total_seconds(), run_id)
         self.standby: Any = None  # the store this node hosts, if it owns a candidate
         self.standby_index = -1
         self._closing = threading.Event()
