@@ -2,17 +2,16 @@
 handler's failover on them.
 
 What is simulated, precisely: the round state machine (``_round.Machine``) and the failover's
-operations (``_hops``: a start's connect, move, go back, regroup, follow, a fenced mover's drop,
-the proof that lost members are gone, a mover's mark with its fence check, a mover's check) run
-unchanged; this driver answers their requests (``_hop``, as ``_failover.Candidates.run`` does on
-real stores) and loops as the handler does (``_join``: ``_moves.Moves._next_rendezvous_anywhere``;
-``_agent``: a node's start, its training loop and ``lost_members``'s move).
-A request to a store
-a node cannot reach fails as the handler's I/O layer sees it: a dead host refuses at once; a
-cut link or a frozen host times out (after the detection window for a store request, after
-``PROBE_S`` for a probe). Candidate ``i`` is hosted by node ``i``: its death kills the store,
-its freeze freezes it. The server sees a connection close at once when the link is up, after
-``closes_after`` seconds (TCP keep-alive) when it is cut.
+operations run unchanged: a node's start (``_start``: hosting a restarted standby, its sync,
+the connect), its joins with every move, return, regroup and follow (``_hops.join_anywhere``),
+the proof that lost members are gone and a mover's mark. This driver only answers their
+requests (``_hop``, as ``_failover.Candidates.run`` does on real stores) and plays the world:
+links, clocks, hosts, and a node's training loop (``_agent``).
+A request to a store a node cannot reach fails as the handler's I/O layer sees it: a dead
+host refuses at once; a cut link or a frozen host times out (after the detection window for
+a store request, after ``PROBE_S`` for a probe). Candidate ``i`` is hosted by node ``i``: its
+death kills the store, its freeze freezes it. The server sees a connection close at once when
+the link is up, after ``closes_after`` seconds (TCP keep-alive) when it is cut.
 
 A world "trains" at a time when every one of its members is in its training loop, not frozen
 (its workers step only together): :meth:`MultiSim.overlaps` lists two worlds training at once.
@@ -37,12 +36,13 @@ from fastelastic.errors import RendezvousConnectionError
 from fastelastic.rendezvous.fast import _requests as rq
 from fastelastic.rendezvous.fast import _schema as sc
 from fastelastic.rendezvous.fast.failover import _hops as hops
+from fastelastic.rendezvous.fast.failover import _start as start_ops
 from fastelastic.rendezvous.fast.failover._failover import PROBE_S
-from fastelastic.rendezvous.fast.failover._hops import Live
+from fastelastic.rendezvous.fast.failover._hops import LiveStore
 
 DOWN = object()  # the reply of a request that failed as a connection error
-MAX_HOPS = 16
 START_PATIENCE = 60.0  # the read timeout a node waits at its start for the first candidate
+SYNC_RETRY_S = 1.0  # seconds between a restarted standby's attempts to sync
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +50,7 @@ class At:
     """The driver's request: the machine's ``op`` on store ``store``."""
 
     store: int
-    op: rq.Op
+    op: rq.Request
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +64,7 @@ class Peek:
 @dataclass
 class MNode(Node):
     store: int = -1
-    live: Live = field(default_factory=Live)
+    live: LiveStore = field(default_factory=LiveStore)
     bstore: int = -1  # the store of the request it is blocked in
     conn: int = 0  # generation of its connection (a move makes a new one)
     training: tuple[int, int] | None = None  # (store, round) while in its training loop
@@ -74,7 +74,7 @@ class MNode(Node):
     log: list[str] = field(default_factory=list)
     pending: At | Peek | None = None  # a request waiting for its link to come back
     closed: bool = False  # its connection closed by the node itself (``_hops.drop_world``)
-    plan: hops.Plan | None = None  # what its failover operations know (``MultiSim.start``)
+    plan: hops.FailoverContext | None = None  # what its failover operations know (``start``)
     hosts: int = -1  # the candidate whose store it hosts (node i hosts candidate i at first)
     addr: str = ""  # its --local-addr ("" as in a pod)
     pid: int = 0
@@ -265,11 +265,13 @@ class MultiSim(Sim):
         node.hosts = node.id if node.id < len(self.stores) else -1
         node.addr, node.pid, node.ident = self.identity(node.id)
         self.by_ident[node.ident] = node.id
-        node.plan = hops.Plan(
+        node.plan = hops.FailoverContext(
             [str(i) for i in range(len(self.stores))], self.keys, START_PATIENCE,
             self.cfg.run_id, node.ident, start_wait=self.cfg.join,
             join_s=self.cfg.join, clock=self.clock,
-            say=lambda fmt, *a: node.log.append(f"{self.clock.t:.1f} " + fmt % a))
+            say=lambda fmt, *a: node.log.append(f"{self.clock.t:.1f} " + fmt % a),
+            sync_retry_s=SYNC_RETRY_S,
+            nonce=lambda: b"%d" % (len(self.stores) * self.restarts[node.hosts] + node.hosts))
         self.nodes.append(node)
         self.at(t, lambda: self._launch(node))
         return node
@@ -298,7 +300,7 @@ class MultiSim(Sim):
             node.segs.append((node.training, node.seg_start, self.clock.t))
         node.seg_start = -1.0
 
-    def _op(self, node: MNode, gen: rq.Proto[Any]) -> Any:
+    def _op(self, node: MNode, gen: rq.RequestGen[Any]) -> Any:
         """Runs one machine operation on the node's store (the handler's ``_run``/``_do``):
         its ``MovedElsewhere`` and ``GoneElsewhere`` are the failover's real operations
         (``_hops.check``, ``_hops.prove_gone``)."""
@@ -328,7 +330,7 @@ class MultiSim(Sim):
         finally:
             gen.close()
 
-    def _hop(self, node: MNode, gen: hops.Ops[Any]) -> Generator[Any, Any, Any]:
+    def _hop(self, node: MNode, gen: hops.FailoverOp[Any]) -> Generator[Any, Any, Any]:
         """Runs one of the failover's operations (``_hops``) as ``Candidates.run`` does on
         real stores: a probe within ``PROBE_S``; a request that fails as a connection error
         thrown into the operation."""
@@ -345,10 +347,20 @@ class MultiSim(Sim):
                     case hops.Probe(i, key):
                         v = yield Peek(i, lambda d, key=key: int(d.get(key, b"0")))
                         reply = f"{i}: did not answer" if v is DOWN else v
-                    case hops.Marks(i, entry):
+                    case hops.MovingList(i, entry):
                         reply = yield from self._marks(node, i, entry)
                     case hops.Pause(seconds):
                         yield Sleep(seconds)
+                    case hops.JoinRound():
+                        try:
+                            reply = yield from self._op(node, node.m.join(
+                                node.node_rank, node.addr, node.pid,
+                                b"%s:%d" % (node.addr.encode(), 29500), node.ident))
+                        except RendezvousConnectionError as e:
+                            error = e
+                    case hops.OnStandby(request):  # a failure only logged, as the handler's
+                        reply = yield At(node.hosts, request)
+                        reply = None if reply is DOWN else reply
                     case hops.Adopt(live):
                         self._switch(node, live)
                     case hops.CloseStore(live):
@@ -358,6 +370,8 @@ class MultiSim(Sim):
                         node.log.append(f"{self.clock.t:.1f} closed, follows from {live}")
                     case rq.Beat() | rq.StopBeats():
                         reply = yield op
+                    case _ if type(op).__module__ == hops.__name__:  # no time, no link
+                        reply = self._local(node, op)
                     case _ if node.closed:
                         error = RendezvousConnectionError(f"store {node.store}: closed")
                     case _:
@@ -369,10 +383,10 @@ class MultiSim(Sim):
             gen.close()
 
     @property
-    def keys(self) -> sc.Keys:
-        return sc.Keys(self.cfg.run_id)
+    def keys(self) -> sc.RunKeys:
+        return sc.RunKeys(self.cfg.run_id)
 
-    def _switch(self, node: MNode, live: Live) -> None:
+    def _switch(self, node: MNode, live: LiveStore) -> None:
         if node.store >= 0 and not node.closed:
             self._close(node)
         node.store, node.live, node.beat_key, node.closed = live.index, live, None, False
@@ -416,85 +430,67 @@ class MultiSim(Sim):
         marks = yield Peek(i, lambda d: d.get(self.keys.moving, b""))
         return f"{i} did not answer" if marks is DOWN else marks
 
-    def _no_world_yet(self, node: MNode, i: int) -> bool:
-        """``Candidates._read_others``' reading of the first candidate, for the host of ``i``."""
-        if i == 0 or self.link(node, 0) != "ok":
-            return False
-        d = self.stores[0]
-        return hops.no_world_yet(int(d.get(self.keys.epoch, b"0")), int(d.get(self.keys.open,
-                                 b"0")), d.get(self.keys.moving, b""))
+    def _local(self, node: MNode, op: Any) -> Any:
+        """The failover's requests that cost no simulated time: a look at a store over a
+        probe's connection (answered while the link is up), the node's own store hosted or
+        appended to by its host, where its rendezvous is."""
+        match op:
+            case hops.Probe(i, key):  # only from a background operation (``_background``)
+                return (int(self.stores[i].get(key, b"0")) if self.link(node, i) == "ok"
+                        else f"{i}: did not answer")
+            case hops.Count(i, key):
+                return int(self.stores[i].get(key, b"0")) if self.link(node, i) == "ok" else None
+            case hops.ReadMoving(i):
+                return (self.stores[i].get(self.keys.moving, b"") if self.link(node, i) == "ok"
+                        else None)
+            case hops.HostStandby(mine):
+                i = mine[0]  # the candidate of its host (``restart``)
+                self.stores[i], self.store_state[i] = {}, "up"
+                self.restarts[i] += 1
+                return i
+            case hops.AppendStandby(entry):
+                d = self.stores[node.hosts]
+                d[self.keys.moving] = d.get(self.keys.moving, b"") + entry
+                return None
+            case hops.Where():
+                return node.live
+            case hops.Settle(live):
+                node.live = live
+                return None
+        raise AssertionError(f"not a local request: {op}")
 
-    def _sync(self, node: MNode, i: int, nonce: bytes) -> None:
-        """``Candidates._sync_until_done`` for the store ``i`` that ``node`` (re)started: the
-        real ``_hops.sync_entries`` over the lists of the candidates it reaches now, tried
-        again every second while too few answer and the node and its store live."""
-        if not node.alive or self.store_state[i] == "dead":
+    def _background(self, node: MNode, gen: hops.FailoverOp[Any], reply: Any = None) -> None:
+        """Runs a thread of ``node``'s host (``_start.keep_syncing``): its reads at once, its
+        pauses as events; it ends with the node or the store it hosts."""
+        try:
+            for _ in range(1_000_000):
+                op = gen.send(reply)
+                if isinstance(op, hops.Pause):
+                    def resume() -> None:
+                        if node.alive and self.store_state[node.hosts] != "dead":
+                            self._background(node, gen)
+                        else:
+                            gen.close()
+                    self.at(self.clock.t + op.seconds, resume)
+                    return
+                reply = self._local(node, op)
+        except StopIteration:
             return
-        if sc.counts(self.stores[i].get(self.keys.moving, b"")):
-            return
-        lists = [self.stores[j].get(self.keys.moving, b"") if self.link(node, j) == "ok"
-                 else None for j in range(len(self.stores)) if j != i]
-        entries = hops.sync_entries(lists, len(self.stores), self._no_world_yet(node, i))
-        if entries is None:
-            self.at(self.clock.t + 1.0, lambda: self._sync(node, i, nonce))
-            return
-        d = self.stores[i]
-        d[self.keys.moving] = d.get(self.keys.moving, b"") + entries + sc.encode_synced(nonce)
-
-    def _behind(self, node: MNode, i: int, epoch: int) -> Generator[Any, Any, None]:
-        """``Candidates._behind``: the real ``_hops.behind`` on the store the node hosts."""
-        for op in list(hops.behind(node.plan, node.hosts, i, epoch)):  # type: ignore[arg-type]
-            yield At(node.hosts, op)
-
-    def _join(self, node: MNode) -> Generator[Any, Any, Any]:
-        """``_moves.Moves._next_rendezvous_anywhere``: the join, and what ``_hops.after``
-        does when it fails."""
-        m, addr = node.m, node.addr
-        moves = len(self.stores) - 1
-        until = self.clock.t + self.cfg.join
-        for _ in range(MAX_HOPS):
-            try:
-                seat = yield from self._op(node, m.join(
-                    node.node_rank, addr, node.pid, b"%s:%d" % (addr.encode(), 29500),
-                    node.ident))
-                node.live = node.live.member()
-                return seat
-            except RendezvousConnectionError as e:
-                moves = yield from self._hop(node, hops.after(node.plan, m, node.live, e, moves,
-                                                              until))
-        raise RendezvousConnectionError("moved too many times")
 
     def _agent(self, node: Node) -> Generator[Any, Any, None]:
+        """A launcher: its start (the handler's, ``_start``; a store already up when the
+        simulation starts was hosted before it), its joins (``_hops.join_anywhere``), its
+        training loop and ``lost_members``'s move."""
         assert isinstance(node, MNode)
         if node.hosts >= 0 and self.store_state[node.hosts] == "dead":  # a restarted host
-            found, _ = yield from self._hop(node, hops.probe(node.plan, -1))
-            lists = [self.stores[i].get(self.keys.moving, b"") if self.link(node, i) == "ok"
-                     else None for i in range(len(self.stores)) if i != node.hosts]
-            nonce = b"%d" % (len(self.stores) * (self.restarts[node.hosts] + 1) + node.hosts)
-            first = (self.stores[0].get(self.keys.moving, b"") if node.hosts != 0
-                     and self.link(node, 0) == "ok" else None)
-            lost = hops.may_have_lost_state(bool(found) and -found[0][0] > 0, lists, first,
-                                            self._no_world_yet(node, node.hosts))
-            self.stores[node.hosts] = {self.keys.moving: sc.encode_started(nonce)} if lost else {}
-            self.store_state[node.hosts] = "up"
-            self.restarts[node.hosts] += 1
-            if found:
-                yield from self._behind(node, found[0][1], -found[0][0])
-            entries = hops.sync_entries(lists, len(self.stores),  # read before it hosted
-                                        self._no_world_yet(node, node.hosts))
-            if not lost:
-                pass  # a job's start: the store counts at once
-            elif entries is None:
-                self.at(self.clock.t + 1.0, lambda: self._sync(node, node.hosts, nonce))
-            else:
-                d = self.stores[node.hosts]
-                d[self.keys.moving] += entries + sc.encode_synced(nonce)
-        i, epoch, proposed = yield from self._hop(node, hops.connect(node.plan))
-        if node.hosts >= 0:
-            yield from self._behind(node, i, epoch)
+            hosted = yield from self._hop(node, start_ops.host_standby(node.plan, [node.hosts]))
+            if hosted is not None and not hosted.synced:
+                self._background(node, start_ops.keep_syncing(node.plan, hosted.index,
+                                                              hosted.nonce))
+        i, epoch, proposed = yield from self._hop(node, start_ops.start(node.plan, node.hosts))
         self._switch(node, hops.begin(node.m, i, epoch, proposed))
         while True:
-            seat = yield from self._join(node)
+            seat = yield from self._hop(node, hops.join_anywhere(node.plan, node.m))
             key = (node.store + len(self.stores) * self.restarts[node.store], seat.round)
             node.seats.append((self.clock.t, seat))
             node.worlds[key] = seat.world

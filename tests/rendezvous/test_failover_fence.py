@@ -22,7 +22,7 @@ from loopback import store as _store
 from fastelastic.errors import RendezvousTimeoutError
 from fastelastic.rendezvous import RendezvousParameters
 from fastelastic.rendezvous.fast import _schema as sc
-from fastelastic.rendezvous.fast.failover._failover import Candidates, Fenced, Live
+from fastelastic.rendezvous.fast.failover._failover import Candidates, Fenced, LiveStore
 from fastelastic.rendezvous.fast.fast_rendezvous import create_fast_handler
 from fastelastic.store import TCPStore
 
@@ -69,7 +69,7 @@ def test_a_mark_before_the_fence_blocks_the_proof_and_a_mark_after_it_is_fenced(
         # the fenced mark is after the fence: the proof, asked again, still finds B gone
         assert prover.gone_elsewhere(0, ["10.0.0.3|3"], W) == ""
         with pytest.raises(Fenced):                # a regroup there carrying W: the same
-            b.regroup(Live(2, 0, 1, (0, 4)), 1, W)
+            b.regroup(LiveStore(2, 0, 1, (0, 4)), 1, W)
         client, _, _, _ = b.connect(exclude=0, at_least=1, world=b"2.feedface")
         client.close()                             # another world's member: not fenced
         client, _, _, _ = a.connect(exclude=0, at_least=1, world=W)

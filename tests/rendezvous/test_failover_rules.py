@@ -14,7 +14,7 @@ from loopback import store as _store
 
 from fastelastic.errors import RendezvousConnectionError, RendezvousTimeoutError
 from fastelastic.rendezvous import RendezvousParameters
-from fastelastic.rendezvous.fast.failover._failover import Candidates, GoBack, Live, Regroup
+from fastelastic.rendezvous.fast.failover._failover import Candidates, GoBack, LiveStore, Regroup
 from fastelastic.rendezvous.fast.fast_rendezvous import create_fast_handler
 
 RUN = "rules"
@@ -126,7 +126,7 @@ def test_a_mover_whose_round_fails_goes_back_to_its_world_or_regroups_earlier():
         c = Candidates(RUN, [("127.0.0.1", s.port) for s in (s0, s1, s2)], False,
                        timedelta(seconds=2))
         c.plan.me = "10.0.0.9|99"
-        live = Live(2, 0, 1, (0, 2))
+        live = LiveStore(2, 0, 1, (0, 2))
         s0.set(K + "open", b"3")                   # round 2 was the last complete one
         with pytest.raises(GoBack) as e:
             c.check(live)

@@ -592,7 +592,7 @@ def test_a_node_started_while_the_rendezvous_moves_waits_for_the_commit() -> Non
     s1 only after some last calls. The late node, started meanwhile, found s0 dead and s1, s2
     answering with no committed epoch; it gave up after the read timeout (60 s), 21 s before
     the world formed on s1 (failed before: the late node in no world). A start now waits up
-    to the join timeout while other candidates answer (``_hops.Plan.start_wait``)."""
+    to the join timeout while other candidates answer (``_hops.FailoverContext.start_wait``)."""
     s = Schedule(-12, 3, 3, 30.0, [(75.47, "cut", 0, 1, 90.47), (79.38, "kill", 0, -1, 0.0),
                                    (79.61, "cut", 2, 1, 119.61)], 122.87)
     assert check(s) == "", str(s)

@@ -106,7 +106,7 @@ class Recorder:
     def record(self) -> Iterator[Recorder]:
         saved = [(cls, name, cls.__dict__[name]) for cls in (simstore.Sim, multisim.MultiSim)
                  for name in ("_apply", "_step") if name in cls.__dict__]
-        drawn = [(multisim.sc, "time"), (multisim.hops, "os")]  # moved with the modules
+        drawn = [(multisim.sc, "time"), (multisim.sc, "os")]  # world ids, proof names
         real = [getattr(mod, name) for mod, name in drawn]
         try:
             for (mod, name), was in zip(drawn, real, strict=True):

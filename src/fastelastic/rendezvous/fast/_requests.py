@@ -16,7 +16,7 @@ from typing import Any, ClassVar, TypeVar
 
 __all__ = [
     "Add", "Append", "AppendOnDisconnect", "Beat", "Check", "CompareSet", "Get",
-    "GoneElsewhere", "MovedElsewhere", "MultiGet", "MultiSet", "OnDisconnect", "Op", "Proto",
+    "GoneElsewhere", "MovedElsewhere", "MultiGet", "MultiSet", "OnDisconnect",
     "Request", "RequestGen", "Set", "StopBeats", "Wait", "unknown",
 ]
 
@@ -163,8 +163,6 @@ Request = (Add | Get | Wait | Check | MultiGet | MultiSet | Set | Append | Compa
 
 T = TypeVar("T")
 RequestGen = Generator[Request, Any, T]  # yields a request, is sent its reply; returns a T
-Op = Request  # the names the failover modules import (same types)
-Proto = Generator[Request, Any, T]
 
 
 def unknown(op: object) -> TypeError:

@@ -83,6 +83,7 @@ In the round store the agents get (``torch.rendezvous.<run_id>.<r>/``), for
 from __future__ import annotations
 
 import enum
+import os
 import time
 import zlib
 from dataclasses import dataclass
@@ -90,7 +91,7 @@ from typing import NamedTuple
 
 from fastelastic.errors import RendezvousStateError
 
-__all__ = ["SEAL", "Keys", "RoundKeys", "RunKeys", "assign_ranks"]
+__all__ = ["SEAL", "RoundKeys", "RunKeys", "assign_ranks"]
 
 SEAL = 1 << 40
 
@@ -113,9 +114,6 @@ class RunKeys:
 
     def round(self, r: int) -> RoundKeys:
         return RoundKeys(self.base, r)
-
-
-Keys = RunKeys  # the name the failover modules import
 
 
 class RoundKeys:
@@ -327,8 +325,6 @@ class OutcomeKind(enum.Enum):
     ABANDONED = b"D"
 
 
-Kind = OutcomeKind  # the name the failover modules may import
-
 # each kind's byte, read once (an enum's ``value`` is a descriptor call: parse_outcome is hot)
 _COMPLETE, _CLOSED, _ABANDONED = (OutcomeKind.COMPLETE.value, OutcomeKind.CLOSED.value,
                                   OutcomeKind.ABANDONED.value)
@@ -458,6 +454,11 @@ def encode_fence(wid: bytes, ident: str, proof: bytes = b"") -> bytes:
     return b"x%s/%s|%s;" % (wid, proof, ident.encode())
 
 
+def new_proof_name() -> bytes:
+    """A proof's name in its fences and withdrawals: random, so two proofs never share one."""
+    return os.urandom(4).hex().encode()
+
+
 def encode_withdrawal(wid: bytes, ident: str, proof: bytes) -> bytes:
     """A failed proof's entry in ``moving``: its fence of ``ident`` (same ``wid`` and ``proof``)
     no longer stands; a later mark counts again."""
@@ -472,6 +473,12 @@ def _entries(raw: bytes) -> list[tuple[bytes, str]]:
         if sep:
             out.append((head, ident.decode("utf-8", "replace")))
     return out
+
+
+def new_incarnation() -> bytes:
+    """A candidate store's incarnation nonce (its host's ``u`` and ``s`` entries): random, so
+    each start of a store has its own."""
+    return os.urandom(8).hex().encode()
 
 
 def encode_started(nonce: bytes) -> bytes:

@@ -47,7 +47,7 @@ from ._store_hosting import host_store, token_from
 from ._worker_store import RoundStores, WorkerStoreHost
 from .failover import _hops as hops
 from .failover._failover import Candidates, parse_candidates
-from .failover._hops import Live
+from .failover._hops import LiveStore
 from .failover._moves import Moves
 
 __all__ = ["FastRendezvousHandler", "assign_ranks", "create_fast_handler"]
@@ -166,8 +166,9 @@ class FastRendezvousHandler(Moves, RoundStores, RendezvousHandler):
         if candidates is not None:
             candidates.plan.me = self._node  # its marks and fences name it as its records do
             candidates.plan.join_s = self._timeout.join.total_seconds()
-        self._live = Live()  # where the rendezvous is (with candidates)
+        self._live = LiveStore()  # where the rendezvous is (with candidates)
         self._move_lock = threading.RLock()  # one move at a time (see _move)
+        self._joined_on: Any = None  # the store of the last join (see _moves._join_round)
         self._closed_owned = False  # shutdown() closed the connections and the hosted store
 
     # ------------------------------------------------------------------ running the protocol

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import logging
-import os
 import socket
 import threading
 import time
@@ -26,27 +25,36 @@ from collections.abc import Callable, Generator
 from datetime import timedelta
 from typing import Any, Protocol, TypeVar
 
-from fastelastic.errors import RendezvousConnectionError, StoreError
+from fastelastic.errors import RendezvousConnectionError, StoreError, StoreTimeoutError
 
 from ...utils import _matches_machine_hostname, parse_rendezvous_endpoint
 from .. import _requests as rq
 from .. import _store_ops as ops
-from .._schema import Keys, encode_started, encode_synced
+from .._schema import RunKeys
 from . import _hops as hops
 from ._hops import (  # noqa: F401 (the failover's names, as callers and tests know them)
     NO_WORLD_RULE,
     Adopt,
+    AppendStandby,
     CloseStore,
+    Count,
+    FailoverContext,
     Fenced,
     GoBack,
-    Live,
-    Marks,
+    HostStandby,
+    JoinRound,
+    LiveStore,
+    MovingList,
+    OnStandby,
     Pause,
-    Plan,
     Probe,
+    ReadMoving,
     Regroup,
+    Settle,
+    Where,
     prove_gone,
 )
+from ._start import HostedStandby, host_standby, keep_syncing, start
 
 T = TypeVar("T")
 # a child of fast_rendezvous's logger: logging configs written for that name keep working
@@ -69,8 +77,6 @@ def _is_mine(host: str) -> bool:
 
 
 PROBE_S = 2.0  # seconds a candidate has to accept and answer a probe
-SYNC_RETRY_S = 0.5  # seconds between a standby's attempts to copy the others' lists
-SYNC_WARN_S = 60.0  # a standby not synced this long says so
 PRE_PROBE_S = 0.5  # seconds a silent candidate gets before a node hosts its standby
 QUICK_S = 0.2  # each plain connect of a probe: what refuses is told at once, a heal seen soon
 
@@ -89,8 +95,24 @@ def parse_candidates(endpoint: str, default_port: int) -> list[tuple[str, int]]:
     return out
 
 
-def _append(key: str, value: bytes) -> rq.Proto[None]:
+def _append(key: str, value: bytes) -> rq.RequestGen[None]:
     yield rq.Append(key, value)
+
+
+class _Stopped(Exception):
+    """The host stopped an operation during a pause (``Candidates.run``'s ``stop``)."""
+
+
+class _AsIs(Exception):  # noqa: N818 (a carrier, not an error of its own)
+    """Carries an error that ``Candidates.run`` throws into the operation unchanged."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class _Out(_AsIs):
+    """Carries an error that ends the operation unchanged (``Candidates.run`` raises it)."""
 
 
 class Host(Protocol):
@@ -99,8 +121,11 @@ class Host(Protocol):
     _store: Any
 
     def _do(self, store: Any, op: Any) -> Any: ...
-    def _switch(self, client: Any, live: Live) -> None: ...
-    def _close_store(self, live: Live) -> None: ...
+    def _switch(self, client: Any, live: LiveStore) -> None: ...
+    def _close_store(self, live: LiveStore) -> None: ...
+    def _join_round(self) -> Any: ...
+    def _where(self) -> LiveStore | None: ...
+    def _settle(self, live: LiveStore) -> None: ...
 
 
 class _Taker:
@@ -112,11 +137,20 @@ class _Taker:
     def _do(self, store: Any, op: Any) -> Any:
         raise rq.unknown(op)
 
-    def _switch(self, client: Any, live: Live) -> None:
+    def _switch(self, client: Any, live: LiveStore) -> None:
         self.client = client
 
-    def _close_store(self, live: Live) -> None:
+    def _close_store(self, live: LiveStore) -> None:
         raise AssertionError("no store to close")
+
+    def _join_round(self) -> Any:
+        raise AssertionError("no round to join")
+
+    def _where(self) -> LiveStore | None:
+        raise AssertionError("nowhere yet")
+
+    def _settle(self, live: LiveStore) -> None:
+        raise AssertionError("nowhere yet")
 
 
 class Candidates:
@@ -128,131 +162,29 @@ class Candidates:
         self.endpoints = endpoints
         self.read_timeout = read_timeout
         self.token = token
-        self.plan = Plan([f"{h}:{p}" for h, p in endpoints], Keys(run_id),
-                         read_timeout.total_seconds(), run_id)
+        self.plan = FailoverContext([f"{h}:{p}" for h, p in endpoints], RunKeys(run_id),
+                                    read_timeout.total_seconds(), run_id)
         self.standby: Any = None  # the store this node hosts, if it owns a candidate
         self.standby_index = -1
-        self._nonce = b""  # the standby's incarnation (``_schema.encode_started``)
         self._closing = threading.Event()
         self._syncer: threading.Thread | None = None
         mine = [] if is_host is False else [
             i for i, (host, _) in enumerate(endpoints) if is_host or _is_mine(host)]
         if mine:
-            self._host(mine)
-
-    def _host(self, mine: list[int]) -> None:
-        """Hosts the standby on the first of the candidates ``mine`` (this machine's) that
-        no other process hosts. The candidates are asked first (:meth:`_read_others`): a
-        committed epoch there means this host restarted after the rendezvous moved away, and
-        its store, empty, is marked ``behind`` it (:func:`._hops.behind`). The store's first
-        entry says it does not count toward the failover's quorums until it is synced
-        (:meth:`_sync`): only a request in the microseconds between the server's start and
-        that entry sees it unmarked."""
-        from fastelastic.store import TCPStore
-
-        found, lists, fresh = self._read_others()
-        for i in mine:
-            host, port = self.endpoints[i]
-            try:
-                self.standby = TCPStore(host, port, is_master=True, multi_tenant=True,
-                                        wait_for_workers=False, timeout=self.read_timeout,
-                                        token=self.token)
-            except (StoreError, OSError) as e:  # hosted by another node of this machine
-                log.debug("candidate %s:%d already hosted (%s)", host, port, e)
-                continue
-            self.standby_index = i
-            others = {j: raw for j, raw in lists.items() if j != i}
-            if not hops.may_have_lost_state(found is not None, list(others.values()),
-                                            others.get(0), fresh):
-                return  # a job's start: nothing to copy, the store counts at once
-            self._nonce = os.urandom(8).hex().encode()
-            self._on_standby(_append(self.plan.keys.moving, encode_started(self._nonce)),
-                             "mark it as not synced")
-            if found is not None:
-                self._behind(*found)
-            if not self._sync(others, fresh and i != 0):
-                self._syncer = threading.Thread(target=self._sync_until_done, daemon=True,
-                                                name="fastelastic-candidate-sync")
+            hosted = self.run(host_standby(self.plan, mine))
+            if hosted is not None and not hosted.synced:
+                self._syncer = threading.Thread(target=self._sync_until_done, args=(hosted,),
+                                                daemon=True, name="fastelastic-candidate-sync")
                 self._syncer.start()
-            return
 
-    def _read_others(self, skip: int = -1) -> tuple[tuple[int, int] | None,
-                                                    dict[int, bytes | None], bool]:
-        """(index, epoch) of the answering candidate with the highest committed epoch, if any
-        is above 0; each candidate's ``moving`` list (None: no answer) but ``skip``'s; and
-        whether the first candidate answered and shows no world formed yet
-        (:func:`._hops.no_world_yet`).
-        Quick, so a job's start does not wait for it: a refused connection (nothing listens
-        there yet, such as this node's own candidate) answers at once, a silent host gets
-        ``PRE_PROBE_S``. The start's ``connect`` looks again, and marks the standby then."""
-        best: tuple[int, int] | None = None
-        lists: dict[int, bytes | None] = {}
-        fresh = False
-        for i in range(len(self.endpoints)):
-            if i == skip:
-                continue
-            lists[i] = None
-            if self._listens(i, PRE_PROBE_S) is not True:
-                continue
-            conns: dict[int, Any] = {}
-            epoch = self._probe(i, self.plan.keys.epoch, conns)
-            c, key = conns.get(i), self.plan.keys.moving
-            try:
-                if c is not None:
-                    lists[i] = bytes(c.get(key)) if c.check([key]) else b""
-                    if i == 0 and isinstance(epoch, int):
-                        fresh = hops.no_world_yet(epoch, int(c.add(self.plan.keys.open, 0)),
-                                                  lists[i] or b"")
-            except (StoreError, OSError) as e:
-                log.debug("could not read %s's moving list: %s", self.name(i), e)
-            finally:
-                if c is not None:
-                    c.close()
-            if isinstance(epoch, int) and epoch > (best[1] if best else 0):
-                best = (i, epoch)
-        return best, lists, fresh
-
-    def _sync(self, lists: dict[int, bytes | None], no_world_yet: bool = False) -> bool:
-        """Appends to the standby what :func:`._hops.sync_entries` makes of the other
-        candidates' ``lists``, with the entry that makes it count; False while too few of
-        them answered."""
-        entries = hops.sync_entries(list(lists.values()), len(self.endpoints), no_world_yet)
-        if entries is None:
-            return False
-        entry = entries + encode_synced(self._nonce)
-        if threading.current_thread() is self._syncer:  # a client of its own, not the host's
-            from fastelastic.store import TCPStore
-
-            host, port = self.endpoints[self.standby_index]
-            c = TCPStore(host, port, timeout=timedelta(seconds=PROBE_S), token=self.token)
-            try:
-                c.append(self.plan.keys.moving, entry)
-            finally:
-                c.close()
-        else:
-            self._on_standby(_append(self.plan.keys.moving, entry),
-                             "copy the other candidates' marks to it")
-        log.debug("candidate %s synced from the others", self.name(self.standby_index))
-        return True
-
-    def _sync_until_done(self) -> None:
-        """:meth:`_sync`, every ``SYNC_RETRY_S`` until it is done or the standby closes (at a
-        job's start the other candidates' hosts start about when this one does)."""
-        waited = 0.0
-        while not self._closing.wait(SYNC_RETRY_S):
-            waited += SYNC_RETRY_S
-            try:
-                _, lists, fresh = self._read_others(self.standby_index)
-                if self._sync(lists, fresh and self.standby_index != 0):
-                    return
-            except Exception as e:  # noqa: BLE001 (a daemon thread: log, try again)
-                log.debug("candidate sync: %s", e)
-            if waited >= SYNC_WARN_S and waited - SYNC_RETRY_S < SYNC_WARN_S:
-                log.warning(
-                    "the rendezvous candidate %s hosted here has not read the other "
-                    "candidates' lists after %.0fs: it does not count toward the failover's "
-                    "quorums until it does (it waits for every other candidate, or a "
-                    "majority of them synced)", self.name(self.standby_index), waited)
+    def _sync_until_done(self, standby: HostedStandby) -> None:
+        """:func:`._start.keep_syncing` in the syncer thread, until the standby closes."""
+        try:
+            self.run(keep_syncing(self.plan, standby.index, standby.nonce), stop=self._closing)
+        except _Stopped:
+            pass
+        except Exception as e:  # noqa: BLE001 (a daemon thread: log)
+            log.debug("candidate sync: %s", e)
 
     def _listens(self, i: int, timeout: float) -> bool | str:
         """Whether candidate ``i`` accepts a connection: False when it is refused (nothing
@@ -277,11 +209,6 @@ class Candidates:
             return True
         return f"{self.name(i)} did not answer within {timeout:g}s"
 
-    def _behind(self, i: int, epoch: int) -> None:
-        """:func:`._hops.behind` on the standby."""
-        self._on_standby(hops.behind(self.plan, self.standby_index, i, epoch),
-                         f"mark it as behind epoch {epoch}")
-
     def _on_standby(self, gen: Any, what: str) -> None:
         """Runs ``gen``'s requests on the standby; a failure is only logged (each narrows a
         hole that the standby's first microseconds leave open anyway)."""
@@ -296,11 +223,13 @@ class Candidates:
 
     # ------------------------------------------------------------------ running operations
 
-    def run(self, gen: Generator[Any, Any, T], host: Host | None = None) -> T:
+    def run(self, gen: Generator[Any, Any, T], host: Host | None = None,
+            stop: threading.Event | None = None) -> T:
         """Runs one of :mod:`._hops`' operations: the failover's requests on the candidates
         (each probe's connection kept for ``Adopt`` until the next probe of that
         candidate; the rest closed at the end), the machine's store requests on ``host``'s
-        store. A request that fails as a connection error is thrown into the operation."""
+        store. A request that fails as a connection error is thrown into the operation.
+        ``stop`` set during a ``Pause`` ends it (raises ``_Stopped``)."""
         conns: dict[int, Any] = {}
         reply: Any = None
         error: BaseException | None = None
@@ -312,7 +241,11 @@ class Candidates:
                     return e.value  # type: ignore[no-any-return]
                 reply, error = None, None
                 try:
-                    reply = self._hop(op, conns, host)
+                    reply = self._hop(op, conns, host, stop)
+                except _Out as e:
+                    raise e.error from None
+                except _AsIs as e:
+                    error = e.error
                 except (StoreError, OSError, RendezvousConnectionError) as e:
                     error = e if isinstance(e, RendezvousConnectionError) else (
                         RendezvousConnectionError(f"{self._where(op)}: {e}"))
@@ -327,17 +260,57 @@ class Candidates:
         i = getattr(op, "index", -1)
         return self.name(i) if i >= 0 else "the rendezvous store"
 
-    def _hop(self, op: Any, conns: dict[int, Any], host: Host | None) -> Any:
+    def _hop(self, op: Any, conns: dict[int, Any], host: Host | None,
+             stop: threading.Event | None = None) -> Any:
         match op:
-            case Probe(i, key):
+            case Probe(i, key, quick):
                 old = conns.pop(i, None)
                 if old is not None:
                     old.close()
+                if quick:  # a start's look: a silent candidate gets PRE_PROBE_S
+                    listens = self._listens(i, PRE_PROBE_S)
+                    if listens is not True:
+                        return listens or f"{self.name(i)}: connection refused"
                 return self._probe(i, key, conns)
-            case Marks(i, entry):
+            case Count(i, key):
+                return self._read(conns, i, lambda c: int(c.add(key, 0)))
+            case ReadMoving(i):
+                k = self.plan.keys.moving
+                return self._read(conns, i, lambda c: bytes(c.get(k)) if c.check([k]) else b"")
+            case MovingList(i, entry):
                 return self._marks(i, entry)
             case Pause(seconds):
-                time.sleep(seconds)
+                if stop is None:
+                    time.sleep(seconds)
+                elif stop.wait(seconds):
+                    raise _Stopped
+                return None
+            case HostStandby(mine):
+                return self._host(mine)
+            case AppendStandby(entry):
+                self._append_standby(entry)
+                return None
+            case OnStandby(request, what):
+                try:
+                    return ops.apply(self.standby, request)
+                except (StoreError, OSError) as e:
+                    log.warning("could not %s, on the standby store at %s: %s", what,
+                                self.name(self.standby_index), e)
+                    return None
+            case JoinRound():  # its failures as the join raised them: none rewritten
+                assert host is not None
+                try:
+                    return host._join_round()
+                except (RendezvousConnectionError, StoreTimeoutError) as e:
+                    raise _AsIs(e) from e  # thrown into the operation
+                except (StoreError, OSError) as e:
+                    raise _Out(e) from e  # ends it
+            case Where():
+                assert host is not None
+                return host._where()
+            case Settle(live):
+                assert host is not None
+                host._settle(live)
                 return None
             case Adopt(live):
                 assert host is not None
@@ -381,14 +354,60 @@ class Candidates:
         conns[i] = c
         return value
 
-    def _take(self, gen: hops.Ops[T], where: Callable[[T], int]) -> tuple[Any, T]:
+    def _read(self, conns: dict[int, Any], i: int, read: Callable[[Any], T]) -> T | None:
+        """``read`` on the connection of candidate ``i``'s last probe; None without one, or
+        when the read fails."""
+        c = conns.get(i)
+        if c is None:
+            return None
+        try:
+            return read(c)
+        except (StoreError, OSError) as e:
+            log.debug("could not read %s: %s", self.name(i), e)
+            return None
+
+    def _host(self, mine: tuple[int, ...]) -> int:
+        """Hosts the standby on the first of ``mine`` that no other process hosts: its index,
+        or -1."""
+        from fastelastic.store import TCPStore
+
+        for i in mine:
+            host, port = self.endpoints[i]
+            try:
+                self.standby = TCPStore(host, port, is_master=True, multi_tenant=True,
+                                        wait_for_workers=False, timeout=self.read_timeout,
+                                        token=self.token)
+            except (StoreError, OSError) as e:  # hosted by another node of this machine
+                log.debug("candidate %s:%d already hosted (%s)", host, port, e)
+                continue
+            self.standby_index = i
+            return i
+        return -1
+
+    def _append_standby(self, entry: bytes) -> None:
+        """Appends ``entry`` to the standby's ``moving`` list: from the syncer thread on a
+        client of its own (not the host's), else on the host's (a failure only logged)."""
+        key = self.plan.keys.moving
+        if threading.current_thread() is self._syncer:
+            from fastelastic.store import TCPStore
+
+            host, port = self.endpoints[self.standby_index]
+            c = TCPStore(host, port, timeout=timedelta(seconds=PROBE_S), token=self.token)
+            try:
+                c.append(key, entry)
+            finally:
+                c.close()
+        else:
+            self._on_standby(_append(key, entry), "append to its moving list")
+
+    def _take(self, gen: hops.FailoverOp[T], where: Callable[[T], int]) -> tuple[Any, T]:
         """Runs ``gen`` with no handler, then hands over the connection to the candidate
         ``where`` picks from its answer: (client, answer)."""
         taker = _Taker()
 
-        def take() -> hops.Ops[T]:
+        def take() -> hops.FailoverOp[T]:
             out = yield from gen
-            yield Adopt(Live(where(out)))
+            yield Adopt(LiveStore(where(out)))
             return out
         out = self.run(take(), taker)
         return taker.client, out
@@ -404,17 +423,16 @@ class Candidates:
             RendezvousConnectionError: No candidate answered (see :func:`._hops.connect`).
             Fenced: ``world`` declared this node gone before its mark reached the candidate.
         """
-        client, (i, epoch, proposed) = self._take(
-            hops.connect(self.plan, exclude, at_least, world), lambda out: out[0])
-        if exclude < 0 and self.standby is not None:  # a start: is this node's store behind?
-            self._behind(i, epoch)
+        gen = hops.connect(self.plan, exclude, at_least, world) if exclude >= 0 else start(
+            self.plan, self.standby_index if self.standby is not None else -1, at_least, world)
+        client, (i, epoch, proposed) = self._take(gen, lambda out: out[0])
         return client, i, epoch, proposed
 
-    def check(self, live: Live) -> None:
+    def check(self, live: LiveStore) -> None:
         """:func:`._hops.check` on the real candidates."""
         self.run(hops.check(self.plan, live))
 
-    def regroup(self, live: Live, j: int, world: bytes = b"") -> tuple[Any, Live]:
+    def regroup(self, live: LiveStore, j: int, world: bytes = b"") -> tuple[Any, LiveStore]:
         """:func:`._hops.regroup_to` on the real candidates: (client, where it is now)."""
         return self._take(hops.regroup_to(self.plan, live, j, world), lambda new: new.index)
 

@@ -1,8 +1,9 @@
 """The failover between the ``--rdzv-endpoint`` candidates as typed operations: where a
-node's rendezvous is (:class:`Live`) and every way that changes, each a generator of typed
+node's rendezvous is (:class:`LiveStore`) and every way that changes, each a generator of typed
 requests, as the round machine's operations are (:mod:`._round`).
 
-- A start finds the live store (:func:`connect`).
+- A join fails over as :func:`after` says, until a round forms (:func:`join_anywhere`).
+- A start finds the live store (:func:`connect`; the rest of a start is in :mod:`._start`).
 - A member that lost the live store moves to the next candidate and leaves a provisional mark
   there (:func:`move`); the epoch rises only with the first round there that passes the
   majority rule (``_round.Machine._publish``).
@@ -26,25 +27,31 @@ request that fails as a connection error is thrown back into the operation as
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from fastelastic.errors import RendezvousConnectionError, RendezvousTimeoutError
+from fastelastic.errors import (
+    RendezvousConnectionError,
+    RendezvousTimeoutError,
+    StoreTimeoutError,
+)
 
-from .._requests import Op, Proto, Set, StopBeats
+from .._requests import Request, Set, StopBeats
 from .._schema import (
-    Keys,
+    RunKeys,
     copied_entries,
     counts,
     encode_fence,
     encode_mark,
+    encode_number,
     encode_withdrawal,
     fenced,
     incarnation,
     marked_before_fence,
+    new_incarnation,
+    new_proof_name,
 )
 
 if TYPE_CHECKING:
@@ -55,6 +62,8 @@ log = logging.getLogger("fastelastic.rendezvous.fast_rendezvous.failover")
 
 T = TypeVar("T")
 RETRY_S = 0.2  # seconds between the probes of a node waiting for a candidate
+SYNC_RETRY_S = 0.5  # seconds between a standby's attempts to copy the others' lists
+MAX_HOPS = 64  # moves and returns of one join (:func:`join_anywhere`)
 
 
 def prover_quorum(n: int) -> int:
@@ -77,7 +86,7 @@ QUORUM_RULE = (
 
 
 @dataclass(frozen=True)
-class Live:
+class LiveStore:
     """Where a node's rendezvous is: the live candidate and its committed epoch; after a move
     not yet committed, the epoch this node proposes there and the (candidate, round) it left;
     whether this node was a member of a round there (only then may it close that store)."""
@@ -88,9 +97,9 @@ class Live:
     left: tuple[int, int] | None = None
     formed: bool = False
 
-    def member(self) -> Live:
+    def member(self) -> LiveStore:
         """This node is a member of a round here: any move it proposed was committed."""
-        return Live(self.index, max(self.epoch, self.proposed), 0, None, True)
+        return LiveStore(self.index, max(self.epoch, self.proposed), 0, None, True)
 
 
 class GoBack(RendezvousConnectionError):
@@ -138,10 +147,11 @@ class Probe:
     name: ClassVar[str] = "probe"
     index: int
     key: str
+    quick: bool = False  # a start's look before it hosts: a silent host gets ``PRE_PROBE_S``
 
 
 @dataclass(frozen=True, slots=True)
-class Marks:
+class MovingList:
     """Appends ``entry`` (if any: a mark, fences or withdrawals) to candidate ``index``'s
     ``moving`` list, then reads the list, on a connection of its own, within ``PROBE_S``
     each. Reply: the list (bytes), None when the connection is refused, or why it did not
@@ -167,7 +177,7 @@ class Adopt:
     disconnect actions run there). Reply: None."""
 
     name: ClassVar[str] = "adopt"
-    live: Live
+    live: LiveStore
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,19 +186,94 @@ class CloseStore:
     rendezvous is at ``live`` from now on. Reply: None."""
 
     name: ClassVar[str] = "close_store"
-    live: Live
+    live: LiveStore
 
 
-Hop = Probe | Marks | Pause | Adopt | CloseStore
-Ops = Generator[Op | Hop, Any, T]  # a failover operation: yields requests, is sent replies
+@dataclass(frozen=True, slots=True)
+class Count:
+    """Reads the counter ``key`` on the connection the last probe of candidate ``index``
+    opened. Reply: its value (int), or None when that probe got no connection or the read
+    failed."""
+
+    name: ClassVar[str] = "count"
+    index: int
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReadMoving:
+    """Reads the ``moving`` list on the connection the last probe of candidate ``index``
+    opened. Reply: the list (bytes, empty when unset), or None as :class:`Count`."""
+
+    name: ClassVar[str] = "read_moving"
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class HostStandby:
+    """Hosts this node's standby store on the first of the candidates ``mine`` (its own) that
+    no other process hosts. Reply: that candidate's index, or -1."""
+
+    name: ClassVar[str] = "host_standby"
+    mine: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AppendStandby:
+    """Appends ``entry`` to the standby's ``moving`` list (its host's own entries and what it
+    copied from the others). Reply: None."""
+
+    name: ClassVar[str] = "append_standby"
+    entry: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class OnStandby:
+    """The store request ``request`` on the standby, ``what`` it does as a warning names it
+    when it fails (it is only logged). Reply: its reply, or None."""
+
+    name: ClassVar[str] = "on_standby"
+    request: Request
+    what: str
+
+
+@dataclass(frozen=True, slots=True)
+class JoinRound:
+    """The node joins a round on its store (the machine's ``join``, run by its host). Reply:
+    the host's answer (its seat); a connection error or a store timeout is thrown in as it
+    is."""
+
+    name: ClassVar[str] = "join_round"
+
+
+@dataclass(frozen=True, slots=True)
+class Where:
+    """Reply: where the node's rendezvous is (:class:`LiveStore`); None when its store is no longer
+    the one its last :class:`JoinRound` used (another of its threads moved meanwhile)."""
+
+    name: ClassVar[str] = "where"
+
+
+@dataclass(frozen=True, slots=True)
+class Settle:
+    """The node's rendezvous is at ``live`` from now on, on the same connection. Reply: None."""
+
+    name: ClassVar[str] = "settle"
+    live: LiveStore
+
+
+FailoverRequest = (Probe | MovingList | Pause | Adopt | CloseStore | Count | ReadMoving
+                   | HostStandby | AppendStandby | OnStandby | JoinRound | Where | Settle)
+# a failover operation: yields requests, is sent replies
+FailoverOp = Generator[Request | FailoverRequest, Any, T]
 
 
 @dataclass
-class Plan:
+class FailoverContext:
     """What the operations know of the candidates and of this node."""
 
     names: list[str]  # each candidate as ``host:port``
-    keys: Keys
+    keys: RunKeys
     read_s: float  # a start waits this long for the first candidate (the read timeout)
     run_id: str = ""
     me: str = ""  # this node's identity (``_schema.node_id``), as its records name it
@@ -196,6 +281,9 @@ class Plan:
     join_s: float = 600.0  # the join timeout (a node with no world follows within it)
     clock: Callable[[], float] = time.monotonic
     say: Callable[..., None] = log.warning  # a move, as the operator reads it
+    sync_retry_s: float = SYNC_RETRY_S  # seconds between a standby's attempts to sync
+    # a standby store's incarnation (``_schema.encode_started``): unique per start of a store
+    nonce: Callable[[], bytes] = new_incarnation
 
     def name(self, i: int) -> str:
         return self.names[i] if i >= 0 else "?"
@@ -204,13 +292,14 @@ class Plan:
 # ---------------------------------------------------------------------- finding stores
 
 
-def probe(p: Plan, exclude: int) -> Ops[tuple[list[tuple[int, int]], list[str]]]:
+def probe(p: FailoverContext, exclude: int,
+          quick: bool = False) -> FailoverOp[tuple[list[tuple[int, int]], list[str]]]:
     """Every answering candidate but ``exclude``: ``(-epoch, index)``, best first; and what
     the others said."""
     found, errors = [], []
     for i in range(len(p.names)):
         if i != exclude:
-            r = yield Probe(i, p.keys.epoch)
+            r = yield Probe(i, p.keys.epoch, quick)
             if isinstance(r, str):
                 errors.append(r)
             else:
@@ -219,8 +308,8 @@ def probe(p: Plan, exclude: int) -> Ops[tuple[list[tuple[int, int]], list[str]]]
     return found, errors
 
 
-def connect(p: Plan, exclude: int = -1, at_least: int = 0,
-            world: bytes = b"") -> Ops[tuple[int, int, int]]:
+def connect(p: FailoverContext, exclude: int = -1, at_least: int = 0,
+            world: bytes = b"") -> FailoverOp[tuple[int, int, int]]:
     """The live store: (candidate index, its committed epoch, the epoch this node proposes
     there or 0); the caller adopts the connection. When the store's epoch is below
     ``at_least`` (this node moves the rendezvous there) it is not raised: the node writes
@@ -275,7 +364,7 @@ def connect(p: Plan, exclude: int = -1, at_least: int = 0,
     return i, epoch, proposed
 
 
-def behind(p: Plan, standby: int, i: int, epoch: int) -> Proto[None]:
+def behind(p: FailoverContext, standby: int, i: int, epoch: int) -> FailoverOp[None]:
     """A starting node that hosts candidate ``standby`` found the live store at candidate
     ``i`` with the committed ``epoch`` (probing before it hosts, and again at its connect):
     its own store, empty, is behind that (its host restarted after the rendezvous moved
@@ -283,7 +372,8 @@ def behind(p: Plan, standby: int, i: int, epoch: int) -> Proto[None]:
     not take the empty first candidate for a job's start and form a world of its own beside
     the live one. Its requests go to the standby."""
     if standby >= 0 and standby != i and epoch > 0:
-        yield Set(p.keys.behind, b"%d" % epoch)
+        yield OnStandby(Set(p.keys.behind, encode_number(epoch)),
+                        f"mark it as behind epoch {epoch}")
 
 
 def sync_entries(lists: list[bytes | None], n: int, no_world_yet: bool = False) -> bytes | None:
@@ -326,14 +416,14 @@ def no_world_yet(epoch: int, opened: int, moving: bytes) -> bool:
     return epoch == 0 and opened == 0 and not copied_entries(moving)
 
 
-def begin(m: Machine, i: int, epoch: int, proposed: int) -> Live:
+def begin(m: Machine, i: int, epoch: int, proposed: int) -> LiveStore:
     """Where a started node's rendezvous is (``connect``'s answer); a proposal, when its
     start found only a store it moves the rendezvous to, goes into its machine."""
     m.moved(proposed)
-    return Live(i, epoch, proposed)
+    return LiveStore(i, epoch, proposed)
 
 
-def mark(p: Plan, i: int, epoch: int, world: bytes, lost: int = -1) -> Ops[None]:
+def mark(p: FailoverContext, i: int, epoch: int, world: bytes, lost: int = -1) -> FailoverOp[None]:
     """A mover's mark (``me`` proposing ``epoch``) on candidate ``i``, where it joins. One that
     carries ``world`` marks :func:`mover_quorum` candidates (``i`` first, ``lost``, the store
     it lost, last), all before it reads any back, and carries its world only once its mark is
@@ -346,7 +436,7 @@ def mark(p: Plan, i: int, epoch: int, world: bytes, lost: int = -1) -> Ops[None]
     """
     entry = encode_mark(epoch, p.me)
     if not world:  # no world to carry: the mark only says where it is
-        yield Marks(i, entry)
+        yield MovingList(i, entry)
         return
     n = len(p.names)
     need = mover_quorum(n)
@@ -360,7 +450,7 @@ def mark(p: Plan, i: int, epoch: int, world: bytes, lost: int = -1) -> Ops[None]
         for j in order:  # every append before any read (see sync_entries)
             if len(appended) >= need:
                 break
-            raw = yield Marks(j, entry)
+            raw = yield MovingList(j, entry)
             if isinstance(raw, bytes) and counts(raw):
                 appended[j] = incarnation(raw)
             else:
@@ -369,7 +459,7 @@ def mark(p: Plan, i: int, epoch: int, world: bytes, lost: int = -1) -> Ops[None]
                            f"{p.name(j)} is not synced since its host started")
         read = 0
         for j, nonce in appended.items():
-            raw = yield Marks(j, b"")
+            raw = yield MovingList(j, b"")
             if not isinstance(raw, bytes) or incarnation(raw) != nonce or not counts(raw):
                 why.append(f"{p.name(j)} did not answer the read-back")
                 continue
@@ -393,7 +483,7 @@ def mark(p: Plan, i: int, epoch: int, world: bytes, lost: int = -1) -> Ops[None]
         + QUORUM_RULE.format(m=need, n=n, f=prover_quorum(n)))
 
 
-def follow_to(p: Plan, live: Live, until: float) -> Ops[Live]:
+def follow_to(p: FailoverContext, live: LiveStore, until: float) -> FailoverOp[LiveStore]:
     """For a node that carries no world whose store was lost (:data:`NO_WORLD_RULE`): the
     candidate with a committed epoch above ``live``'s, or the store it was on once that
     answers again (at its epoch or above); probes every 0.2 s until ``until``.
@@ -406,7 +496,7 @@ def follow_to(p: Plan, live: Live, until: float) -> Ops[Live]:
         pick = next((f for f in found if -f[0] > live.epoch or (
             f[1] == live.index and -f[0] >= live.epoch)), None)
         if pick is not None:
-            return Live(pick[1], -pick[0])
+            return LiveStore(pick[1], -pick[0])
         if p.clock() >= until:
             break
         yield Pause(RETRY_S)
@@ -415,7 +505,7 @@ def follow_to(p: Plan, live: Live, until: float) -> Ops[Live]:
         f"and no other candidate holds a committed epoch above {live.epoch}: {NO_WORLD_RULE}")
 
 
-def raise_if_moved(p: Plan, index: int, epoch: int) -> Ops[list[int]]:
+def raise_if_moved(p: FailoverContext, index: int, epoch: int) -> FailoverOp[list[int]]:
     """The candidates other than ``index`` that answer; raises
     ``RendezvousConnectionError`` when one holds an epoch above ``epoch``: the rendezvous
     moved there while this node's store stayed up (a partition, or this node's host frozen
@@ -427,7 +517,7 @@ def raise_if_moved(p: Plan, index: int, epoch: int) -> Ops[list[int]]:
     return sorted(i for _, i in found)
 
 
-def check(p: Plan, live: Live) -> Ops[None]:
+def check(p: FailoverContext, live: LiveStore) -> FailoverOp[None]:
     """For a node whose round failed the majority rule (the machine's ``MovedElsewhere``):
     raises when the rendezvous moved on elsewhere (a higher committed epoch), or
     :class:`GoBack` when the store an uncommitted move left answers again: its world formed a
@@ -455,7 +545,8 @@ def check(p: Plan, live: Live) -> Ops[None]:
                       f"{p.name(live.index)} in the list", lower[0])
 
 
-def regroup_to(p: Plan, live: Live, j: int, world: bytes = b"") -> Ops[Live]:
+def regroup_to(p: FailoverContext, live: LiveStore, j: int,
+               world: bytes = b"") -> FailoverOp[LiveStore]:
     """Candidate ``j`` for a mover that regroups there (see :func:`check`): the same move,
     its proposal and mark carried over (:class:`Fenced` as :func:`connect`)."""
     epoch = yield Probe(j, p.keys.epoch)
@@ -463,13 +554,13 @@ def regroup_to(p: Plan, live: Live, j: int, world: bytes = b"") -> Ops[Live]:
         raise RendezvousConnectionError(epoch)
     proposed = live.proposed if live.proposed > epoch else 0
     yield from mark(p, j, proposed or epoch, world)
-    return Live(j, epoch, proposed, live.left if proposed else None)
+    return LiveStore(j, epoch, proposed, live.left if proposed else None)
 
 
 # ---------------------------------------------------------------------- a node's moves
 
 
-def move(p: Plan, m: Machine, live: Live, why: BaseException) -> Ops[None]:
+def move(p: FailoverContext, m: Machine, live: LiveStore, why: BaseException) -> FailoverOp[None]:
     """The live store's host is lost: the node says ``moved`` there (before any close, so a
     close without it is a death), connects to the next live candidate, proposes an epoch past
     the lost one's with a mark, and starts the rounds over there. Back on the store where its
@@ -488,9 +579,9 @@ def move(p: Plan, m: Machine, live: Live, why: BaseException) -> Ops[None]:
         yield from drop_world(p, m, live, e)
         return
     left = (live.index, member[0]) if member is not None else live.left
-    new = Live(i, epoch, proposed, left if proposed and live.index >= 0 else None)
+    new = LiveStore(i, epoch, proposed, left if proposed and live.index >= 0 else None)
     if live.left is not None and i == live.left[0] and m.returned():
-        new = Live(i, epoch)  # back where its world formed
+        new = LiveStore(i, epoch)  # back where its world formed
     else:
         m.moved(proposed)
     yield Adopt(new)
@@ -499,7 +590,7 @@ def move(p: Plan, m: Machine, live: Live, why: BaseException) -> Ops[None]:
           " proposed: committed once a round forms there" if proposed else "")
 
 
-def go_back(p: Plan, m: Machine, live: Live, why: GoBack) -> Ops[None]:
+def go_back(p: FailoverContext, m: Machine, live: LiveStore, why: GoBack) -> FailoverOp[None]:
     """A mover whose move was not committed finds the store it left answering again: it
     goes back, as a member of its world when no round formed there since (``rejoin``), else
     as a new node.
@@ -513,13 +604,13 @@ def go_back(p: Plan, m: Machine, live: Live, why: GoBack) -> Ops[None]:
     epoch = yield Probe(i, p.keys.epoch)
     if isinstance(epoch, str):
         raise RendezvousConnectionError(epoch)
-    yield Adopt(Live(i, epoch))
+    yield Adopt(LiveStore(i, epoch))
     if not (why.rejoin and m.returned()):
         m.back()
     p.say("rendezvous %s: %s; went back to it", p.run_id, why)
 
 
-def regroup(p: Plan, m: Machine, live: Live, why: Regroup) -> Ops[None]:
+def regroup(p: FailoverContext, m: Machine, live: LiveStore, why: Regroup) -> FailoverOp[None]:
     """A mover whose round failed the majority rule regroups on an earlier candidate (its
     world's store not answering): the movers of a world meet there."""
     yield StopBeats()
@@ -533,7 +624,8 @@ def regroup(p: Plan, m: Machine, live: Live, why: Regroup) -> Ops[None]:
     p.say("rendezvous %s: %s; regrouped there", p.run_id, why)
 
 
-def follow(p: Plan, m: Machine, live: Live, why: BaseException, until: float) -> Ops[None]:
+def follow(p: FailoverContext, m: Machine, live: LiveStore, why: BaseException,
+           until: float) -> FailoverOp[None]:
     """A node that carries no world lost its store: it follows a committed move, or
     reconnects to its store once it answers (:func:`follow_to`).
 
@@ -557,21 +649,21 @@ def follow(p: Plan, m: Machine, live: Live, why: BaseException, until: float) ->
           "at %s (epoch %d)", p.run_id, lost, p.name(new.index), new.epoch)
 
 
-def drop_world(p: Plan, m: Machine, live: Live, why: Fenced) -> Ops[None]:
+def drop_world(p: FailoverContext, m: Machine, live: LiveStore, why: Fenced) -> FailoverOp[None]:
     """The store where this node's world formed proved it gone before its mark reached a
     candidate: it drops that world (a new node from now on) and closes its connection, so its
     next request fails and it follows (:func:`follow`) as a node with no world: to a
     committed move, or back to its world's store (not to an uncommitted successor)."""
     m.back()
-    where = Live(live.left[0], 0) if live.left is not None else live  # not a successor
+    where = LiveStore(live.left[0], 0) if live.left is not None else live  # not a successor
     yield CloseStore(where)
     p.say("rendezvous %s: %s; it carries no world from now on: it does not move the "
           "rendezvous, it follows a committed move or waits for %s", p.run_id, why,
           p.name(where.index))
 
 
-def after(p: Plan, m: Machine, live: Live, why: BaseException, moves: int,
-          until: float) -> Ops[int]:
+def after(p: FailoverContext, m: Machine, live: LiveStore, why: BaseException, moves: int,
+          until: float) -> FailoverOp[int]:
     """What a join that failed with ``why`` on the live store does next: go back or regroup
     (:class:`GoBack`, :class:`Regroup`); with no world, follow; else move, while ``moves``
     (left of this rendezvous) last. Returns the moves left.
@@ -583,7 +675,7 @@ def after(p: Plan, m: Machine, live: Live, why: BaseException, moves: int,
         yield from go_back(p, m, live, why)
     elif isinstance(why, Regroup):
         yield from regroup(p, m, live, why)
-    elif m.member is None and not m.carried:
+    elif m.member is None and not m.carried:  # no world: it never moves the rendezvous
         yield from follow(p, m, live, why, until)
     elif moves <= 0:
         raise why
@@ -593,14 +685,41 @@ def after(p: Plan, m: Machine, live: Live, why: BaseException, moves: int,
     return moves
 
 
+def join_anywhere(p: FailoverContext, m: Machine) -> FailoverOp[Any]:
+    """The node's join on its live store; when it fails there, what :func:`after` says: go
+    back, regroup, follow (a node with no world never moves the rendezvous), or move to the
+    next candidate (at most once per candidate). Returns the join's answer.
+
+    Raises:
+        RendezvousConnectionError: ``MAX_HOPS`` moves and returns formed no round.
+    """
+    moves = len(p.names) - 1
+    until = p.clock() + p.join_s
+    for _ in range(MAX_HOPS):  # bounded: each pass joins, moves (``moves`` at most) or goes back
+        try:
+            seat = yield JoinRound()
+        except (RendezvousConnectionError, StoreTimeoutError) as e:
+            live = yield Where()
+            if live is not None:  # None: another thread of the node moved since the failure
+                moves = yield from after(p, m, live, e, moves, until)
+            continue
+        live = yield Where()
+        if live is not None:
+            yield Settle(live.member())
+        return seat
+    raise RendezvousConnectionError(
+        f"The rendezvous '{p.run_id}' moved between its candidates {MAX_HOPS} times "
+        "without forming a round.")
+
+
 # ---------------------------------------------------------------------- the proof
 
 
-Proof = Generator[Marks, "bytes | str | None", str]
+ProofOp = Generator[MovingList, "bytes | str | None", str]
 
 
 def prove_gone(names: list[str], index: int, idents: list[str], world: bytes,
-               proof: bytes = b"") -> Proof:
+               proof: bytes = b"") -> ProofOp:
     """Whether the members ``idents`` (their identities) of ``world``, whose connections
     closed on candidate ``index``, are proven to be nowhere else (the candidates are
     ``names``): "" once this prover's fences of them (:func:`encode_fence`) are read back,
@@ -622,7 +741,7 @@ def prove_gone(names: list[str], index: int, idents: list[str], world: bytes,
     (``proof`` names them; a random name by default), so that a mover that comes later
     carries its world all the same. A fence whose withdrawal does not get through stays: it
     costs a mover its world, never a second one."""
-    proof = proof or os.urandom(4).hex().encode()
+    proof = proof or new_proof_name()
     n, need = len(names), prover_quorum(len(names))
     fences = b"".join(encode_fence(world, x, proof) for x in idents)
     why: list[str] = []
@@ -630,7 +749,7 @@ def prove_gone(names: list[str], index: int, idents: list[str], world: bytes,
     for i in [index] + [j for j in range(n) if j != index]:  # read-only: who can count
         if len(chosen) >= need:
             break
-        raw = yield Marks(i, b"")
+        raw = yield MovingList(i, b"")
         if not isinstance(raw, bytes) or not counts(raw):
             why.append(raw if isinstance(raw, str) else f"{names[i]} refused the connection"
                        if raw is None else f"{names[i]} is not synced since its host started")
@@ -646,13 +765,13 @@ def prove_gone(names: list[str], index: int, idents: list[str], world: bytes,
     appended: dict[int, bytes | None] = {}
     verdict = ""
     for i in chosen:  # every fence before any read-back
-        raw = yield Marks(i, fences)
+        raw = yield MovingList(i, fences)
         if not isinstance(raw, bytes):
             verdict = raw or f"{names[i]} refused the connection"
             break
         appended[i] = incarnation(raw)
     for i, nonce in appended.items() if not verdict else ():
-        raw = yield Marks(i, b"")
+        raw = yield MovingList(i, b"")
         if not isinstance(raw, bytes) or incarnation(raw) != nonce or not counts(raw):
             verdict = f"{names[i]} did not answer the read-back"
             break
@@ -663,7 +782,7 @@ def prove_gone(names: list[str], index: int, idents: list[str], world: bytes,
     if verdict:
         withdrawals = b"".join(encode_withdrawal(world, x, proof) for x in idents)
         for i in appended:
-            yield Marks(i, withdrawals)  # best effort (see above)
+            yield MovingList(i, withdrawals)  # best effort (see above)
     return verdict
 
 

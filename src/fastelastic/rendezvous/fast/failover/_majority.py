@@ -57,7 +57,7 @@ at most that mover's vote.
 from __future__ import annotations
 
 from .. import _schema as sc
-from .._requests import Add, Check, Get, GoneElsewhere, MultiGet, Proto
+from .._requests import Add, Check, Get, GoneElsewhere, MultiGet, RequestGen
 
 GONE_FOR_GOOD = sc.FOR_GOOD  # ``gone`` reasons of members that are nowhere else
 
@@ -96,15 +96,15 @@ def away(records: list[bytes], last_round: int, world: int, gone: dict[int, str]
 def proof_candidates(out: list[int], raw_gone: bytes, tickets: dict[int, str]) -> list[int]:
     """The ranks of ``out`` that may be proven gone: their connection closed here (first
     reason or not: a member that left to re-join and died while it did is as gone as one
-    that died training, seed 951000533; one that died before it read its seat is known by its
-    ticket, ``tickets`` rank -> ticket, seed 962008044), and they never said they moved (a
-    cut, a silence or a move blocks any proof)."""
+    that died training; one that died before it read its seat is known by its ticket,
+    ``tickets`` rank -> ticket), and they never said they moved (a cut, a silence or a move
+    blocks any proof)."""
     closed = sc.closed_unmoved(raw_gone, tickets)
     return [i for i in out if i in closed]
 
 
 def objection(records: list[bytes], last: tuple[int, int] | None, can_move: bool,
-              keys: sc.Keys, last_gen: int = 0) -> Proto[str]:
+              keys: sc.RunKeys, last_gen: int = 0) -> RequestGen[str]:
     """Why a round with these records must not form ("" if it may), for its publisher.
 
     Before any round completed on this store (``last`` None): :func:`moved_short`. After one,
@@ -131,7 +131,7 @@ def objection(records: list[bytes], last: tuple[int, int] | None, can_move: bool
     if any(map(sc.record_quorum, newer)):
         # A majority of that newer world is here: it descends from this store's last world,
         # whose majority formed it or let it form, so that older world's members away can
-        # make no majority elsewhere (sim seed 250240073: its rule blocked every round here)
+        # make no majority elsewhere (its rule would block every round here)
         return ""
     raw_gone = bytes((yield Get(lk.gone, None)))
     gone = sc.parse_gone(raw_gone)
@@ -164,11 +164,11 @@ def objection(records: list[bytes], last: tuple[int, int] | None, can_move: bool
             f"majority of it, which may form a round on another candidate{reason}")
 
 
-def _back_here(idents: list[str], keys: sc.Keys) -> Proto[str]:
+def _back_here(idents: list[str], keys: sc.RunKeys) -> RequestGen[str]:
     """Which of ``idents`` moved (back) to this very store, their move not committed: a mark
     here proposing an epoch above this store's. They are not gone: one that carries a world
     formed elsewhere may be all that is left of it, and a world formed here without it would
-    leave it blocking every later round (sim seed 8320). "" when none."""
+    leave it blocking every later round. "" when none."""
     if not (yield Check([keys.moving])):
         return ""
     marks = bytes((yield Get(keys.moving, None)))

@@ -6,14 +6,11 @@ only when the failure came from the store the handler still talks through."""
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from fastelastic.errors import RendezvousConnectionError, StoreTimeoutError
-
 from . import _hops as hops
-from ._hops import Live
+from ._hops import LiveStore
 
 if TYPE_CHECKING:
     import threading
@@ -23,47 +20,33 @@ if TYPE_CHECKING:
     from .._round import Machine
     from ._failover import Candidates
 
-_MAX_HOPS = 64  # moves and returns of one next_rendezvous
-
-
 class Moves:
     """Mixin of ``FastRendezvousHandler``: its moves, and the host side of the failover's
     operations (``_failover.Host``)."""
 
     if TYPE_CHECKING:
         _candidates: Candidates | None
-        _live: Live
+        _live: LiveStore
         _m: Machine
         _store: Any
         _move_lock: threading.RLock
         _run_id: str
         _timeout: RendezvousTimeout
+        _joined_on: Any  # the store of the last join (``_join_round``)
 
         def _next_rendezvous(self) -> RendezvousInfo: ...
         def _do(self, store: Any, op: Any) -> Any: ...
         def _close_side(self) -> None: ...
 
     def _next_rendezvous_anywhere(self) -> RendezvousInfo:
-        """``_next_rendezvous`` on the live store; when it fails there, what
-        :func:`._hops.after` says: go back, regroup, follow (a node with no world never moves
-        the rendezvous), or move to the next candidate (at most once per candidate)."""
+        """``_next_rendezvous`` on the live store, and what :func:`._hops.join_anywhere`
+        does when it fails there, under the move lock (released while it joins)."""
         if self._candidates is None:
             return self._next_rendezvous()
-        plan, moves = self._candidates.plan, len(self._candidates.endpoints) - 1
-        until = time.monotonic() + self._timeout.join.total_seconds()
-        for _ in range(_MAX_HOPS):  # bounded: each pass moves (at most ``moves``) or goes back
-            store = self._store
-            try:
-                info = self._next_rendezvous()
-                self._live = self._live.member()
-                return info
-            except (RendezvousConnectionError, StoreTimeoutError) as e:
-                ran, left = self._hop(lambda live, e=e, n=moves: hops.after(  # type: ignore[misc]
-                    plan, self._m, live, e, n, until), store)
-                moves = left if ran else moves
-        raise RendezvousConnectionError(
-            f"The rendezvous '{self._run_id}' moved between its candidates {_MAX_HOPS} times "
-            "without forming a round.")
+        with self._move_lock:
+            info: RendezvousInfo = self._candidates.run(
+                hops.join_anywhere(self._candidates.plan, self._m), self)
+            return info
 
     def _move(self, why: BaseException, failed: Any) -> bool:
         """The live store's host is lost: :func:`._hops.move`. False when another call moved
@@ -72,7 +55,8 @@ class Moves:
         plan = self._candidates.plan
         return self._hop(lambda live: hops.move(plan, self._m, live, why), failed)[0]
 
-    def _hop(self, op: Callable[[Live], hops.Ops[Any]], failed: Any) -> tuple[bool, Any]:
+    def _hop(self, op: Callable[[LiveStore], hops.FailoverOp[Any]],
+             failed: Any) -> tuple[bool, Any]:
         """Runs the operation ``op(live)`` makes from where the handler is (``live``) under
         the move lock, if the handler still talks through ``failed``: (True, its answer), else
         (False, None)."""
@@ -84,14 +68,31 @@ class Moves:
 
     # ------------------------------------------------------------------ _failover.Host
 
-    def _switch(self, client: Any, live: Live) -> None:
+    def _switch(self, client: Any, live: LiveStore) -> None:
         """Talks to the rendezvous through ``client`` (at ``live``) from now on."""
         old, self._store, self._live = self._store, client, live
         self._close_side()
         with contextlib.suppress(Exception):
             old.close()
 
-    def _close_store(self, live: Live) -> None:
+    def _join_round(self) -> RendezvousInfo:
+        """The join (``_next_rendezvous``) on the store the handler talks through now, the
+        move lock released meanwhile (a membership check of another thread may move)."""
+        self._joined_on = self._store
+        self._move_lock.release()
+        try:
+            return self._next_rendezvous()
+        finally:
+            self._move_lock.acquire()
+
+    def _where(self) -> LiveStore | None:
+        """Where the rendezvous is; None when the store changed since the last join."""
+        return self._live if self._store is self._joined_on else None
+
+    def _settle(self, live: LiveStore) -> None:
+        self._live = live
+
+    def _close_store(self, live: LiveStore) -> None:
         """Closes the connection (a fenced mover's: its next request fails, so it follows
         from ``live``)."""
         self._live = live
