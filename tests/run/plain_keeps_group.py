@@ -1,5 +1,5 @@
-"""A script that keeps its gloo group to its end, for plain starts (issue 35 item 3: its end
-can still abort in the interpreter's teardown; benchmarks/results/plain_end35.md)."""
+"""A script that keeps its gloo group to its end, for plain starts (issue 35 item 3: started
+directly, its end can abort in the interpreter's teardown; benchmarks/results/plain_end35.md)."""
 
 import os
 
