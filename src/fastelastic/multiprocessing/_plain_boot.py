@@ -68,7 +68,8 @@ def _run(argv, safe_path):
     if not safe_path:
         sys.path[0] = os.path.dirname(os.path.realpath(argv[0]))
     main = _fresh_main()
-    main.__dict__.update(__file__=path, __cached__=None, __loader__=SourceFileLoader("__main__", path))
+    loader = SourceFileLoader("__main__", path)
+    main.__dict__.update(__file__=path, __cached__=None, __loader__=loader)
     try:
         with open(path, "rb") as f:
             code = compile(f.read(), path, "exec", dont_inherit=True)
