@@ -26,6 +26,7 @@ from fastelastic.multiprocessing._pcontext import (
     RunProcsResult,
     _validate_full_rank,  # noqa: F401 - start_processes imports it from here
 )
+from fastelastic.multiprocessing._pycommand import PythonCommand, python_command
 from fastelastic.multiprocessing._worker import FdArg, worker_main
 from fastelastic.multiprocessing.errors import ProcessFailure
 from fastelastic.multiprocessing.logs import DefaultLogsSpecs, LogsDest, LogsSpecs, Std, to_map
@@ -196,8 +197,6 @@ def plain_command(entrypoint: str, args: tuple) -> tuple[str, tuple]:
     """
     if os.environ.get(PLAIN_RUNNER_ENV, "1") == "0":
         return entrypoint, args
-    from fastelastic.multiprocessing._zygote import PythonCommand, python_command
-
     cmd = python_command(entrypoint, args)
     if not isinstance(cmd, PythonCommand):
         return entrypoint, args
