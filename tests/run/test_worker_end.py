@@ -5,10 +5,13 @@
 * torch's launcher-test function (gloo ``init_process_group``, one ``all_reduce``, return
   without destroying the group) launched with 4 spawned workers by ``elastic_launch`` with a
   static rendezvous: the worker's end skips the interpreter's teardown.
+* the same end in a script started plainly (``tests/run/plain_keeps_group.py``, 4 workers,
+  no ``--preload``): the runner ends it without the teardown.
 
 Each run is bounded; a run that hangs fails the test and its job is ended with its tree. CPU
 burners (one per core) run beside every run. The counts are small here; ``FASTELASTIC_FULL=1``
-runs the issue's targets: 100 ends of the example and 100 launches of 4 workers.
+runs the issue's targets: 100 ends of the example and 100 launches of 4 workers, and 30
+plain launches of 4 workers.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ FULL = os.environ.get("FASTELASTIC_FULL") == "1"
 RUN_TIMEOUT = 180.0  # one run, on a busy machine; a hang is far longer
 EXAMPLE_RUNS = 100 if FULL else 2
 LAUNCHES = 100 if FULL else 2
+PLAIN_LAUNCHES = 30 if FULL else 5
 
 
 @pytest.fixture
@@ -86,3 +90,20 @@ def test_function_that_keeps_its_group_ends_cleanly_under_load(need_torch, busy_
         assert json.loads(out.strip().splitlines()[-1]) == [6, 6, 6, 6], out
         print(f"launch {i + 1}/{LAUNCHES}: ok", flush=True)
     print(f"{LAUNCHES} launches of 4 workers, 0 failures")
+
+
+@pytest.mark.timeout(PLAIN_LAUNCHES * RUN_TIMEOUT + 60)
+def test_plain_script_that_keeps_its_group_ends_cleanly_under_load(need_torch, busy_machine):
+    env = base_env(LOGLEVEL="WARNING")
+    for i in range(PLAIN_LAUNCHES):
+        proc = start_job(
+            [sys.executable, "-m", "fastelastic.run", "--standalone", "--nproc-per-node", "4",
+             str(HERE / "plain_keeps_group.py")],
+            env=env, stdout=-1, stderr=-1, text=True,
+        )
+        code, out, err = _finish(proc, f"plain launch {i}")
+        assert code == 0, f"plain launch {i}: exit {code}\n{err[-3000:]}"
+        assert out.splitlines() == ["sum 6"] * 4, out
+        assert "terminate called" not in err, err[-3000:]
+        print(f"plain launch {i + 1}/{PLAIN_LAUNCHES}: ok", flush=True)
+    print(f"{PLAIN_LAUNCHES} plain launches of 4 workers, 0 failures")

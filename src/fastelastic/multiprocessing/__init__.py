@@ -155,7 +155,7 @@ def start_processes(
 
 def _zygote_runs(zygote: Any, entrypoint: Callable | str, args: tuple) -> bool:
     """True if ``zygote`` can fork this Python command (same interpreter, options, path)."""
-    from fastelastic.multiprocessing._zygote import PythonCommand, python_command
+    from fastelastic.multiprocessing._pycommand import PythonCommand, python_command
 
     cmd = python_command(entrypoint, args)
     return isinstance(cmd, PythonCommand) and bool(zygote.matches(cmd))

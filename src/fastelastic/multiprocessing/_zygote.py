@@ -26,16 +26,15 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fastelastic._native.procmon import set_pdeathsig
 from fastelastic.multiprocessing._guardian import guardian
 from fastelastic.multiprocessing._pcontext import _KILL_GRACE_S
+from fastelastic.multiprocessing._pycommand import PythonCommand, python_command
 from fastelastic.multiprocessing.api import SubprocessContext, _close_fds
 from fastelastic.numa import bind_local_ranks
 
@@ -57,8 +56,6 @@ _PROGRESS_PATH = str(Path(__file__).resolve().parent.parent / "progress" / "_wor
 # a short -c (what ps shows for the zygote and its workers) that runs the boot file as __main__
 _BOOT_C = "import sys;p=sys.argv[1];exec(compile(open(p).read(),p,'exec'))"
 _MAX_MSG = 1 << 20  # the zygote's receive buffer; a bigger request starts that worker plainly
-_SUPPORTED_OPTIONS = ("-u",)
-_PYTHON_RE = re.compile(r"^python[0-9.]*$")
 _MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 _REPLY_TIMEOUT_S = 30.0
 # close() waits this long for the supervisor (which gives a zygote _KILL_GRACE_S, then
@@ -84,50 +81,6 @@ def parse_preload(value: str | list[str] | tuple[str, ...] | None) -> tuple[str,
                 f"--preload: {name!r} is not a module name (expected e.g. torch,numpy)"
             )
     return names
-
-
-@dataclass(frozen=True)
-class PythonCommand:
-    """A worker command ``EXE [OPTIONS] (SCRIPT | -m MODULE) ARGS`` the zygote can run."""
-
-    exe: str
-    options: tuple[str, ...]
-    module: bool
-    target: str  # the script path or the module name
-    args: tuple[str, ...]
-
-    def path0(self) -> str:
-        """``sys.path[0]`` of the interpreter: the script's real directory, or the cwd for -m."""
-        if self.module:
-            return os.getcwd()
-        return os.path.dirname(os.path.realpath(self.target))
-
-
-def python_command(entrypoint: Any, args: tuple) -> PythonCommand | str:
-    """Parses a worker command; returns why the zygote cannot run it when it cannot."""
-    if not isinstance(entrypoint, str):
-        return "the entrypoint is a function (--run-path or the API), not a Python command"
-    exe = os.path.basename(entrypoint)
-    same = os.path.realpath(entrypoint) == os.path.realpath(sys.executable)
-    if not _PYTHON_RE.match(exe) and not same:
-        return f"the entrypoint {entrypoint!r} is not a Python interpreter (--no-python)"
-    items = [str(a) for a in args]
-    options: list[str] = []
-    i = 0
-    while i < len(items) and items[i].startswith("-") and items[i] != "-m":
-        if items[i] not in _SUPPORTED_OPTIONS:
-            return f"interpreter option {items[i]!r} is not supported by the zygote"
-        options.append(items[i])
-        i += 1
-    module = i < len(items) and items[i] == "-m"
-    if module:
-        i += 1
-    if i >= len(items):
-        return "no script or module to run"
-    target = items[i]
-    if not module and not os.path.isfile(target):
-        return f"{target!r} is not a regular script file"
-    return PythonCommand(entrypoint, tuple(options), module, target, tuple(items[i + 1 :]))
 
 
 def _ignored_signals_mask() -> int:

@@ -16,6 +16,7 @@ import subprocess
 import tempfile
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from fastelastic.errors import SignalException
@@ -25,6 +26,7 @@ from fastelastic.multiprocessing._pcontext import (
     RunProcsResult,
     _validate_full_rank,  # noqa: F401 - start_processes imports it from here
 )
+from fastelastic.multiprocessing._pycommand import PythonCommand, python_command
 from fastelastic.multiprocessing._worker import FdArg, worker_main
 from fastelastic.multiprocessing.errors import ProcessFailure
 from fastelastic.multiprocessing.logs import DefaultLogsSpecs, LogsDest, LogsSpecs, Std, to_map
@@ -182,6 +184,26 @@ def _close_fds(*fds: int | None) -> None:
             os.close(fd)
 
 
+PLAIN_RUNNER_ENV = "FASTELASTIC_PLAIN_RUNNER"
+_PLAIN_BOOT = str(Path(__file__).with_name("_plain_boot.py"))
+
+
+def plain_command(entrypoint: str, args: tuple) -> tuple[str, tuple]:
+    """The command that starts a plain worker: a Python worker (``python [-u] SCRIPT ARGS`` or
+    ``-m MODULE ARGS``) runs through ``_plain_boot.py``, which runs the program as that
+    interpreter would and ends it without the interpreter's teardown; any other command
+    (``--no-python``, other interpreter options, a directory or zip to run) is unchanged, as
+    is every command when the agent's ``FASTELASTIC_PLAIN_RUNNER`` is ``0``.
+    """
+    if os.environ.get(PLAIN_RUNNER_ENV, "1") == "0":
+        return entrypoint, args
+    cmd = python_command(entrypoint, args)
+    if not isinstance(cmd, PythonCommand):
+        return entrypoint, args
+    target = ("-m", cmd.target) if cmd.module else (cmd.target,)
+    return entrypoint, (*cmd.options, _PLAIN_BOOT, *target, *cmd.args)
+
+
 class SubprocessContext(PContext):
     """``PContext`` of worker processes running a binary (args are converted with ``str``)."""
 
@@ -228,9 +250,10 @@ class SubprocessContext(PContext):
         """Starts ``rank`` as a plain subprocess, keeps its handler and returns its pid."""
         from fastelastic.progress._launch import plain_start_env
 
+        entrypoint, args = plain_command(str(self.entrypoint), self.args[rank])
         handler = get_subprocess_handler(
-            entrypoint=str(self.entrypoint),
-            args=self.args[rank],
+            entrypoint=entrypoint,
+            args=args,
             env=plain_start_env(self.envs[rank], dict(os.environ)),
             stdout=out_fd,
             stderr=err_fd,
