@@ -13,27 +13,27 @@ own first frame. Its exit status is Python's: 0, ``SystemExit``'s code (a non-in
 printed, status 1), 1 after the traceback of an uncaught exception (``sys.excepthook``), death
 by SIGINT after a ``KeyboardInterrupt``'s traceback, 120 when stdout cannot be flushed.
 
-The end waits for the non-daemon threads and runs the ``atexit`` handlers (multiprocessing's
-among them), flushes stdio and every file left open, then leaves by ``os._exit``. The teardown
-it skips (module globals freed, objects' ``__del__``) is where a program that keeps its gloo
-process group aborts: freeing the group runs ``~ProcessGroupGloo`` while a gloo thread, which
-holds the last reference to a finished work and through it to a Python tensor, asks for the
-GIL to drop it; Python ends a thread that asks for the GIL while it finalises with
-``pthread_exit``, whose forced unwind through the work's destructor (``noexcept``) is
-``std::terminate`` (SIGABRT). ``FASTELASTIC_PLAIN_RUNNER=0`` (the agent's environment) starts
-the program directly, with that teardown.
+It ends as ``_worker_end.end`` does: Python's exit minus the interpreter's teardown, where a
+program that keeps its gloo process group can abort. ``FASTELASTIC_PLAIN_RUNNER=0`` (the
+agent's environment) starts the program directly, with that teardown.
 """
 
 import os
 import sys
 
 
-def _trim(tb, keep):
-    """The traceback from its first frame ``keep`` accepts (what the interpreter would show)."""
-    t = tb
-    while t is not None and not keep(t.tb_frame.f_code):
-        t = t.tb_next
-    return t if t is not None else tb
+def _load_end():
+    """``_worker_end.py`` beside this file, by path (see its docstring)."""
+    from importlib.util import module_from_spec, spec_from_file_location
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker_end.py")
+    spec = spec_from_file_location("_fastelastic_worker_end", path)
+    mod = module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_END = _load_end()
 
 
 def _fresh_main():
@@ -59,7 +59,7 @@ def _run(argv, safe_path):
         try:
             run(argv[1], alter_argv=True)
         except BaseException as e:  # noqa: BLE001 - handed back to the top level
-            return e, _trim(e.__traceback__, lambda c: c.co_name == "_run_module_as_main")
+            return e, _END.trim(e.__traceback__, lambda c: c.co_name == "_run_module_as_main")
         return None
     from importlib.machinery import SourceFileLoader
 
@@ -76,78 +76,13 @@ def _run(argv, safe_path):
     except SyntaxError as e:
         return e, None  # the interpreter shows the error alone, with no traceback
     except BaseException as e:  # noqa: BLE001 - e.g. the file is gone or unreadable
-        return e, _trim(e.__traceback__, lambda c: False)
+        return e, _END.trim(e.__traceback__, lambda c: False)
     del argv
     try:
         exec(code, main.__dict__)
     except BaseException as e:  # noqa: BLE001 - handed back to the top level
-        return e, _trim(e.__traceback__, lambda c: c.co_filename == path)
+        return e, _END.trim(e.__traceback__, lambda c: c.co_filename == path)
     return None
-
-
-def _open_file_types():
-    import io
-
-    return (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
-
-
-def _flush_open_files():
-    """Flushes stdio and every file object still open, as the teardown would by closing them.
-    False when stdout or stderr cannot be flushed (the interpreter then exits 120)."""
-    ok = True
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            if stream is not None and not stream.closed:
-                stream.flush()
-        except Exception:  # noqa: BLE001 - as the interpreter's flush_std_files
-            ok = False
-    import gc
-
-    types_ = _open_file_types()
-    for obj in gc.get_objects():
-        if issubclass(type(obj), types_):  # type(): no __class__ of a proxy is run
-            try:
-                if not obj.closed:
-                    obj.flush()
-            except Exception:  # noqa: BLE001, S112 - the teardown would have ignored it too
-                continue
-    return ok
-
-
-def _end(code, sigint=False):
-    """Ends the worker as the interpreter would, minus its teardown; never returns."""
-    threading = sys.modules.get("threading")
-    try:
-        if threading is not None:
-            threading._shutdown()  # what Py_FinalizeEx calls first
-    finally:
-        try:
-            import atexit
-
-            atexit._run_exitfuncs()
-        finally:
-            if not _flush_open_files():
-                code = 120
-            if sigint:  # as the interpreter after a KeyboardInterrupt: death by SIGINT
-                import signal
-
-                signal.signal(signal.SIGINT, signal.SIG_DFL)
-                os.kill(os.getpid(), signal.SIGINT)
-            os._exit(code)
-
-
-def _exit_code(exc):
-    """The status the interpreter exits with for an uncaught ``SystemExit`` (printing a
-    non-integer code, as it does)."""
-    if exc.code is None:
-        return 0
-    if isinstance(exc.code, int):
-        return exc.code & 0xFF
-    try:
-        print(exc.code, file=sys.stderr)
-    except Exception:  # noqa: BLE001, S110 - as the interpreter, which ignores it too
-        pass
-    return 1
 
 
 def _report(exc, tb):
@@ -179,15 +114,15 @@ def _main():
     failed = _run(argv, bool(getattr(sys.flags, "safe_path", False)))
     del argv
     if failed is None:
-        _end(0)
+        _END.end(0)
     exc, tb = failed
     del failed
     if isinstance(exc, SystemExit):
-        _end(_exit_code(exc))
+        _END.end(_END.exit_code(exc))
     sigint = isinstance(exc, KeyboardInterrupt)
     _report(exc, tb)
     del exc, tb
-    _end(1, sigint)
+    _END.end(1, sigint)
 
 
 if __name__ == "__main__":

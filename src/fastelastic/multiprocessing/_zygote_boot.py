@@ -39,6 +39,19 @@ _MAX_MSG = 1 << 20
 _STARTUP_ENV = ("LD_PRELOAD", "LD_LIBRARY_PATH")  # also every PYTHON* variable
 
 
+def _load_end(path):
+    """``_worker_end.py`` (a worker's end, shared with the plain runner), by path."""
+    from importlib.util import module_from_spec, spec_from_file_location
+
+    spec = spec_from_file_location("_fastelastic_worker_end", path)
+    mod = module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_END = _load_end(os.path.join(os.path.dirname(sys.argv[1]), "_worker_end.py"))
+
+
 def _send(sock, msg):
     """Sends one message; a gone agent is not an error here (the next receive sees its EOF and
     ends the zygote: e.g. a launch that failed while the zygote was still importing)."""
@@ -334,14 +347,6 @@ def _serve(cfg):
             _send(ctl, ("spawned", pid))
 
 
-def _trim(tb, keep):
-    """The traceback from its first frame ``keep`` accepts (what the interpreter would show)."""
-    t = tb
-    while t is not None and not keep(t.tb_frame.f_code):
-        t = t.tb_next
-    return t if t is not None else tb
-
-
 def _run(job):
     """Runs the worker's program as ``python`` would; returns its uncaught exception, if any."""
     import runpy
@@ -352,7 +357,7 @@ def _run(job):
         try:
             run(job["argv"][0], alter_argv=True)
         except BaseException as e:  # noqa: BLE001 - handed back to the top level
-            return e, _trim(e.__traceback__, lambda c: c.co_name == "_run_module_as_main")
+            return e, _END.trim(e.__traceback__, lambda c: c.co_name == "_run_module_as_main")
         return None
     from importlib.machinery import SourceFileLoader
 
@@ -367,72 +372,8 @@ def _run(job):
     try:
         exec(code, main.__dict__)
     except BaseException as e:  # noqa: BLE001 - handed back to the top level
-        return e, _trim(e.__traceback__, lambda c: c.co_filename == path)
+        return e, _END.trim(e.__traceback__, lambda c: c.co_filename == path)
     return None
-
-
-_FILE_TYPES = ("TextIOWrapper", "BufferedWriter", "BufferedRandom")
-
-
-def _flush_open_files():
-    """Flushes stdio and every file object still open, as the teardown would by closing them."""
-    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
-        try:
-            if stream is not None:
-                stream.flush()
-        except (OSError, ValueError):
-            pass
-    import io
-
-    types_ = tuple(getattr(io, name) for name in _FILE_TYPES)
-    for obj in gc.get_objects():  # the zygote's own objects are frozen: not listed
-        if issubclass(type(obj), types_):  # type(): no __class__ of a proxy is run
-            try:
-                if not obj.closed:
-                    obj.flush()
-            except Exception:  # noqa: BLE001, S112 - the teardown would have ignored it too
-                continue
-
-
-def _fast_exit(code):
-    """Ends the worker as the interpreter would, minus its teardown.
-
-    Python's exit waits for non-daemon threads, runs the atexit handlers and flushes stdio;
-    so does this, then it flushes the files left open and leaves by ``os._exit``. The teardown
-    it skips takes 0.7 s with torch loaded (every object freed, in pages shared with the
-    zygote that each free copies), and it is where a worker that returns without destroying
-    its gloo process group can abort or hang: a gloo thread that drops a finished work's
-    tensors a moment after the collective returned takes the GIL to do it; once the
-    interpreter finalises, a thread that asks for the GIL is ended by ``pthread_exit``,
-    which through gloo's C++ frames is ``std::terminate`` (SIGABRT), and freeing the group's
-    globals runs ``~ProcessGroupGloo``, which joins those threads holding the GIL.
-    """
-    threading = sys.modules.get("threading")
-    try:
-        if threading is not None:
-            threading._shutdown()  # type: ignore[attr-defined]  # what Py_Finalize calls
-    finally:
-        try:
-            import atexit
-
-            atexit._run_exitfuncs()
-        finally:
-            _flush_open_files()
-            os._exit(code)
-
-
-def _exit_code(exc):
-    """The status the interpreter exits with for an uncaught ``SystemExit`` (printing a
-    non-integer code, as it does)."""
-    if exc.code is None:
-        return 0
-    if isinstance(exc.code, int):
-        return exc.code & 0xFF
-    try:
-        print(exc.code, file=sys.stderr)
-    except Exception:  # noqa: BLE001, S110 - as the interpreter, which ignores it too
-        pass
-    return 1
 
 
 if __name__ == "__main__":
@@ -448,18 +389,18 @@ if __name__ == "__main__":
     _fast = os.environ.get("FASTELASTIC_PRELOAD_FAST_EXIT", "1") != "0"
     if _failed is None:
         if _fast:
-            _fast_exit(0)
+            _END.end(0)
         sys.exit(0)
     _exc, _tb = _failed
     del _failed
     _exc.__traceback__ = _tb
     if isinstance(_exc, SystemExit) and _fast:
-        _fast_exit(_exit_code(_exc))
+        _END.end(_END.exit_code(_exc))
     if isinstance(_exc, (SystemExit, KeyboardInterrupt)):
         # SystemExit: its code; KeyboardInterrupt: traceback, then death by SIGINT
         raise _exc
     sys.excepthook(type(_exc), _exc, _exc.__traceback__)
     del _exc, _tb
     if _fast:
-        _fast_exit(1)
+        _END.end(1)
     sys.exit(1)
