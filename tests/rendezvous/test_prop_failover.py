@@ -291,6 +291,46 @@ def test_node_0_isolated_by_a_firewall_trains_one_world_and_re_forms_after_the_h
     assert sizes == {5}, sizes  # nodes 0-3 and the late node
 
 
+def _all_train(sim: MultiSim, after: float) -> float:
+    """When a world of all of ``sim``'s nodes first trains (every member stepping) after
+    ``after``; inf if none did."""
+    n = len(sim.nodes)
+    starts: dict[tuple[int, int], list[float]] = {}
+    for node in sim.nodes:
+        assert isinstance(node, MNode)
+        segs = list(node.segs)
+        if node.training is not None and node.seg_start >= 0:
+            segs.append((node.training, node.seg_start, sim.clock.t))
+        for key, a, _ in segs:
+            if node.worlds[key] == n and a >= after:
+                starts.setdefault(key, []).append(a)
+    return min((max(v) for v in starts.values() if len(v) == n), default=float("inf"))
+
+
+def test_node_0_isolated_by_a_reject_at_torch_s_default_timeouts_re_forms_soon_after_the_heal(
+        ) -> None:
+    """Issue 36's partition at torch's default last call (30 s) and join timeout (600 s):
+    4 nodes (max 4), 3 candidates (on nodes 0-2), the world on s0; node 0 is cut from nodes
+    1-3 both ways for 25 s by a REJECT. Nodes 1-3 move to s1 and train; node 0's rounds on
+    s0 fail the majority rule. When node 0 looked for their world only once per abandoned
+    round (its last call, then up to another for the next round's outcome), a world of 4
+    came 40 s after the heal in the netns run; now it looks every ``_round.LOOK_S`` while it
+    waits, and follows their world within seconds of the heal."""
+    sim = MultiSim(1, 4, 3, seed=-21, last_call=30.0, join=600.0)
+    nodes = [sim.start(0.0) for _ in range(4)]
+    cut, heal = 40.0, 65.0
+    for j in (1, 2):
+        sim.cut_link(cut, nodes[0], j, heal, refuse=True)
+    for i in (1, 2, 3):
+        sim.cut_link(cut, nodes[i], 0, heal, refuse=True)
+    sim.run(heal + 60.0)
+    assert sim.overlaps() == []
+    first = _all_train(sim, 0.0)
+    assert first < cut, first  # the world of 4 trained before the cut
+    after = _all_train(sim, cut)
+    assert after - heal <= 10.0, (after - heal, [n.log for n in sim.nodes])
+
+
 @pytest.mark.xfail(strict=True, reason="known gap (README): movers that died on the successor "
                    "block the proof by their marks there")
 def test_seed_973000349_a_majority_that_moved_and_died_on_the_successor() -> None:

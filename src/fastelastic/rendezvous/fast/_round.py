@@ -19,6 +19,7 @@ import logging
 import math
 import re
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -62,6 +63,10 @@ SLICE = 1.0  # seconds: how often a blocked decider re-checks whether the round 
 MAX_WALK = 10_000  # bound on rounds walked forward/back
 MAX_WATCHED = 8  # peers whose keep-alive counters a member reads per membership check
 MAX_SPARE_WAITS = 1_000_000  # join timeouts a spare waits behind a running round (years)
+# A node whose rounds fail the majority rule looks for its majority's world (MovedElsewhere)
+# every min(last_call, LOOK_S) s, plus up to a quarter of that as jitter from its identity:
+# one probe per other candidate each time (a refusal costs nothing, a silent one PROBE_S).
+LOOK_S = 2.0
 
 
 @dataclass
@@ -280,7 +285,7 @@ class Machine(MemberOps):
                 yield Wait([a.k.record(max(1, self.carried - 1))], wait)
             return E.DECIDED if (yield Check([a.k.outcome])) else E.CALL_OVER
         if a.last is None or self.cfg.reform_last_call or self.no_quorum:
-            if wait >= 0.001 and (yield Wait([a.k.outcome], wait)):
+            if wait >= 0.001 and (yield from self._wait_looking([a.k.outcome], wait)):
                 return E.DECIDED  # max reached, closed or abandoned meanwhile
         return E.CALL_OVER
 
@@ -299,11 +304,39 @@ class Machine(MemberOps):
                 self._say_objection(a.res.why)
                 if self.cfg.can_move:  # did the majority move (on)? (raises if so)
                     yield MovedElsewhere()
-                yield Wait([self.keys.round(a.k.r + 1).outcome],
-                           max(0.001, min(self.cfg.last_call, a.deadline - self.clock())))
+                yield from self._wait_looking(
+                    [self.keys.round(a.k.r + 1).outcome],
+                    max(0.001, min(self.cfg.last_call, a.deadline - self.clock())))
             log.info("rendezvous %s round %d abandoned; re-joining", self.cfg.run_id, a.k.r)
             return E.ABANDONED
         return E.COMPLETE if kind is OutcomeKind.COMPLETE else E.CLOSED
+
+    def _look_every(self) -> float:
+        """Seconds between two looks for the majority's world (see ``LOOK_S``); inf when this
+        node has no round that failed the majority rule, or nowhere else to look."""
+        if not (self.no_quorum and self.cfg.can_move):
+            return math.inf
+        base = min(self.cfg.last_call, LOOK_S)
+        jitter = zlib.crc32(self._identity[4].encode()) % 1024 / 4096  # [0, 0.25)
+        return max(0.001, base * (1 + jitter))
+
+    def _wait_looking(self, keys: list[str], wait: float) -> RequestGen[bool]:
+        """``Wait(keys, wait)``; a node whose rounds fail the majority rule looks for its
+        majority's world between pieces of at most ``_look_every`` s (``MovedElsewhere``
+        raises when it moved on, or its store answers again), so it follows that world
+        within a look of a heal whatever the last call. The look only reads: what it finds
+        is decided by the failover's rules (:mod:`.failover._hops`), as in ``_await``."""
+        every = self._look_every()
+        end = self.clock() + wait
+        for _ in range(MAX_WALK):
+            step = min(every, end - self.clock())
+            if step < 0.001:
+                return False
+            if (yield Wait(keys, step)):
+                return True
+            if math.isfinite(every) and end - self.clock() >= 0.001:
+                yield MovedElsewhere()
+        return False
 
     def _say_objection(self, why: str) -> None:
         """Logs, once per kind, why rounds fail the majority rule and the way out: the
