@@ -98,6 +98,14 @@ def _start_node(out: Path, env: dict[str, str], port: int, node: int, log: Path)
                      stderr=subprocess.STDOUT)
 
 
+def _listens(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
 def _newest_by_all(recs: list[dict], pids: dict[int, int]) -> int:
     """The newest step every rank's life ``pids[rank]`` recorded as saved."""
     return min(max(r["step"] for r in recs if r["event"] == "saved" and r["pid"] == pid)
@@ -117,6 +125,9 @@ def test_a_node_sigkilled_and_replaced_restores_from_the_other_node_s_memory(
     port = _free_port()
     logs = [tmp_path / "node0.log", tmp_path / "node1.log", tmp_path / "node1b.log"]
     node0 = _start_node(tmp_path, env, port, 0, logs[0])
+    # node 0 hosts the store (both nodes are on 127.0.0.1: the first to bind hosts it), so the
+    # SIGKILL of node 1 below loses a node, not the rendezvous store
+    assert wait_until(lambda: _listens(port) or node0.poll() is not None, 120)
     node1 = _start_node(tmp_path, env, port, 1, logs[1])
 
     def saved_to(step: int) -> bool:
