@@ -51,43 +51,72 @@ def prefaulted_copy_s(src: list[torch.Tensor], dst: list[torch.Tensor]) -> float
     return time.perf_counter() - t
 
 
-def stall_one(mb: int, step: int) -> tuple[dict[str, list[float]], int]:
+def _slowest(dt: float) -> float:
+    """The slowest rank's seconds (every rank waits for it at the next step's collective)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return dt
+    t = torch.tensor([dt], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _gather(obj: dict) -> list:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+STALL_METHODS = ("memcpy", "fc.save", "fc.async_save", "torch.save", "dcp.save", "dcp.async_save")
+
+
+def stall_one(mb: int, step: int) -> tuple[dict, int]:
+    """Rounds of every method, interleaved; each call starts at a barrier of every rank and
+    counts as the slowest rank's seconds."""
+    only = [m for m in os.environ.get("CKPT_BENCH_ONLY", "").split(",") if m] or STALL_METHODS
+    rank = dist.get_rank()
     sd = make_state(mb)
     dst = [torch.empty_like(t) for t in tensors(sd)]
     prefaulted_copy_s(tensors(sd), dst)  # faults the destination in
     for _ in range(2):  # both buffers reserved and mapped: the steady state
         step += 1
         fc.save(sd, step=step)
-    got: dict[str, list[float]] = {k: [] for k in (
-        "memcpy", "fc.save", "fc.async_save", "torch.save", "dcp.save", "dcp.async_save")}
+    got: dict = {k: [] for k in only}
+    phases: list = []
     for r in range(ROUNDS):
-        got["memcpy"].append(prefaulted_copy_s(tensors(sd), dst))
-        step += 1
-        t = time.perf_counter()
-        fc.save(sd, step=step)
-        got["fc.save"].append(time.perf_counter() - t)
-        step += 1
-        t = time.perf_counter()
-        fut = fc.async_save(sd, step=step)
-        got["fc.async_save"].append(time.perf_counter() - t)
-        fut.result()
-        path = os.path.join(DISK, f"t{mb}_{r}.pt")
-        t = time.perf_counter()
-        torch.save(sd, path)
-        got["torch.save"].append(time.perf_counter() - t)
-        os.unlink(path)
-        d = os.path.join(DISK, f"dcp{mb}_{r}")
-        t = time.perf_counter()
-        dcp.save(sd, storage_writer=dcp.FileSystemWriter(d))
-        got["dcp.save"].append(time.perf_counter() - t)
-        shutil.rmtree(d)
-        d = os.path.join(DISK, f"adcp{mb}_{r}")
-        t = time.perf_counter()
-        fut = dcp.async_save(sd, storage_writer=dcp.FileSystemWriter(d))
-        got["dcp.async_save"].append(time.perf_counter() - t)
-        fut.result()
-        shutil.rmtree(d)
-    return got, step
+        for how in only:
+            dist.barrier()
+            t = time.perf_counter()
+            fut = None
+            if how == "memcpy":
+                prefaulted_copy_s(tensors(sd), dst)
+            elif how == "fc.save":
+                step += 1
+                fc.save(sd, step=step)
+            elif how == "fc.async_save":
+                step += 1
+                fut = fc.async_save(sd, step=step)
+            elif how == "torch.save":
+                path = os.path.join(DISK, f"t{mb}_{r}_{rank}.pt")
+                torch.save(sd, path)
+            elif how == "dcp.save":
+                d = os.path.join(DISK, f"dcp{mb}_{r}")
+                dcp.save(sd, storage_writer=dcp.FileSystemWriter(d))
+            elif how == "dcp.async_save":
+                d = os.path.join(DISK, f"adcp{mb}_{r}")
+                fut = dcp.async_save(sd, storage_writer=dcp.FileSystemWriter(d))
+            dt = time.perf_counter() - t
+            got[how].append(_slowest(dt))
+            if how == "fc.save":
+                phases.append(_gather({"s": dt, **_worker.last_save}))
+            if fut is not None:
+                fut.result()
+            if how == "torch.save":
+                os.unlink(path)
+            elif how.startswith("dcp") and rank == 0:
+                shutil.rmtree(d)
+    return {"stall": got, "phases": phases}, step
 
 
 def disk_one(mb: int, step: int) -> tuple[dict, int]:
@@ -143,8 +172,9 @@ def stall() -> None:
     step = 0
     for mb in SIZES:
         results[str(mb)], step = stall_one(mb, step)
-    with open(os.path.join(OUT, "stall.json"), "w") as f:
-        json.dump(results, f)
+    if dist.get_rank() == 0:
+        with open(os.path.join(OUT, "stall.json"), "w") as f:
+            json.dump(results, f)
     dist.destroy_process_group()
 
 

@@ -159,7 +159,8 @@ class MemoryOwner:
         self._restore: Optional[tuple[int, dict[int, int]]] = None  # (step, {lr: buffer})
         self._closed = False
         self._memfd_said = False
-        self._pool: Any = None
+        self._pool: Any = None  # hashes for the restore's check (the workers wait for it)
+        self._seal_pool: Any = None  # hashes for the seals, niced (behind training)
         self._conns: set[socket.socket] = set()
         self._seals: queue.Queue[Optional[tuple[int, int, int]]] = queue.Queue()
         self.last_restore: Optional[dict[str, Any]] = None  # step and seconds of the last fix
@@ -293,8 +294,9 @@ class MemoryOwner:
                 pass
         for t in self._threads:
             t.join(timeout=5)
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        for pool in (self._pool, self._seal_pool):
+            if pool is not None:
+                pool.shutdown(wait=True)
         with self._cond:
             for bufs in self._ranks.values():
                 for b in bufs:
@@ -370,17 +372,27 @@ class MemoryOwner:
 
     # ------------------------------------------------------------------ seals
 
-    def _hash_pool(self) -> Any:
-        """The threads that hash a shard's chunks at once (made at the first seal)."""
+    def _hash_pool(self, seal: bool = False) -> Any:
+        """The threads that hash a shard's chunks at once (made at first use). The seals'
+        threads run niced (``_SEAL_NICE``): a seal is behind training, and a save's copy, the
+        workers' steps and the restore's check go first."""
         with self._cond:
-            if self._pool is None:
+            pool = self._seal_pool if seal else self._pool
+            if pool is None:
                 from concurrent.futures import ThreadPoolExecutor
 
-                self._pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1),
-                                                thread_name_prefix="fe-ckpt-hash")
-            return self._pool
+                pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1),
+                                          thread_name_prefix="fe-ckpt-seal" if seal
+                                          else "fe-ckpt-hash",
+                                          initializer=_lower_priority if seal else None)
+                if seal:
+                    self._seal_pool = pool
+                else:
+                    self._pool = pool
+            return pool
 
     def _seal_loop(self) -> None:
+        _lower_priority()
         while True:
             item = self._seals.get()
             if item is None:
@@ -391,8 +403,8 @@ class MemoryOwner:
                 if b.state != COMMITTED or b.gen != gen or b.mm is None:
                     continue
                 mm, total = b.mm, b.total
-            mac = _format.compute_mac(self._key, mm, total, self._hash_pool())
-            with self._cond:
+            mac = _format.compute_mac(self._key, mm, total, self._hash_pool(seal=True))
+            with self._cond:  # a shard overwritten meanwhile (a newer save) keeps no MAC
                 if b.state == COMMITTED and b.gen == gen and not self._closed:
                     mm[_format.MAC_OFFSET:_format.MAC_OFFSET + _format.MAC_SIZE] = mac
                     b.mac = mac
@@ -560,7 +572,10 @@ class MemoryOwner:
             if op == "commit":  # with "wait": and then as "wait" for its step (one trip)
                 reply = self._commit(int(req["local_rank"]), int(req["slot"]), int(req["gen"]))
                 if req.get("wait"):
-                    return self._wait_step(reply[0]["step"], float(req.get("timeout", _WAIT_S)))
+                    t0 = time.monotonic()
+                    out, fd = self._wait_step(reply[0]["step"], float(req.get("timeout", _WAIT_S)))
+                    out["waited_s"] = time.monotonic() - t0  # for the other local ranks
+                    return out, fd
                 return reply
             if op == "wait":
                 return self._wait_step(int(req["step"]), float(req.get("timeout", _WAIT_S)))
@@ -580,9 +595,9 @@ class MemoryOwner:
         newest = max(valid, key=lambda b: b.gen) if valid else None
         idx = 1 - bufs.index(newest) if newest is not None else 0
         b = bufs[idx]
-        # a committed shard is read by the seal: wait for its MAC before overwriting it
-        if not self._cond.wait_for(lambda: b.state != COMMITTED or self._closed, _WAIT_S):
-            raise CheckpointError("the previous shard was not sealed in time")
+        # b is not the rank's newest shard: a seal still due or under way for it is dropped
+        # (the seal keeps a MAC only for the generation it hashed, and b's is about to change),
+        # so a save never waits for the hashing of an older step
         if self._pending is not None and self._pending[1].get(lr) == idx:
             self._set_status(self._pending[0], SKIPPED)  # its memory is about to be reused
             logger.info("checkpoint disk: step %s skipped: step %s needs its memory",
@@ -706,6 +721,18 @@ class MemoryOwner:
         if b.state != SEALED or b.step != step:  # the rank saved over it before loading
             return {"step": None}, -1
         return {"step": step, "slot": picks[lr], "capacity": b.capacity}, b.fd
+
+
+_SEAL_NICE = 10
+
+
+def _lower_priority() -> None:
+    """This thread at nice +_SEAL_NICE (Linux: per thread; raising it needs no privilege)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
+                       min(19, os.getpriority(os.PRIO_PROCESS, 0) + _SEAL_NICE))
+    except OSError:
+        pass
 
 
 def _plan_of(mm: mmap.mmap, h: _format.Header) -> Optional[dict[str, Any]]:

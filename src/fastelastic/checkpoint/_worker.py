@@ -21,6 +21,7 @@ from fastelastic.checkpoint._owner import _MAX_PACKET, CheckpointError, connect,
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 last_restore: dict[str, float] = {}  # seconds of the last load's phases: reply, map, copy
+last_save: dict[str, float] = {}  # seconds of the last save's phases (for the benchmark)
 
 
 def _copy_tensor(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -130,6 +131,7 @@ def stage(state_dict: dict[str, Any], step: int, wait: bool = False,
     ``checkpoint_id``, the shard also carries this rank's DCP file and metadata (``_dcp``), for
     the agent to write to that directory behind training.
     """
+    t0 = time.perf_counter_ns()
     ch = channel()
     tensors: list[torch.Tensor] = []
     ids: dict[int, int] = {}
@@ -156,11 +158,14 @@ def stage(state_dict: dict[str, Any], step: int, wait: bool = False,
     table = _format.encode_table(entries, None if dcp is None else dcp.table())
     assert len(table) <= bound
     total = off
+    t1 = time.perf_counter_ns()
     reply, fd = ch.call(op="reserve", step=step, nbytes=total,
                         mapped=[ch.maps[i].capacity if i in ch.maps else 0 for i in (0, 1)])
     slot, gen = reply["slot"], reply["gen"]
+    t2 = time.perf_counter_ns()
     m = ch.mapping(slot, reply["capacity"], fd)
     mm = m.mm
+    t3 = time.perf_counter_ns()
     h = Header(step=step, generation=gen, rank=rank, local_rank=ch.local_rank,
                meta_len=len(table), skel_len=len(skel), data_off=data_off,
                data_len=total - data_off, total=total)
@@ -172,8 +177,13 @@ def stage(state_dict: dict[str, Any], step: int, wait: bool = False,
     if dcp is not None:
         mm[dcp.blob_off:dcp.blob_off + len(dcp.blob)] = dcp.blob
     _format.pack_header(mm, h)  # last: the agent reads it at the commit
-    ch.call(op="commit", slot=slot, gen=gen, wait=wait)
+    t4 = time.perf_counter_ns()
+    done, _fd = ch.call(op="commit", slot=slot, gen=gen, wait=wait)
     ch.last_step = step
+    t5 = time.perf_counter_ns()
+    last_save.update(prep_s=(t1 - t0) / 1e9, reserve_s=(t2 - t1) / 1e9, map_s=(t3 - t2) / 1e9,
+                     copy_s=(t4 - t3) / 1e9, commit_s=(t5 - t4) / 1e9,
+                     ranks_s=float(done.get("waited_s", 0.0)))
     return step
 
 
