@@ -208,3 +208,46 @@ def test_a_save_never_waits_for_the_seal_of_an_older_step(monkeypatch) -> None:
     finally:
         gate.set()
         owner.close()
+
+
+def test_the_round_seals_its_step_itself_when_the_seal_thread_lags(monkeypatch) -> None:
+    """A crash right after a save: the niced seal thread has not sealed the newest step yet.
+    The round's fix seals the shards it needs at the agent's priority (that seal is their
+    check) and does not wait for the seal thread; the older step stays due for it."""
+    from fastelastic.checkpoint import _owner
+
+    gate = threading.Event()
+    real = _format.compute_mac
+    hashed: list[str] = []
+
+    def held_seal(key, buf, total, pool=None):
+        hashed.append(threading.current_thread().name)
+        if threading.current_thread().name == "fe-ckpt-seal":
+            assert gate.wait(60)
+        return real(key, buf, total, pool)
+
+    monkeypatch.setattr(_owner._format, "compute_mac", held_seal)
+    owner = MemoryOwner(token=KEY)
+    try:
+        owner.start_round(1)
+        c, maps = Client(owner.path), {}
+        for step in (1, 2):
+            assert c.save(step, bytes([step]) * 5000, maps)["step"] == step
+        owner.start_round(1)  # the worker died
+        assert owner.restore_step(timeout=30) == 2  # the seal thread is still held
+        assert sorted((s, st) for st, s, _g, _m in owner.buffers(0)) == [
+            (1, COMMITTED), (2, SEALED)]
+        assert hashed.count("fe-ckpt-fix") == 1  # step 2 hashed once: its seal is its check
+        reply, fd = Client(owner.path).call(op="restore")
+        assert reply["step"] == 2 and fd is not None
+        os.close(fd)
+        (mm,) = [m for st, s, _g, m in owner.buffers(0) if s == 2]
+        assert mm is not None
+        h = _format.unpack_header(mm, len(mm))
+        assert h.mac == real(KEY, mm, h.total)
+        gate.set()
+        owner.wait_sealed(30)
+        assert [st for st, _s, _g, _m in owner.buffers(0)] == [SEALED, SEALED]
+    finally:
+        gate.set()
+        owner.close()

@@ -312,18 +312,17 @@ class MemoryOwner:
     def _fix_round(self, rnd: int) -> None:
         t0 = time.monotonic()
         with self._cond:
-            self._cond.wait_for(self._all_sealed, _WAIT_S)
             lws = self._local_world
             steps: Optional[set[int]] = None
             for lr in range(lws):
-                have = {b.step for b in self._ranks.get(lr, []) if b.state == SEALED}
+                have = {b.step for b in self._ranks.get(lr, []) if b.valid()}
                 steps = have if steps is None else steps & have
         chosen: Optional[tuple[int, dict[int, int]]] = None
         for step in sorted(steps or (), reverse=True):
             with self._cond:
                 picks = {lr: next(i for i, b in enumerate(self._ranks[lr])
-                                  if b.state == SEALED and b.step == step) for lr in range(lws)}
-            ok = [self._verify(lr, idx) for lr, idx in picks.items()]  # each on the pool
+                                  if b.valid() and b.step == step) for lr in range(lws)}
+            ok = [self._check(lr, idx) for lr, idx in picks.items()]  # each on the pool
             if all(ok):
                 chosen = (step, picks)
                 break
@@ -338,6 +337,17 @@ class MemoryOwner:
         if chosen:
             logger.info("checkpoint memory: this round restores step %s on every local rank "
                         "(%.3f s to check)", chosen[0], time.monotonic() - t0)
+
+    def _check(self, lr: int, idx: int) -> bool:
+        """A candidate of the round's step: a shard whose seal is still due (the niced seal
+        thread may lag behind) is sealed now, at the agent's priority, and that seal is its
+        check (no worker writes a buffer before the round is fixed); a sealed one is verified."""
+        with self._cond:
+            b = self._ranks[lr][idx]
+            state, gen = b.state, b.gen
+        if state == COMMITTED and self._seal(lr, idx, gen, self._hash_pool()):
+            return True
+        return self._verify(lr, idx)
 
     def _verify(self, lr: int, idx: int) -> bool:
         """Recomputes a sealed shard's MAC; a mismatch marks it BAD (never to be unpickled)."""
@@ -397,20 +407,26 @@ class MemoryOwner:
             item = self._seals.get()
             if item is None:
                 return
-            lr, idx, gen = item
-            with self._cond:
-                b = self._ranks[lr][idx]
-                if b.state != COMMITTED or b.gen != gen or b.mm is None:
-                    continue
-                mm, total = b.mm, b.total
-            mac = _format.compute_mac(self._key, mm, total, self._hash_pool(seal=True))
-            with self._cond:  # a shard overwritten meanwhile (a newer save) keeps no MAC
-                if b.state == COMMITTED and b.gen == gen and not self._closed:
-                    mm[_format.MAC_OFFSET:_format.MAC_OFFSET + _format.MAC_SIZE] = mac
-                    b.mac = mac
-                    b.state = SEALED
-                    self._queue_disk(b.step)
-                    self._cond.notify_all()
+            self._seal(*item, self._hash_pool(seal=True))
+
+    def _seal(self, lr: int, idx: int, gen: int, pool: Any) -> bool:
+        """Writes the MAC of buffer ``idx`` of ``lr`` if it still holds generation ``gen``,
+        committed; True when this call sealed it."""
+        with self._cond:
+            b = self._ranks[lr][idx]
+            if b.state != COMMITTED or b.gen != gen or b.mm is None:
+                return False
+            mm, total = b.mm, b.total
+        mac = _format.compute_mac(self._key, mm, total, pool)
+        with self._cond:  # a shard overwritten meanwhile (a newer save) keeps no MAC
+            if b.state != COMMITTED or b.gen != gen or self._closed:
+                return False
+            mm[_format.MAC_OFFSET:_format.MAC_OFFSET + _format.MAC_SIZE] = mac
+            b.mac = mac
+            b.state = SEALED
+            self._queue_disk(b.step)
+            self._cond.notify_all()
+            return True
 
     # ------------------------------------------------------------------ the disk
 
@@ -838,3 +854,128 @@ def find_agent() -> str:
     raise CheckpointError(
         "fastelastic.checkpoint keeps the state in the agent's memory: run the script under "
         "fastrun (no agent among this process's ancestors holds checkpoint memory)")
+
+
+# ---------------------------------------------------------------------- a worker's early map
+
+_MADV_POPULATE_READ = 22  # Linux 5.14: builds the page tables of a range, as reads would
+
+
+class EarlyMap:
+    """The buffer of a restarted worker's restore step, mapped from the package's import on.
+
+    Building the page tables of a buffer costs about half a copy of it (4 KiB pages: /dev/shm
+    gets no huge pages). A restarted worker does that in a thread while its script starts
+    (imports, the model, the process group), so its ``load`` only copies. The thread asks the
+    agent what a load asks (``restore``, which waits for the round's MAC check), maps the
+    buffer and populates it with ``madvise`` outside the GIL. Nothing is read from the buffer
+    here. The load takes the connection, the reply and the mapping when the process has no
+    channel yet (it saved nothing since: the round's step and buffer are as the agent said);
+    otherwise it asks again and takes the mapping only for the buffer named then (same file).
+    """
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.done = threading.Event()
+        self.slot = -1
+        self.capacity = 0
+        self.ident: Optional[tuple[int, int]] = None  # (st_dev, st_ino) of the buffer
+        self.mm: Optional[mmap.mmap] = None
+        self.seconds = 0.0  # from the thread's start to the buffer's pages mapped
+        self.used = False  # the load took this mapping
+        self.path = ""
+        self.sock: Optional[socket.socket] = None  # the connection, kept for the load
+        self.reply: Optional[dict[str, Any]] = None  # the agent's answer to "restore"
+
+    def run(self, local_rank: int) -> None:
+        t0 = time.monotonic()
+        sock = None
+        try:
+            path = find_agent()
+            sock = connect(path, None)
+            if sock is None:
+                return
+            sock.settimeout(_WAIT_S)
+            sock.sendall(json.dumps({"op": "restore", "local_rank": local_rank}).encode())
+            msg, fds, _flags, _addr = socket.recv_fds(sock, _MAX_PACKET, 4)
+            sock.settimeout(None)
+            try:
+                reply = json.loads(msg) if msg else {}
+                if "error" in reply or "step" not in reply:
+                    return
+                if reply["step"] is None:
+                    self.path, self.sock, self.reply, sock = path, sock, reply, None
+                    return
+                if not fds:
+                    return
+                st = os.fstat(fds[0])
+                mm = mmap.mmap(fds[0], int(reply["capacity"]), mmap.MAP_SHARED,
+                               mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            _populate(mm)
+            self.slot, self.capacity = int(reply["slot"]), int(reply["capacity"])
+            self.ident, self.mm = (st.st_dev, st.st_ino), mm
+            self.path, self.sock, self.reply, sock = path, sock, reply, None
+        except (OSError, CheckpointError, ValueError, KeyError, TypeError):
+            pass  # the load maps the buffer itself
+        finally:
+            if sock is not None:
+                sock.close()
+            self.seconds = time.monotonic() - t0
+            self.done.set()
+
+    def take(self, slot: int, capacity: int, ident: tuple[int, int]) -> Optional[mmap.mmap]:
+        """The mapping, if it is of this buffer (waits for the thread); else None."""
+        self.done.wait(_WAIT_S)
+        mm, self.mm = self.mm, None
+        if mm is not None and (self.slot, self.capacity, self.ident) == (slot, capacity, ident):
+            self.used = True
+            return mm
+        if mm is not None:
+            mm.close()
+        return None
+
+
+def _populate(mm: mmap.mmap) -> None:
+    """Builds ``mm``'s page tables now (MADV_POPULATE_READ through ctypes, which lets go of the
+    GIL; Python's own mmap calls keep it). On a kernel without it the pages fault in later."""
+    import ctypes
+
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    anchor = ctypes.c_char.from_buffer(mm)
+    try:
+        madvise(ctypes.addressof(anchor), len(mm), _MADV_POPULATE_READ)
+    finally:
+        del anchor
+
+
+_early: Optional[EarlyMap] = None
+
+
+def start_early_map() -> None:
+    """In a restarted worker (``TORCHELASTIC_RESTART_COUNT`` > 0, ``LOCAL_RANK`` set), starts
+    mapping its restore buffer in a thread (``EarlyMap``); elsewhere (the agent, a first start,
+    ``FASTELASTIC_CHECKPOINT=0``) does nothing."""
+    global _early
+    env = os.environ
+    if (_early is not None or env.get(ENABLE_ENV, "").strip() == "0"
+            or env.get("TORCHELASTIC_RESTART_COUNT", "0").strip() in ("", "0")
+            or not env.get("LOCAL_RANK", "").strip().isdigit()):
+        return
+    _early = EarlyMap()
+    threading.Thread(target=_early.run, args=(int(env["LOCAL_RANK"]),), name="fe-ckpt-early",
+                     daemon=True).start()
+
+
+def take_early_map() -> Optional[EarlyMap]:
+    """The early map of this process, once (None: none was started here, e.g. before a fork)."""
+    global _early
+    e, _early = _early, None
+    return e if e is not None and e.pid == os.getpid() else None
