@@ -110,11 +110,11 @@ def stall_one(mb: int, step: int) -> tuple[dict, int]:
                 fut = dcp.async_save(sd, storage_writer=dcp.FileSystemWriter(d))
             t1 = time.monotonic()
             dt = t1 - t
+            if fut is not None:  # dcp.async_save's thread runs collectives: done before ours
+                fut.result()
             got[how].append(_stall(t, t1))
             if how == "fc.save":
-                phases.append(_gather({"s": dt, **_worker.last_save}))
-            if fut is not None:
-                fut.result()
+                phases.append(_gather({"s": dt, **getattr(_worker, "last_save", {})}))
             if how == "torch.save":
                 os.unlink(path)
             elif how.startswith("dcp") and rank == 0:
