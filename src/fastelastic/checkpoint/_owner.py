@@ -34,6 +34,7 @@ shard whose MAC still checks (the one-step rule on one node).
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import logging
 import mmap
@@ -86,6 +87,7 @@ class _Buf:
         self.total = 0
         self.mac = b""
         self.dcp: Optional[dict[str, Any]] = None  # the step's disk plan (``_dcp``), if any
+        self.hashing = 0  # seals and checks reading the mapping now: it is not released under them
 
     def release(self) -> None:
         if self.mm is not None:
@@ -354,6 +356,7 @@ class MemoryOwner:
         with self._cond:
             b = self._ranks[lr][idx]
             mm, capacity, step, gen, mac = b.mm, b.capacity, b.step, b.gen, b.mac
+            b.hashing += 1
         try:
             assert mm is not None
             h = _format.unpack_header(mm, capacity)
@@ -372,6 +375,10 @@ class MemoryOwner:
                 if b.gen == gen:
                     b.state = BAD
             return False
+        finally:
+            with self._cond:
+                b.hashing -= 1
+                self._cond.notify_all()
         return True
 
     def _wait_fixed(self, timeout: float) -> None:
@@ -417,7 +424,16 @@ class MemoryOwner:
             if b.state != COMMITTED or b.gen != gen or b.mm is None:
                 return False
             mm, total = b.mm, b.total
-        mac = _format.compute_mac(self._key, mm, total, pool)
+            b.hashing += 1
+        try:  # a newer save into this buffer stops the hashing at its next chunk
+            mac = _format.compute_mac(self._key, mm, total, pool,
+                                      lambda: b.gen != gen or self._closed)
+        except ShardError:
+            return False
+        finally:
+            with self._cond:
+                b.hashing -= 1
+                self._cond.notify_all()
         with self._cond:  # a shard overwritten meanwhile (a newer save) keeps no MAC
             if b.state != COMMITTED or b.gen != gen or self._closed:
                 return False
@@ -611,9 +627,13 @@ class MemoryOwner:
         newest = max(valid, key=lambda b: b.gen) if valid else None
         idx = 1 - bufs.index(newest) if newest is not None else 0
         b = bufs[idx]
-        # b is not the rank's newest shard: a seal still due or under way for it is dropped
-        # (the seal keeps a MAC only for the generation it hashed, and b's is about to change),
-        # so a save never waits for the hashing of an older step
+        # b is not the rank's newest shard. Memory only: a seal still due or under way for it
+        # is dropped (the seal keeps a MAC only for the generation it hashed, and b's is about
+        # to change), so such a save never waits for the hashing of an older step. A step for
+        # the disk is sealed first, as the disk writes only sealed steps.
+        if b.dcp is not None and not self._cond.wait_for(
+                lambda: b.state != COMMITTED or self._closed, _WAIT_S):
+            raise CheckpointError("the previous shard was not sealed in time")
         if self._pending is not None and self._pending[1].get(lr) == idx:
             self._set_status(self._pending[0], SKIPPED)  # its memory is about to be reused
             logger.info("checkpoint disk: step %s skipped: step %s needs its memory",
@@ -653,6 +673,10 @@ class MemoryOwner:
             old = bufs[i]
             if old.valid() and i != idx:
                 continue
+            # a seal of the step it held may still be reading it (a save never waits for an
+            # older step's seal): that seal stops at its next chunk
+            if not self._cond.wait_for(functools.partial(self._unread, old), _WAIT_S):
+                raise CheckpointError(f"local rank {lr}: a seal held the buffer too long")
             old.release()
             try:
                 fd, kind = _alloc(cap, memfd)
@@ -666,6 +690,9 @@ class MemoryOwner:
         logger.info("checkpoint memory: local rank %s holds 2 x %s (%s); %s held in all", lr,
                     _room.fmt_bytes(cap), bufs[idx].kind, _room.fmt_bytes(
                         sum(x.capacity for bs in self._ranks.values() for x in bs)))
+
+    def _unread(self, b: _Buf) -> bool:
+        return b.hashing == 0 or self._closed
 
     def _commit(self, lr: int, idx: int, gen: int) -> tuple[dict[str, Any], int]:
         b = self._ranks[lr][idx]
