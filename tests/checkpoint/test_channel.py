@@ -176,10 +176,10 @@ def test_a_save_never_waits_for_the_seal_of_an_older_step(monkeypatch) -> None:
     gate = threading.Event()
     real = _format.compute_mac
 
-    def held_seal(key, buf, total, pool=None):  # the seal thread waits for the gate
+    def held_seal(key, buf, total, pool=None, stop=None):  # the seal thread waits for the gate
         if threading.current_thread().name == "fe-ckpt-seal":
             assert gate.wait(60)
-        return real(key, buf, total, pool)
+        return real(key, buf, total, pool, stop)
 
     monkeypatch.setattr(_owner._format, "compute_mac", held_seal)
     owner = MemoryOwner(token=KEY)
@@ -220,11 +220,11 @@ def test_the_round_seals_its_step_itself_when_the_seal_thread_lags(monkeypatch) 
     real = _format.compute_mac
     hashed: list[str] = []
 
-    def held_seal(key, buf, total, pool=None):
+    def held_seal(key, buf, total, pool=None, stop=None):
         hashed.append(threading.current_thread().name)
         if threading.current_thread().name == "fe-ckpt-seal":
             assert gate.wait(60)
-        return real(key, buf, total, pool)
+        return real(key, buf, total, pool, stop)
 
     monkeypatch.setattr(_owner._format, "compute_mac", held_seal)
     owner = MemoryOwner(token=KEY)
