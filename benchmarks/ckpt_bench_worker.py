@@ -51,43 +51,75 @@ def prefaulted_copy_s(src: list[torch.Tensor], dst: list[torch.Tensor]) -> float
     return time.perf_counter() - t
 
 
-def stall_one(mb: int, step: int) -> tuple[dict[str, list[float]], int]:
+def _stall(t0: float, t1: float) -> float:
+    """Seconds from the last rank's start to the last rank's end (``time.monotonic``: one clock
+    for every process of the node): how much later than without the call the slowest rank can
+    go on, as the next step's collective waits for it."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return t1 - t0
+    t = torch.tensor([t0, t1], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t[1] - t[0])
+
+
+def _gather(obj: dict) -> list:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+STALL_METHODS = ("memcpy", "fc.save", "fc.async_save", "torch.save", "dcp.save", "dcp.async_save")
+
+
+def stall_one(mb: int, step: int) -> tuple[dict, int]:
+    """Rounds of every method, interleaved; each call starts at a barrier of every rank and
+    counts from the last rank's start to the last rank's end (``_stall``)."""
+    only = [m for m in os.environ.get("CKPT_BENCH_ONLY", "").split(",") if m] or STALL_METHODS
+    rank = dist.get_rank()
     sd = make_state(mb)
     dst = [torch.empty_like(t) for t in tensors(sd)]
     prefaulted_copy_s(tensors(sd), dst)  # faults the destination in
     for _ in range(2):  # both buffers reserved and mapped: the steady state
         step += 1
         fc.save(sd, step=step)
-    got: dict[str, list[float]] = {k: [] for k in (
-        "memcpy", "fc.save", "fc.async_save", "torch.save", "dcp.save", "dcp.async_save")}
+    got: dict = {k: [] for k in only}
+    phases: list = []
     for r in range(ROUNDS):
-        got["memcpy"].append(prefaulted_copy_s(tensors(sd), dst))
-        step += 1
-        t = time.perf_counter()
-        fc.save(sd, step=step)
-        got["fc.save"].append(time.perf_counter() - t)
-        step += 1
-        t = time.perf_counter()
-        fut = fc.async_save(sd, step=step)
-        got["fc.async_save"].append(time.perf_counter() - t)
-        fut.result()
-        path = os.path.join(DISK, f"t{mb}_{r}.pt")
-        t = time.perf_counter()
-        torch.save(sd, path)
-        got["torch.save"].append(time.perf_counter() - t)
-        os.unlink(path)
-        d = os.path.join(DISK, f"dcp{mb}_{r}")
-        t = time.perf_counter()
-        dcp.save(sd, storage_writer=dcp.FileSystemWriter(d))
-        got["dcp.save"].append(time.perf_counter() - t)
-        shutil.rmtree(d)
-        d = os.path.join(DISK, f"adcp{mb}_{r}")
-        t = time.perf_counter()
-        fut = dcp.async_save(sd, storage_writer=dcp.FileSystemWriter(d))
-        got["dcp.async_save"].append(time.perf_counter() - t)
-        fut.result()
-        shutil.rmtree(d)
-    return got, step
+        for how in only:
+            dist.barrier()
+            t = time.monotonic()
+            fut = None
+            if how == "memcpy":
+                prefaulted_copy_s(tensors(sd), dst)
+            elif how == "fc.save":
+                step += 1
+                fc.save(sd, step=step)
+            elif how == "fc.async_save":
+                step += 1
+                fut = fc.async_save(sd, step=step)
+            elif how == "torch.save":
+                path = os.path.join(DISK, f"t{mb}_{r}_{rank}.pt")
+                torch.save(sd, path)
+            elif how == "dcp.save":
+                d = os.path.join(DISK, f"dcp{mb}_{r}")
+                dcp.save(sd, storage_writer=dcp.FileSystemWriter(d))
+            elif how == "dcp.async_save":
+                d = os.path.join(DISK, f"adcp{mb}_{r}")
+                fut = dcp.async_save(sd, storage_writer=dcp.FileSystemWriter(d))
+            t1 = time.monotonic()
+            dt = t1 - t
+            if fut is not None:  # dcp.async_save's thread runs collectives: done before ours
+                fut.result()
+            got[how].append(_stall(t, t1))
+            if how == "fc.save":
+                phases.append(_gather({"s": dt, **getattr(_worker, "last_save", {})}))
+            if how == "torch.save":
+                os.unlink(path)
+            elif how.startswith("dcp") and rank == 0:
+                shutil.rmtree(d)
+    return {"stall": got, "phases": phases}, step
 
 
 def disk_one(mb: int, step: int) -> tuple[dict, int]:
@@ -143,34 +175,57 @@ def stall() -> None:
     step = 0
     for mb in SIZES:
         results[str(mb)], step = stall_one(mb, step)
-    with open(os.path.join(OUT, "stall.json"), "w") as f:
-        json.dump(results, f)
+    if dist.get_rank() == 0:
+        with open(os.path.join(OUT, "stall.json"), "w") as f:
+            json.dump(results, f)
     dist.destroy_process_group()
 
 
 def restore() -> None:
+    """First life: every rank saves steps 1 and 2, then local rank 0 SIGKILLs itself (fastrun
+    restarts every rank). Second life: the process group, then every rank loads from a barrier
+    (the load's stall counted as the stall's rounds: from the last rank's start to the last
+    rank's end; each rank's phases), then three copies of the same bytes into pre-faulted
+    memory, each from a barrier; rank 0 writes every rank's figures."""
     mb = SIZES[0]
     sd = make_state(mb)
+    rank = int(os.environ.get("RANK", "0"))
     if RESTART == 0:
         fc.save(sd, step=1)
-        fc.save(sd, step=2)
-        with open(os.path.join(OUT, "crash.json"), "w") as f:
-            json.dump({"t": time.time()}, f)
-        os.kill(os.getpid(), signal.SIGKILL)
+        fc.save(sd, step=2)  # returns once every local rank's step 2 is in memory
+        if rank == 0:
+            with open(os.path.join(OUT, "crash.json"), "w") as f:
+                json.dump({"t": time.time()}, f)
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(120)  # the agent stops this rank once rank 0 died
+        raise SystemExit("rank 0's crash did not stop this rank")
     target = {"model": {k: torch.zeros_like(v) for k, v in sd["model"].items()}, "extra": {}}
-    t = time.perf_counter()
+    dist.init_process_group("gloo")
+    dist.barrier()
+    t = time.monotonic()
     step = fc.load(target)
-    load_s = time.perf_counter() - t
+    t1 = time.monotonic()
+    load_s = t1 - t
     wall = time.time()
+    load_stall = _stall(t, t1)
     assert step == 2, step
     assert all(torch.equal(a, b) for a, b in zip(tensors(sd), tensors(target), strict=True))
     dst = [torch.zeros_like(v) for v in tensors(sd)]
-    copies = [prefaulted_copy_s(tensors(sd), dst) for _ in range(3)]
+    copies = []
+    for _ in range(3):
+        dist.barrier()
+        t0 = time.monotonic()
+        prefaulted_copy_s(tensors(sd), dst)
+        copies.append(_stall(t0, time.monotonic()))
     with open(os.path.join(OUT, "crash.json")) as f:
         crashed = json.load(f)["t"]
-    with open(os.path.join(OUT, "restore.json"), "w") as f:
-        json.dump({"load_s": load_s, "memcpy_s": min(copies), "crash_to_restored_s":
-                   wall - crashed, **_worker.last_restore}, f)
+    mine = {"load_s": load_s, "crash_to_restored_s": wall - crashed, **_worker.last_restore}
+    every = _gather(mine)
+    if rank == 0:
+        with open(os.path.join(OUT, "restore.json"), "w") as f:
+            json.dump({"ranks": every, "memcpy_s": sorted(copies)[1], "load_stall_s": load_stall},
+                      f)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -114,7 +114,8 @@ def main():
         assert sd["extra"]["step"] == restored, (sd["extra"], restored)
     on_disk = fc.latest(DISK) if DISK else None
     note(event="restored", step=restored, digest=digest(model, opt), load_s=load_s,
-         latest=None if on_disk is None else on_disk.step)
+         latest=None if on_disk is None else on_disk.step,
+         early=_worker.last_restore.get("early_used") if restored is not None else None)
     if restored is not None and DISK and DISK_WAIT:
         # the step of the failure, written behind this restart
         note(event="disk", step=restored, status=_worker.disk_wait(restored, 120))

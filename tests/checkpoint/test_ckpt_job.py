@@ -55,6 +55,9 @@ def test_crash_restart_restores_the_last_step_from_memory(tmp_path: Path, need_t
     recs = records(tmp_path)
     _check_restored(recs, 2, 5)  # rank 1 died right after its save of step 5: nothing lost
     assert "this round restores step 5 on every local rank" in r.stdout
+    # each restarted rank's buffer was mapped from its import of fastelastic.checkpoint on: the
+    # load took that mapping (and its connection and reply) and only copied
+    assert [restored(recs, 1, rank)["early"] for rank in range(2)] == [1.0, 1.0]
 
 
 def test_a_rank_killed_mid_save_restores_the_step_before_on_every_rank(

@@ -30,12 +30,14 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
-from fastelastic.checkpoint._owner import CheckpointError
+from fastelastic.checkpoint._owner import CheckpointError, start_early_map
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
 
 __all__ = ["CheckpointError", "SaveHandle", "Latest", "save", "async_save", "load", "latest"]
+
+start_early_map()  # a restarted worker maps its restore buffer while its script starts
 
 
 class SaveHandle(int):

@@ -23,7 +23,7 @@ import json
 import struct
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 __all__ = ["HEADER_SIZE", "ALIGN", "Header", "TensorRef", "ShardError", "align", "pack_header",
            "unpack_header", "compute_mac", "mac_key"]
@@ -117,19 +117,32 @@ def mac_key(token: Optional[bytes]) -> bytes:
     return token if token else _NO_TOKEN_KEY
 
 
-def compute_mac(key: bytes, buf: Any, total: int, pool: Optional[Executor] = None) -> bytes:
+def compute_mac(key: bytes, buf: Any, total: int, pool: Optional[Executor] = None,
+                stop: Optional[Callable[[], bool]] = None) -> bytes:
     """The shard's MAC: HMAC-SHA256 under ``key`` of its header (MAC field as zeros), its
     length and the SHA-256 of each 32 MiB chunk after the header (a hash list: the chunks are
-    hashed on ``pool``'s threads at once; hashlib releases the GIL)."""
+    hashed on ``pool``'s threads at once; hashlib releases the GIL).
+
+    Raises:
+        ShardError: ``stop()`` said so before a chunk (the shard is no longer wanted).
+    """
     mv = memoryview(buf)
     try:
         spans = [(p, min(total, p + _CHUNK)) for p in range(HEADER_SIZE, total, _CHUNK)]
 
         def digest(span: tuple[int, int]) -> bytes:
+            if stop is not None and stop():
+                raise ShardError("the hashing was stopped")
             return hashlib.sha256(mv[span[0]:span[1]]).digest()
 
         if pool is not None and len(spans) > 1:
-            digests = list(pool.map(digest, spans))
+            futs = [pool.submit(digest, sp) for sp in spans]
+            # every chunk done (or stopped) before the view is released below
+            errors = [f.exception() for f in futs]
+            stopped = next((e for e in errors if e is not None), None)
+            if stopped is not None:
+                raise stopped
+            digests = [f.result() for f in futs]
         else:
             digests = [digest(sp) for sp in spans]
         m = hmac.new(key, digestmod=hashlib.sha256)

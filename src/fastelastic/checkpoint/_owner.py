@@ -37,6 +37,7 @@ agent's publication, so every rank restores one step of one era.
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import logging
 import mmap
@@ -92,6 +93,7 @@ class _Buf:
         self.era = 0  # the era of the round that saved it (the rule across nodes)
         self.world = 0  # the world size of that round
         self.rank = -1  # the global rank that saved it
+        self.hashing = 0  # seals and checks reading the mapping now: it is not released under them
 
     def release(self) -> None:
         if self.mm is not None:
@@ -165,7 +167,8 @@ class MemoryOwner:
         self._restore: Optional[tuple[int, dict[int, int]]] = None  # (step, {lr: buffer})
         self._closed = False
         self._memfd_said = False
-        self._pool: Any = None
+        self._pool: Any = None  # hashes for the restore's check (the workers wait for it)
+        self._seal_pool: Any = None  # hashes for the seals, niced (behind training)
         self._conns: set[socket.socket] = set()
         self._seals: queue.Queue[Optional[tuple[int, int, int]]] = queue.Queue()
         self.last_restore: Optional[dict[str, Any]] = None  # step and seconds of the last fix
@@ -323,8 +326,9 @@ class MemoryOwner:
             t.join(timeout=5)
         if self.copier is not None:
             self.copier.close()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        for pool in (self._pool, self._seal_pool):
+            if pool is not None:
+                pool.shutdown(wait=True)
         with self._cond:
             for bufs in self._ranks.values():
                 for b in bufs:
@@ -343,18 +347,17 @@ class MemoryOwner:
             return
         t0 = time.monotonic()
         with self._cond:
-            self._cond.wait_for(self._all_sealed, _WAIT_S)
             lws = self._local_world
             steps: Optional[set[int]] = None
             for lr in range(lws):
-                have = {b.step for b in self._ranks.get(lr, []) if b.state == SEALED}
+                have = {b.step for b in self._ranks.get(lr, []) if b.valid()}
                 steps = have if steps is None else steps & have
         chosen: Optional[tuple[int, dict[int, int]]] = None
         for step in sorted(steps or (), reverse=True):
             with self._cond:
                 picks = {lr: next(i for i, b in enumerate(self._ranks[lr])
-                                  if b.state == SEALED and b.step == step) for lr in range(lws)}
-            ok = [self._verify(lr, idx) for lr, idx in picks.items()]  # each on the pool
+                                  if b.valid() and b.step == step) for lr in range(lws)}
+            ok = [self._check(lr, idx) for lr, idx in picks.items()]  # each on the pool
             if all(ok):
                 chosen = (step, picks)
                 break
@@ -379,11 +382,10 @@ class MemoryOwner:
 
         t0 = time.monotonic()
         with self._cond:
-            self._cond.wait_for(self._all_sealed, _WAIT_S)
             cands = [(lr, i) for lr, bufs in self._ranks.items() for i, b in enumerate(bufs)
-                     if b.state == SEALED and b.world > 0]
+                     if b.state in (COMMITTED, SEALED) and b.world > 0]
             agree, era, lws = self._agree, self.era, self._local_world
-        good = [c for c in cands if self._verify(*c)]  # never publish a shard that fails
+        good = [c for c in cands if self._check(*c)]  # never publish a shard that fails
         with self._cond:
             shards = tuple(HeldShard(b.rank, b.world, b.step, b.era, b.gen)
                            for b in (self._ranks[lr][i] for lr, i in good) if b.state == SEALED)
@@ -508,11 +510,23 @@ class MemoryOwner:
                     "%.3f s)", lr, step, addr, _room.fmt_bytes(h.total), time.monotonic() - t0)
         return idx
 
+    def _check(self, lr: int, idx: int) -> bool:
+        """A candidate of the round's step: a shard whose seal is still due (the niced seal
+        thread may lag behind) is sealed now, at the agent's priority, and that seal is its
+        check (no worker writes a buffer before the round is fixed); a sealed one is verified."""
+        with self._cond:
+            b = self._ranks[lr][idx]
+            state, gen = b.state, b.gen
+        if state == COMMITTED and self._seal(lr, idx, gen, self._hash_pool()):
+            return True
+        return self._verify(lr, idx)
+
     def _verify(self, lr: int, idx: int) -> bool:
         """Recomputes a sealed shard's MAC; a mismatch marks it BAD (never to be unpickled)."""
         with self._cond:
             b = self._ranks[lr][idx]
             mm, capacity, step, gen, mac = b.mm, b.capacity, b.step, b.gen, b.mac
+            b.hashing += 1
         try:
             assert mm is not None
             h = _format.unpack_header(mm, capacity)
@@ -531,6 +545,10 @@ class MemoryOwner:
                 if b.gen == gen:
                     b.state = BAD
             return False
+        finally:
+            with self._cond:
+                b.hashing -= 1
+                self._cond.notify_all()
         return True
 
     def _wait_fixed(self, timeout: float) -> None:
@@ -541,39 +559,63 @@ class MemoryOwner:
 
     # ------------------------------------------------------------------ seals
 
-    def _hash_pool(self) -> Any:
-        """The threads that hash a shard's chunks at once (made at the first seal)."""
+    def _hash_pool(self, seal: bool = False) -> Any:
+        """The threads that hash a shard's chunks at once (made at first use). The seals'
+        threads run niced (``_SEAL_NICE``): a seal is behind training, and a save's copy, the
+        workers' steps and the restore's check go first."""
         with self._cond:
-            if self._pool is None:
+            pool = self._seal_pool if seal else self._pool
+            if pool is None:
                 from concurrent.futures import ThreadPoolExecutor
 
-                self._pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1),
-                                                thread_name_prefix="fe-ckpt-hash")
-            return self._pool
+                pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1),
+                                          thread_name_prefix="fe-ckpt-seal" if seal
+                                          else "fe-ckpt-hash",
+                                          initializer=_lower_priority if seal else None)
+                if seal:
+                    self._seal_pool = pool
+                else:
+                    self._pool = pool
+            return pool
 
     def _seal_loop(self) -> None:
+        _lower_priority()
         while True:
             item = self._seals.get()
             if item is None:
                 return
-            lr, idx, gen = item
+            self._seal(*item, self._hash_pool(seal=True))
+
+    def _seal(self, lr: int, idx: int, gen: int, pool: Any) -> bool:
+        """Writes the MAC of buffer ``idx`` of ``lr`` if it still holds generation ``gen``,
+        committed; True when this call sealed it."""
+        with self._cond:
+            b = self._ranks[lr][idx]
+            if b.state != COMMITTED or b.gen != gen or b.mm is None:
+                return False
+            mm, total = b.mm, b.total
+            b.hashing += 1
+        try:  # a newer save into this buffer stops the hashing at its next chunk
+            mac = _format.compute_mac(self._key, mm, total, pool,
+                                      lambda: b.gen != gen or self._closed)
+        except ShardError:
+            return False
+        finally:
             with self._cond:
-                b = self._ranks[lr][idx]
-                if b.state != COMMITTED or b.gen != gen or b.mm is None:
-                    continue
-                mm, total = b.mm, b.total
-            mac = _format.compute_mac(self._key, mm, total, self._hash_pool())
-            copier = None
-            with self._cond:
-                if b.state == COMMITTED and b.gen == gen and not self._closed:
-                    mm[_format.MAC_OFFSET:_format.MAC_OFFSET + _format.MAC_SIZE] = mac
-                    b.mac = mac
-                    b.state = SEALED
-                    self._queue_disk(b.step)
-                    self._cond.notify_all()
-                    copier = self.copier if self._agree is not None else None
-            if copier is not None:
-                copier.offer(lr, idx, gen)  # behind training: the save never waits for it
+                b.hashing -= 1
+                self._cond.notify_all()
+        with self._cond:  # a shard overwritten meanwhile (a newer save) keeps no MAC
+            if b.state != COMMITTED or b.gen != gen or self._closed:
+                return False
+            mm[_format.MAC_OFFSET:_format.MAC_OFFSET + _format.MAC_SIZE] = mac
+            b.mac = mac
+            b.state = SEALED
+            self._queue_disk(b.step)
+            self._cond.notify_all()
+            copier = self.copier if self._agree is not None else None
+        if copier is not None:
+            copier.offer(lr, idx, gen)  # behind training: the save never waits for it
+        return True
 
     # ------------------------------------------------------------------ the disk
 
@@ -737,7 +779,10 @@ class MemoryOwner:
             if op == "commit":  # with "wait": and then as "wait" for its step (one trip)
                 reply = self._commit(int(req["local_rank"]), int(req["slot"]), int(req["gen"]))
                 if req.get("wait"):
-                    return self._wait_step(reply[0]["step"], float(req.get("timeout", _WAIT_S)))
+                    t0 = time.monotonic()
+                    out, fd = self._wait_step(reply[0]["step"], float(req.get("timeout", _WAIT_S)))
+                    out["waited_s"] = time.monotonic() - t0  # for the other local ranks
+                    return out, fd
                 return reply
             if op == "wait":
                 return self._wait_step(int(req["step"]), float(req.get("timeout", _WAIT_S)))
@@ -757,8 +802,12 @@ class MemoryOwner:
         newest = max(valid, key=lambda b: b.gen) if valid else None
         idx = 1 - bufs.index(newest) if newest is not None else 0
         b = bufs[idx]
-        # a committed shard is read by the seal: wait for its MAC before overwriting it
-        if not self._cond.wait_for(lambda: b.state != COMMITTED or self._closed, _WAIT_S):
+        # b is not the rank's newest shard. Memory only: a seal still due or under way for it
+        # is dropped (the seal keeps a MAC only for the generation it hashed, and b's is about
+        # to change), so such a save never waits for the hashing of an older step. A step for
+        # the disk is sealed first, as the disk writes only sealed steps.
+        if b.dcp is not None and not self._cond.wait_for(
+                lambda: b.state != COMMITTED or self._closed, _WAIT_S):
             raise CheckpointError("the previous shard was not sealed in time")
         if self._pending is not None and self._pending[1].get(lr) == idx:
             self._set_status(self._pending[0], SKIPPED)  # its memory is about to be reused
@@ -799,6 +848,10 @@ class MemoryOwner:
             old = bufs[i]
             if old.valid() and i != idx:
                 continue
+            # a seal of the step it held may still be reading it (a save never waits for an
+            # older step's seal): that seal stops at its next chunk
+            if not self._cond.wait_for(functools.partial(self._unread, old), _WAIT_S):
+                raise CheckpointError(f"local rank {lr}: a seal held the buffer too long")
             old.release()
             try:
                 fd, kind = _alloc(cap, memfd)
@@ -812,6 +865,9 @@ class MemoryOwner:
         logger.info("checkpoint memory: local rank %s holds 2 x %s (%s); %s held in all", lr,
                     _room.fmt_bytes(cap), bufs[idx].kind, _room.fmt_bytes(
                         sum(x.capacity for bs in self._ranks.values() for x in bs)))
+
+    def _unread(self, b: _Buf) -> bool:
+        return b.hashing == 0 or self._closed
 
     def _commit(self, lr: int, idx: int, gen: int) -> tuple[dict[str, Any], int]:
         b = self._ranks[lr][idx]
@@ -887,6 +943,18 @@ class MemoryOwner:
         if b.state != SEALED or b.step != step:  # the rank saved over it before loading
             return {"step": None}, -1
         return {"step": step, "slot": picks[lr], "capacity": b.capacity}, b.fd
+
+
+_SEAL_NICE = 10
+
+
+def _lower_priority() -> None:
+    """This thread at nice +_SEAL_NICE (Linux: per thread; raising it needs no privilege)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
+                       min(19, os.getpriority(os.PRIO_PROCESS, 0) + _SEAL_NICE))
+    except OSError:
+        pass
 
 
 def _plan_of(mm: mmap.mmap, h: _format.Header) -> Optional[dict[str, Any]]:
@@ -992,3 +1060,128 @@ def find_agent() -> str:
     raise CheckpointError(
         "fastelastic.checkpoint keeps the state in the agent's memory: run the script under "
         "fastrun (no agent among this process's ancestors holds checkpoint memory)")
+
+
+# ---------------------------------------------------------------------- a worker's early map
+
+_MADV_POPULATE_READ = 22  # Linux 5.14: builds the page tables of a range, as reads would
+
+
+class EarlyMap:
+    """The buffer of a restarted worker's restore step, mapped from the package's import on.
+
+    Building the page tables of a buffer costs about half a copy of it (4 KiB pages: /dev/shm
+    gets no huge pages). A restarted worker does that in a thread while its script starts
+    (imports, the model, the process group), so its ``load`` only copies. The thread asks the
+    agent what a load asks (``restore``, which waits for the round's MAC check), maps the
+    buffer and populates it with ``madvise`` outside the GIL. Nothing is read from the buffer
+    here. The load takes the connection, the reply and the mapping when the process has no
+    channel yet (it saved nothing since: the round's step and buffer are as the agent said);
+    otherwise it asks again and takes the mapping only for the buffer named then (same file).
+    """
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.done = threading.Event()
+        self.slot = -1
+        self.capacity = 0
+        self.ident: Optional[tuple[int, int]] = None  # (st_dev, st_ino) of the buffer
+        self.mm: Optional[mmap.mmap] = None
+        self.seconds = 0.0  # from the thread's start to the buffer's pages mapped
+        self.used = False  # the load took this mapping
+        self.path = ""
+        self.sock: Optional[socket.socket] = None  # the connection, kept for the load
+        self.reply: Optional[dict[str, Any]] = None  # the agent's answer to "restore"
+
+    def run(self, local_rank: int) -> None:
+        t0 = time.monotonic()
+        sock = None
+        try:
+            path = find_agent()
+            sock = connect(path, None)
+            if sock is None:
+                return
+            sock.settimeout(_WAIT_S)
+            sock.sendall(json.dumps({"op": "restore", "local_rank": local_rank}).encode())
+            msg, fds, _flags, _addr = socket.recv_fds(sock, _MAX_PACKET, 4)
+            sock.settimeout(None)
+            try:
+                reply = json.loads(msg) if msg else {}
+                if "error" in reply or "step" not in reply:
+                    return
+                if reply["step"] is None:
+                    self.path, self.sock, self.reply, sock = path, sock, reply, None
+                    return
+                if not fds:
+                    return
+                st = os.fstat(fds[0])
+                mm = mmap.mmap(fds[0], int(reply["capacity"]), mmap.MAP_SHARED,
+                               mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            _populate(mm)
+            self.slot, self.capacity = int(reply["slot"]), int(reply["capacity"])
+            self.ident, self.mm = (st.st_dev, st.st_ino), mm
+            self.path, self.sock, self.reply, sock = path, sock, reply, None
+        except (OSError, CheckpointError, ValueError, KeyError, TypeError):
+            pass  # the load maps the buffer itself
+        finally:
+            if sock is not None:
+                sock.close()
+            self.seconds = time.monotonic() - t0
+            self.done.set()
+
+    def take(self, slot: int, capacity: int, ident: tuple[int, int]) -> Optional[mmap.mmap]:
+        """The mapping, if it is of this buffer (waits for the thread); else None."""
+        self.done.wait(_WAIT_S)
+        mm, self.mm = self.mm, None
+        if mm is not None and (self.slot, self.capacity, self.ident) == (slot, capacity, ident):
+            self.used = True
+            return mm
+        if mm is not None:
+            mm.close()
+        return None
+
+
+def _populate(mm: mmap.mmap) -> None:
+    """Builds ``mm``'s page tables now (MADV_POPULATE_READ through ctypes, which lets go of the
+    GIL; Python's own mmap calls keep it). On a kernel without it the pages fault in later."""
+    import ctypes
+
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    anchor = ctypes.c_char.from_buffer(mm)
+    try:
+        madvise(ctypes.addressof(anchor), len(mm), _MADV_POPULATE_READ)
+    finally:
+        del anchor
+
+
+_early: Optional[EarlyMap] = None
+
+
+def start_early_map() -> None:
+    """In a restarted worker (``TORCHELASTIC_RESTART_COUNT`` > 0, ``LOCAL_RANK`` set), starts
+    mapping its restore buffer in a thread (``EarlyMap``); elsewhere (the agent, a first start,
+    ``FASTELASTIC_CHECKPOINT=0``) does nothing."""
+    global _early
+    env = os.environ
+    if (_early is not None or env.get(ENABLE_ENV, "").strip() == "0"
+            or env.get("TORCHELASTIC_RESTART_COUNT", "0").strip() in ("", "0")
+            or not env.get("LOCAL_RANK", "").strip().isdigit()):
+        return
+    _early = EarlyMap()
+    threading.Thread(target=_early.run, args=(int(env["LOCAL_RANK"]),), name="fe-ckpt-early",
+                     daemon=True).start()
+
+
+def take_early_map() -> Optional[EarlyMap]:
+    """The early map of this process, once (None: none was started here, e.g. before a fork)."""
+    global _early
+    e, _early = _early, None
+    return e if e is not None and e.pid == os.getpid() else None

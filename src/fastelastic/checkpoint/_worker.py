@@ -17,10 +17,18 @@ import torch
 
 from fastelastic.checkpoint import _format
 from fastelastic.checkpoint._format import HEADER_SIZE, Header, TensorRef
-from fastelastic.checkpoint._owner import _MAX_PACKET, CheckpointError, connect, find_agent
+from fastelastic.checkpoint._owner import (
+    _MAX_PACKET,
+    CheckpointError,
+    EarlyMap,
+    connect,
+    find_agent,
+    take_early_map,
+)
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 last_restore: dict[str, float] = {}  # seconds of the last load's phases: reply, map, copy
+last_save: dict[str, float] = {}  # seconds of the last save's phases (for the benchmark)
 
 
 def _copy_tensor(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -28,15 +36,14 @@ def _copy_tensor(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 class _Mapping:
-    """A worker's mapping of one agent buffer, kept across saves (its pages stay faulted in)."""
+    """A worker's mapping of one agent buffer (the file ``ident``), kept across saves and
+    loads: its page tables are built once, at the map (MAP_POPULATE), and a later save or load
+    faults nothing."""
 
-    def __init__(self, fd: int, capacity: int) -> None:
-        try:
-            self.mm = mmap.mmap(fd, capacity, mmap.MAP_SHARED | _POPULATE,
-                                mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
+    def __init__(self, mm: mmap.mmap, capacity: int, ident: tuple[int, int]) -> None:
+        self.mm = mm
         self.capacity = capacity
+        self.ident = ident
         self.base = torch.frombuffer(self.mm, dtype=torch.uint8)
 
     def view(self, offset: int, nbytes: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
@@ -46,11 +53,13 @@ class _Mapping:
 class _Channel:
     """This process's connection to its agent (one request at a time)."""
 
-    def __init__(self, path: str, local_rank: int) -> None:
+    def __init__(self, path: str, local_rank: int,
+                 sock: Optional[socket.socket] = None) -> None:
         self.local_rank = local_rank
         self.path = path
         self.lock = threading.Lock()
-        sock = connect(path, None)
+        if sock is None:
+            sock = connect(path, None)
         if sock is None:
             raise CheckpointError("the agent's checkpoint channel went away")
         self.sock = sock
@@ -74,10 +83,24 @@ class _Channel:
             raise CheckpointError(reply["error"])
         return reply, (fds[0] if fds else None)
 
-    def mapping(self, slot: int, capacity: int, fd: Optional[int]) -> _Mapping:
+    def mapping(self, slot: int, capacity: int, fd: Optional[int],
+                early: Optional[EarlyMap] = None) -> _Mapping:
+        """This process's mapping of buffer ``slot``: the one it has when ``fd`` (the buffer
+        the agent sent, closed here) is the same file, else ``early``'s, else a new one."""
         if fd is not None:
-            self.maps.pop(slot, None)
-            self.maps[slot] = _Mapping(fd, capacity)
+            try:
+                st = os.fstat(fd)
+                ident = (st.st_dev, st.st_ino)
+                old = self.maps.get(slot)
+                if old is None or (old.ident, old.capacity) != (ident, capacity):
+                    self.maps.pop(slot, None)
+                    mm = early.take(slot, capacity, ident) if early is not None else None
+                    if mm is None:
+                        mm = mmap.mmap(fd, capacity, mmap.MAP_SHARED | _POPULATE,
+                                       mmap.PROT_READ | mmap.PROT_WRITE)
+                    self.maps[slot] = _Mapping(mm, capacity, ident)
+            finally:
+                os.close(fd)
         m = self.maps.get(slot)
         if m is None or m.capacity != capacity:
             raise CheckpointError(f"the agent sent no buffer for slot {slot}")
@@ -130,6 +153,7 @@ def stage(state_dict: dict[str, Any], step: int, wait: bool = False,
     ``checkpoint_id``, the shard also carries this rank's DCP file and metadata (``_dcp``), for
     the agent to write to that directory behind training.
     """
+    t0 = time.perf_counter_ns()
     ch = channel()
     tensors: list[torch.Tensor] = []
     ids: dict[int, int] = {}
@@ -156,11 +180,14 @@ def stage(state_dict: dict[str, Any], step: int, wait: bool = False,
     table = _format.encode_table(entries, None if dcp is None else dcp.table())
     assert len(table) <= bound
     total = off
+    t1 = time.perf_counter_ns()
     reply, fd = ch.call(op="reserve", step=step, nbytes=total,
                         mapped=[ch.maps[i].capacity if i in ch.maps else 0 for i in (0, 1)])
     slot, gen = reply["slot"], reply["gen"]
+    t2 = time.perf_counter_ns()
     m = ch.mapping(slot, reply["capacity"], fd)
     mm = m.mm
+    t3 = time.perf_counter_ns()
     h = Header(step=step, generation=gen, rank=rank, local_rank=ch.local_rank,
                meta_len=len(table), skel_len=len(skel), data_off=data_off,
                data_len=total - data_off, total=total)
@@ -172,8 +199,13 @@ def stage(state_dict: dict[str, Any], step: int, wait: bool = False,
     if dcp is not None:
         mm[dcp.blob_off:dcp.blob_off + len(dcp.blob)] = dcp.blob
     _format.pack_header(mm, h)  # last: the agent reads it at the commit
-    ch.call(op="commit", slot=slot, gen=gen, wait=wait)
+    t4 = time.perf_counter_ns()
+    done, _fd = ch.call(op="commit", slot=slot, gen=gen, wait=wait)
     ch.last_step = step
+    t5 = time.perf_counter_ns()
+    last_save.update(prep_s=(t1 - t0) / 1e9, reserve_s=(t2 - t1) / 1e9, map_s=(t3 - t2) / 1e9,
+                     copy_s=(t4 - t3) / 1e9, commit_s=(t5 - t4) / 1e9,
+                     ranks_s=float(done.get("waited_s", 0.0)))
     return step
 
 
@@ -262,18 +294,46 @@ def _fill(saved: Any, target: Any, views: list[torch.Tensor]) -> Any:
     return saved
 
 
+def _adopt(early: EarlyMap) -> Optional[tuple[_Channel, dict[str, Any]]]:
+    """The early map's connection, its reply to "restore" and its mapping (as this channel's),
+    when this process has no channel yet: it saved nothing since that reply, so the round's
+    step and buffer are as the agent said."""
+    global _channel
+    early.done.wait()  # bounded: its socket times out
+    with _channel_lock:
+        if _channel is not None or early.sock is None or early.reply is None:
+            return None
+        reply = early.reply
+        ch = _Channel(early.path, int(os.environ.get("LOCAL_RANK", "0")), early.sock)
+        early.sock = None
+        if reply["step"] is not None:
+            mm = early.take(reply["slot"], reply["capacity"], early.ident or (0, 0))
+            if mm is None or early.ident is None:
+                ch.sock.close()
+                return None
+            ch.maps[reply["slot"]] = _Mapping(mm, reply["capacity"], early.ident)
+        _channel = ch
+        return ch, reply
+
+
 def restore(state_dict: dict[str, Any]) -> Optional[int]:
     """Loads this round's restore step from the agent's memory into ``state_dict``."""
-    ch = channel()
+    early = take_early_map()
     t0 = time.perf_counter()
-    reply, fd = ch.call(op="restore")
+    got = _adopt(early) if early is not None else None
+    fd: Optional[int] = None
+    if got is not None:
+        ch, reply = got
+    else:
+        ch = channel()
+        reply, fd = ch.call(op="restore")
     t1 = time.perf_counter()
     step = reply["step"]
     if step is None:
         if fd is not None:
             os.close(fd)
         return None
-    m = ch.mapping(reply["slot"], reply["capacity"], fd)
+    m = ch.mapping(reply["slot"], reply["capacity"], fd, early)
     t2 = time.perf_counter()
     # the agent checked this shard's MAC for this round before answering: only now unpickle
     h = _format.unpack_header(m.mm, m.capacity)
@@ -288,5 +348,7 @@ def restore(state_dict: dict[str, Any]) -> Optional[int]:
         raise CheckpointError("the shard's state is not a dict")
     _fill(skel, state_dict, views)
     ch.last_step = step
-    last_restore.update(reply_s=t1 - t0, map_s=t2 - t1, copy_s=time.perf_counter() - t2)
+    last_restore.update(reply_s=t1 - t0, map_s=t2 - t1, copy_s=time.perf_counter() - t2,
+                        early_s=early.seconds if early is not None else 0.0,
+                        early_used=float(early is not None and early.used))
     return int(step)
