@@ -167,21 +167,32 @@ def test_a_second_owner_in_one_process_is_refused(owner: MemoryOwner) -> None:
     assert "unknown checkpoint request" in c.call(op="nothing")[0]["error"]
 
 
+def _hold_the_seal_thread(monkeypatch, hashed: list[str]) -> threading.Event:
+    """The agent's MACs as before, but the seal thread's wait for the returned gate; the name
+    of every thread that computes one goes to ``hashed``."""
+    from fastelastic.checkpoint import _owner
+
+    gate = threading.Event()
+    real = _format.compute_mac
+
+    def held_seal(key, buf, total, pool=None, stop=None):
+        hashed.append(threading.current_thread().name)
+        if threading.current_thread().name == "fe-ckpt-seal":
+            assert gate.wait(60)
+        return real(key, buf, total, pool, stop)
+
+    monkeypatch.setattr(_owner._format, "compute_mac", held_seal)
+    return gate
+
+
 def test_a_save_never_waits_for_the_seal_of_an_older_step(monkeypatch) -> None:
     """Saves back to back outrun the seals: the buffer a save reuses holds an older step whose
     seal is still due; the save drops that seal instead of waiting for it (the newest step
     keeps its own), and the seals run niced, behind training."""
     from fastelastic.checkpoint import _owner
 
-    gate = threading.Event()
     real = _format.compute_mac
-
-    def held_seal(key, buf, total, pool=None, stop=None):  # the seal thread waits for the gate
-        if threading.current_thread().name == "fe-ckpt-seal":
-            assert gate.wait(60)
-        return real(key, buf, total, pool, stop)
-
-    monkeypatch.setattr(_owner._format, "compute_mac", held_seal)
+    gate = _hold_the_seal_thread(monkeypatch, [])
     owner = MemoryOwner(token=KEY)
     try:
         (seal,) = [t for t in threading.enumerate() if t.name == "fe-ckpt-seal"]
@@ -214,19 +225,9 @@ def test_the_round_seals_its_step_itself_when_the_seal_thread_lags(monkeypatch) 
     """A crash right after a save: the niced seal thread has not sealed the newest step yet.
     The round's fix seals the shards it needs at the agent's priority (that seal is their
     check) and does not wait for the seal thread; the older step stays due for it."""
-    from fastelastic.checkpoint import _owner
-
-    gate = threading.Event()
     real = _format.compute_mac
     hashed: list[str] = []
-
-    def held_seal(key, buf, total, pool=None, stop=None):
-        hashed.append(threading.current_thread().name)
-        if threading.current_thread().name == "fe-ckpt-seal":
-            assert gate.wait(60)
-        return real(key, buf, total, pool, stop)
-
-    monkeypatch.setattr(_owner._format, "compute_mac", held_seal)
+    gate = _hold_the_seal_thread(monkeypatch, hashed)
     owner = MemoryOwner(token=KEY)
     try:
         owner.start_round(1)
